@@ -1,0 +1,31 @@
+# Quick start: `make run` (installs what is missing, builds Release, runs the main job) and
+# `make test` (installs what is missing, builds, runs the whole suite through CTest).
+BUILD ?= build
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+
+.PHONY: run test build deps sanitize-asan sanitize-tsan fuzz clean
+
+deps:
+	@bash scripts/install-deps.sh
+
+build: deps
+	@cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(BUILD) -j $(JOBS)
+
+# The main job until the trainer exists: all-reduce benchmark across 4 local ranks.
+run: build
+	$(BUILD)/tools/gradsync-run -n 4 -- $(BUILD)/tools/gradsync-bench allreduce \
+	  --min-bytes 4096 --max-bytes 67108864 --factor 4 --check
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 300
+
+sanitize-asan:
+	$(MAKE) test BUILD=build-asan CMAKE_FLAGS="-DGRADSYNC_SANITIZE=address,undefined -DCMAKE_BUILD_TYPE=RelWithDebInfo"
+
+sanitize-tsan:
+	$(MAKE) test BUILD=build-tsan CMAKE_FLAGS="-DGRADSYNC_SANITIZE=thread -DCMAKE_BUILD_TYPE=RelWithDebInfo"
+
+clean:
+	rm -rf build build-asan build-tsan build-fuzz

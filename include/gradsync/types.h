@@ -1,0 +1,31 @@
+// Element types, reduction operators and algorithm names shared by the whole API.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+namespace gradsync {
+
+enum class DataType : std::uint8_t { kFloat32, kFloat64, kFloat16, kBFloat16, kInt32, kInt64, kUInt8 };
+enum class ReduceOp : std::uint8_t { kSum, kAvg, kMin, kMax, kProd };
+
+// All-reduce algorithms. kAuto lets the cost model choose per call.
+enum class Algorithm : std::uint8_t {
+  kAuto,
+  kRing,               // reduce-scatter + all-gather around a ring, chunked and pipelined
+  kRecursiveDoubling,  // log2(N) full-size exchanges: latency-optimal for small messages
+  kHalvingDoubling,    // Rabenseifner: recursive-halving reduce-scatter + doubling all-gather
+  kParameterServer,    // reduce to rank 0 then broadcast: a baseline, never chosen by kAuto
+};
+
+std::size_t dtype_size(DataType t);
+const char* to_string(DataType t);
+const char* to_string(ReduceOp op);
+const char* to_string(Algorithm a);
+std::optional<DataType> parse_dtype(std::string_view s);  // "float32"/"f32"/"float", ...
+std::optional<ReduceOp> parse_op(std::string_view s);     // "sum", "avg", "min", "max", "prod"
+std::optional<Algorithm> parse_algorithm(std::string_view s);  // "auto", "ring", "rd", "hd", "ps"
+
+}  // namespace gradsync

@@ -1,0 +1,86 @@
+// Names, sizes and parsers of DataType, ReduceOp and Algorithm.
+#include "gradsync/types.h"
+
+#include <string>
+
+namespace gradsync {
+
+std::size_t dtype_size(DataType t) {
+  switch (t) {
+    case DataType::kFloat32: return 4;
+    case DataType::kFloat64: return 8;
+    case DataType::kFloat16: return 2;
+    case DataType::kBFloat16: return 2;
+    case DataType::kInt32: return 4;
+    case DataType::kInt64: return 8;
+    case DataType::kUInt8: return 1;
+  }
+  return 0;
+}
+
+const char* to_string(DataType t) {
+  switch (t) {
+    case DataType::kFloat32: return "float32";
+    case DataType::kFloat64: return "float64";
+    case DataType::kFloat16: return "float16";
+    case DataType::kBFloat16: return "bfloat16";
+    case DataType::kInt32: return "int32";
+    case DataType::kInt64: return "int64";
+    case DataType::kUInt8: return "uint8";
+  }
+  return "?";
+}
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kProd: return "prod";
+  }
+  return "?";
+}
+
+const char* to_string(Algorithm a) {
+  switch (a) {
+    case Algorithm::kAuto: return "auto";
+    case Algorithm::kRing: return "ring";
+    case Algorithm::kRecursiveDoubling: return "rd";
+    case Algorithm::kHalvingDoubling: return "hd";
+    case Algorithm::kParameterServer: return "ps";
+  }
+  return "?";
+}
+
+std::optional<DataType> parse_dtype(std::string_view s) {
+  if (s == "float32" || s == "f32" || s == "float") return DataType::kFloat32;
+  if (s == "float64" || s == "f64" || s == "double") return DataType::kFloat64;
+  if (s == "float16" || s == "f16" || s == "half") return DataType::kFloat16;
+  if (s == "bfloat16" || s == "bf16") return DataType::kBFloat16;
+  if (s == "int32" || s == "i32" || s == "int") return DataType::kInt32;
+  if (s == "int64" || s == "i64") return DataType::kInt64;
+  if (s == "uint8" || s == "u8") return DataType::kUInt8;
+  return std::nullopt;
+}
+
+std::optional<ReduceOp> parse_op(std::string_view s) {
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
+                      ReduceOp::kProd}) {
+    if (s == to_string(op)) return op;
+  }
+  return std::nullopt;
+}
+
+std::optional<Algorithm> parse_algorithm(std::string_view s) {
+  if (s == "auto") return Algorithm::kAuto;
+  if (s == "ring") return Algorithm::kRing;
+  if (s == "rd" || s == "recursive_doubling") return Algorithm::kRecursiveDoubling;
+  if (s == "hd" || s == "halving_doubling" || s == "rabenseifner") {
+    return Algorithm::kHalvingDoubling;
+  }
+  if (s == "ps" || s == "parameter_server") return Algorithm::kParameterServer;
+  return std::nullopt;
+}
+
+}  // namespace gradsync

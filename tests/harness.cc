@@ -1,0 +1,106 @@
+// Thread and process runners shared by every test.
+#include "harness.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <thread>
+
+#include "transport/inproc.h"
+
+namespace gradsync::testing {
+
+void run_threads(int n, const std::function<void(int rank)>& fn) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(n));
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+void run_inproc_transports(int n, const std::function<void(int, transport::Transport&)>& fn) {
+  auto group = transport::make_inproc_group(n);
+  std::vector<std::unique_ptr<transport::Transport>> ts;
+  for (int r = 0; r < n; ++r) ts.push_back(transport::make_inproc_transport(group, r));
+  run_threads(n, [&](int r) { fn(r, *ts[static_cast<std::size_t>(r)]); });
+}
+
+std::vector<int> run_processes(int n, const std::function<int(int rank)>& fn, int timeout_s) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      int code = 3;
+      try {
+        code = fn(r);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+      }
+      std::fflush(stdout);
+      std::fflush(stderr);
+      ::_exit(code);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<int> status(static_cast<std::size_t>(n), -1);
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_s);
+  int remaining = n;
+  while (remaining > 0) {
+    for (int r = 0; r < n; ++r) {
+      auto i = static_cast<std::size_t>(r);
+      if (status[i] != -1) continue;
+      int st = 0;
+      if (::waitpid(pids[i], &st, WNOHANG) == pids[i]) {
+        status[i] = st;
+        --remaining;
+      }
+    }
+    if (remaining == 0) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      for (int r = 0; r < n; ++r) {
+        if (status[static_cast<std::size_t>(r)] == -1) ::kill(pids[static_cast<std::size_t>(r)], SIGKILL);
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return status;
+}
+
+TempDir::TempDir() {
+  char tmpl[] = "/tmp/gradsync-test-XXXXXX";
+  char* p = ::mkdtemp(tmpl);
+  if (!p) std::abort();
+  path_ = p;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+std::string unique_name(const std::string& base) {
+  static std::atomic<int> counter{0};
+  return base + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+}
+
+}  // namespace gradsync::testing

@@ -1,0 +1,47 @@
+// The test harness: run N ranks as threads of this process (fast grids over the inproc
+// transport) or as forked processes (real shm/tcp transports, crashes, kill -9).
+#pragma once
+
+#include <sys/types.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gradsync/gradsync.h"
+#include "transport/transport.h"
+
+namespace gradsync::testing {
+
+// Runs fn(rank) on `n` threads and joins them; rethrows the first exception after all
+// threads have finished (so a failing rank cannot leave others running).
+void run_threads(int n, const std::function<void(int rank)>& fn);
+
+// Builds `n` inproc transports of one group and runs fn(rank, transport) on n threads.
+void run_inproc_transports(int n, const std::function<void(int, transport::Transport&)>& fn);
+
+// Builds `n` contexts over the inproc transport and runs fn(ctx) on n threads.
+void run_inproc_contexts(int n, const std::function<void(Context&)>& fn,
+                         Options options = {});
+
+// Forks `n` processes; child `rank` runs fn(rank) and exits with its return value (an
+// uncaught exception prints its message and exits 3). Returns each child's wait status,
+// killing any child still alive after `timeout_s`.
+std::vector<int> run_processes(int n, const std::function<int(int rank)>& fn, int timeout_s = 60);
+
+// A fresh directory under /tmp, removed with its contents on destruction.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// A job-unique prefix for store keys and shm names, so parallel tests do not collide.
+std::string unique_name(const std::string& base);
+
+}  // namespace gradsync::testing
