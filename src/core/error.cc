@@ -7,13 +7,20 @@ namespace gradsync {
 
 const char* to_string(ErrorKind kind) {
   switch (kind) {
-    case ErrorKind::kInvalidArgument: return "invalid argument";
-    case ErrorKind::kMismatch: return "mismatched call";
-    case ErrorKind::kPeerLost: return "peer lost";
-    case ErrorKind::kTimeout: return "timeout";
-    case ErrorKind::kProtocol: return "protocol error";
-    case ErrorKind::kAborted: return "aborted";
-    case ErrorKind::kSystem: return "system error";
+    case ErrorKind::kInvalidArgument:
+      return "invalid argument";
+    case ErrorKind::kMismatch:
+      return "mismatched call";
+    case ErrorKind::kPeerLost:
+      return "peer lost";
+    case ErrorKind::kTimeout:
+      return "timeout";
+    case ErrorKind::kProtocol:
+      return "protocol error";
+    case ErrorKind::kAborted:
+      return "aborted";
+    case ErrorKind::kSystem:
+      return "system error";
   }
   return "error";
 }

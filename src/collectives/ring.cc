@@ -1,0 +1,187 @@
+// Ring reduce-scatter, all-gather and all-reduce. Each rank's data is cut into N
+// segments and each segment into K pieces; every piece is reduced as soon as it arrives
+// (straight out of the transport's buffer when it supports that) and forwarded at once,
+// so sending, receiving and reducing overlap. Each rank sends 2(N-1)/N of the payload.
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <vector>
+
+#include "collectives/algorithms.h"
+#include "collectives/element_stream.h"
+#include "kernels/kernels.h"
+
+namespace gradsync::collectives {
+
+namespace {
+
+std::size_t mod(long long a, long long n) {
+  return static_cast<std::size_t>(((a % n) + n) % n);
+}
+
+// Byte layout of N segments inside a full-size buffer, each split into K pieces.
+struct RingLayout {
+  std::vector<std::size_t> seg_offset;  // in elements
+  std::vector<std::size_t> seg_count;
+  std::size_t pieces = 1;
+  std::size_t elem = 1;
+
+  RingLayout(std::span<const std::size_t> counts, std::size_t elem_size, std::size_t chunk_bytes)
+      : elem(elem_size) {
+    std::size_t off = 0, largest = 0;
+    for (std::size_t c : counts) {
+      seg_offset.push_back(off);
+      seg_count.push_back(c);
+      off += c;
+      largest = std::max(largest, c);
+    }
+    std::size_t chunk_elems = std::max<std::size_t>(1, chunk_bytes / elem);
+    pieces = std::max<std::size_t>(1, (largest + chunk_elems - 1) / chunk_elems);
+  }
+  // Element offset (in the full buffer) and count of piece j of segment i.
+  std::size_t piece_offset(std::size_t i, std::size_t j) const {
+    return seg_offset[i] + Partition{seg_count[i], pieces}.offset(j);
+  }
+  std::size_t piece_count(std::size_t i, std::size_t j) const {
+    return Partition{seg_count[i], pieces}.size(j);
+  }
+};
+
+// The reduce-scatter phase. Step s sends segment (r - s + shift) and receives segment
+// (r - s - 1 + shift), reducing it with this rank's contribution from `send`. Partial
+// results go to `work` (full layout); the segment this rank ends up owning,
+// (r + shift + 1) mod N, is written to `owned_dst` instead, and finished for kAvg. After
+// reducing each final piece, `on_owned_piece(j)` runs (all-reduce starts all-gather there).
+template <typename OnOwned>
+void reduce_scatter_phase(Comm& c, const unsigned char* send, unsigned char* work,
+                          unsigned char* owned_dst, const RingLayout& L, DataType dtype,
+                          ReduceOp op, long long shift, std::vector<transport::RequestPtr>& sends,
+                          OnOwned on_owned_piece) {
+  const long long n = c.size(), r = c.rank();
+  const int right = static_cast<int>(mod(r + 1, n)), left = static_cast<int>(mod(r - 1, n));
+  const std::size_t K = L.pieces, es = L.elem;
+  const bool average = op == ReduceOp::kAvg;
+
+  // Step 0 sends this rank's own contribution straight from `send`.
+  std::size_t first = mod(r + shift, n);
+  for (std::size_t j = 0; j < K; ++j) {
+    sends.push_back(
+        c.isend(right, send + L.piece_offset(first, j) * es, L.piece_count(first, j) * es));
+  }
+  for (long long s = 0; s < n - 1; ++s) {
+    const std::size_t seg = mod(r - s - 1 + shift, n);
+    const bool last = s == n - 2;
+    for (std::size_t j = 0; j < K; ++j) {
+      const std::size_t off = L.piece_offset(seg, j), cnt = L.piece_count(seg, j);
+      unsigned char* dst = last ? owned_dst + (off - L.seg_offset[seg]) * es : work + off * es;
+      const unsigned char* mine = send + off * es;
+      ElementStream stream(es, [&](std::size_t e, const void* data, std::size_t k) {
+        kernels::reduce(dst + e * es, mine + e * es, data, k, dtype, op);
+      });
+      c.wait(c.irecv_consume(left, cnt * es, std::ref(stream)));
+      if (last) {
+        if (average) kernels::scale_for_average(dst, cnt, dtype, static_cast<int>(n));
+        on_owned_piece(j);
+      } else {
+        sends.push_back(c.isend(right, dst, cnt * es));
+      }
+    }
+  }
+}
+
+// The all-gather phase: step t sends segment (owned - t) and receives segment
+// (owned - t - 1) into `recv`, forwarding each received piece at the next step. Step 0's
+// pieces were sent by the caller. `before_overwrite(seg, j)` runs before a piece of
+// `recv` is overwritten (all-reduce waits there for the send that last read it).
+template <typename BeforeOverwrite>
+void allgather_phase(Comm& c, unsigned char* recv, const RingLayout& L, std::size_t owned,
+                     std::vector<transport::RequestPtr>& sends, BeforeOverwrite before_overwrite) {
+  const long long n = c.size(), r = c.rank();
+  const int right = static_cast<int>(mod(r + 1, n)), left = static_cast<int>(mod(r - 1, n));
+  const std::size_t K = L.pieces, es = L.elem;
+  for (long long t = 0; t < n - 1; ++t) {
+    const std::size_t seg = mod(static_cast<long long>(owned) - t - 1, n);
+    for (std::size_t j = 0; j < K; ++j) {
+      unsigned char* dst = recv + L.piece_offset(seg, j) * es;
+      const std::size_t bytes = L.piece_count(seg, j) * es;
+      before_overwrite(static_cast<std::size_t>(t), j);
+      c.wait(c.irecv(left, dst, bytes));
+      if (t < n - 2) sends.push_back(c.isend(right, dst, bytes));
+    }
+  }
+}
+
+}  // namespace
+
+void ring_allreduce(Comm& c, const void* send_v, void* recv_v, std::size_t count, DataType dtype,
+                    ReduceOp op, const AlgorithmConfig& cfg) {
+  const std::size_t n = static_cast<std::size_t>(c.size());
+  const std::size_t es = dtype_size(dtype);
+  auto* recv = static_cast<unsigned char*>(recv_v);
+  const auto* send = static_cast<const unsigned char*>(send_v);
+  if (n == 1) {
+    if (send != recv && count) std::memcpy(recv, send, count * es);
+    return;
+  }
+  std::vector<std::size_t> counts(n);
+  for (std::size_t i = 0; i < n; ++i) counts[i] = Partition{count, n}.size(i);
+  RingLayout L(counts, es, cfg.chunk_bytes);
+  const int right = (c.rank() + 1) % c.size();
+  const std::size_t owned = (static_cast<std::size_t>(c.rank()) + 1) % n;
+
+  // sends[0 .. K) are step 0 of reduce-scatter; sends[s*K + j] is piece j of step s.
+  std::vector<transport::RequestPtr> sends;
+  sends.reserve(2 * (n - 1) * L.pieces);
+  reduce_scatter_phase(
+      c, send, recv, recv + L.seg_offset[owned] * es, L, dtype, op, 0, sends, [&](std::size_t j) {
+        sends.push_back(
+            c.isend(right, recv + L.piece_offset(owned, j) * es, L.piece_count(owned, j) * es));
+      });
+  // All-gather step t overwrites segment (r - t), which reduce-scatter step t sent from
+  // (from `send` at step 0, in place or not, else from `recv`): wait for that send first.
+  allgather_phase(c, recv, L, owned, sends,
+                  [&](std::size_t t, std::size_t j) { c.wait(sends[t * L.pieces + j]); });
+  c.wait_all(sends);
+}
+
+void ring_reduce_scatter(Comm& c, const void* send_v, void* recv_v,
+                         std::span<const std::size_t> block_counts, DataType dtype, ReduceOp op,
+                         const AlgorithmConfig& cfg) {
+  const std::size_t n = static_cast<std::size_t>(c.size());
+  const std::size_t es = dtype_size(dtype);
+  const auto* send = static_cast<const unsigned char*>(send_v);
+  auto* recv = static_cast<unsigned char*>(recv_v);
+  RingLayout L(block_counts, es, cfg.chunk_bytes);
+  if (n == 1) {
+    if (send != recv && block_counts[0]) std::memcpy(recv, send, block_counts[0] * es);
+    return;
+  }
+  std::size_t total = L.seg_offset.back() + L.seg_count.back();
+  std::vector<unsigned char> work(total * es);  // partial sums of the blocks in transit
+  std::vector<transport::RequestPtr> sends;
+  // shift = -1 makes rank r end up owning block r.
+  reduce_scatter_phase(c, send, work.data(), recv, L, dtype, op, -1, sends, [](std::size_t) {});
+  c.wait_all(sends);
+}
+
+void ring_allgatherv(Comm& c, const void* send_v, void* recv_v,
+                     std::span<const std::size_t> block_counts, DataType dtype,
+                     const AlgorithmConfig& cfg) {
+  const std::size_t n = static_cast<std::size_t>(c.size());
+  const std::size_t es = dtype_size(dtype);
+  const auto r = static_cast<std::size_t>(c.rank());
+  auto* recv = static_cast<unsigned char*>(recv_v);
+  RingLayout L(block_counts, es, cfg.chunk_bytes);
+  unsigned char* mine = recv + L.seg_offset[r] * es;
+  if (send_v != mine && block_counts[r]) std::memcpy(mine, send_v, block_counts[r] * es);
+  if (n == 1) return;
+  const int right = static_cast<int>((r + 1) % n);
+  std::vector<transport::RequestPtr> sends;
+  for (std::size_t j = 0; j < L.pieces; ++j) {
+    sends.push_back(c.isend(right, recv + L.piece_offset(r, j) * es, L.piece_count(r, j) * es));
+  }
+  allgather_phase(c, recv, L, r, sends, [](std::size_t, std::size_t) {});
+  c.wait_all(sends);
+}
+
+}  // namespace gradsync::collectives

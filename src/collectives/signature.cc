@@ -1,0 +1,81 @@
+// Packing of call signatures into transport tags, and their human-readable form.
+#include "collectives/signature.h"
+
+#include <sstream>
+
+namespace gradsync::collectives {
+
+const char* to_string(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllreduce:
+      return "allreduce";
+    case CollectiveKind::kReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::kAllgather:
+      return "allgather";
+    case CollectiveKind::kAllgatherv:
+      return "allgatherv";
+    case CollectiveKind::kBroadcast:
+      return "broadcast";
+    case CollectiveKind::kReduce:
+      return "reduce";
+    case CollectiveKind::kBarrier:
+      return "barrier";
+    case CollectiveKind::kInternal:
+      return "setup";
+  }
+  return "unknown";
+}
+
+// Layout: word0 = seq; word1 = kind | dtype<<8 | op<<16 | algorithm<<24 | root<<32;
+// word2 = count; word3 = a marker so a stray tag is recognisably not a signature.
+constexpr std::uint64_t kSignatureMarker = 0x6772616473796e63ull;  // "gradsync"
+
+transport::Tag encode(const CallSignature& sig) {
+  transport::Tag t;
+  t.words[0] = sig.seq;
+  t.words[1] = static_cast<std::uint64_t>(sig.kind) | (static_cast<std::uint64_t>(sig.dtype) << 8) |
+               (static_cast<std::uint64_t>(sig.op) << 16) |
+               (static_cast<std::uint64_t>(sig.algorithm) << 24) |
+               (static_cast<std::uint64_t>(static_cast<std::uint32_t>(sig.root)) << 32);
+  t.words[2] = sig.count;
+  t.words[3] = kSignatureMarker;
+  return t;
+}
+
+CallSignature decode(const transport::Tag& t) {
+  CallSignature s;
+  s.seq = t.words[0];
+  s.kind = static_cast<CollectiveKind>(t.words[1] & 0xff);
+  s.dtype = static_cast<DataType>((t.words[1] >> 8) & 0xff);
+  s.op = static_cast<ReduceOp>((t.words[1] >> 16) & 0xff);
+  s.algorithm = static_cast<Algorithm>((t.words[1] >> 24) & 0xff);
+  s.root = static_cast<std::int32_t>(static_cast<std::uint32_t>(t.words[1] >> 32));
+  s.count = t.words[2];
+  return s;
+}
+
+std::string describe(const CallSignature& s) {
+  std::ostringstream o;
+  o << to_string(s.kind) << " #" << s.seq << " (count=" << s.count;
+  if (s.kind != CollectiveKind::kBarrier && s.kind != CollectiveKind::kInternal) {
+    o << " " << to_string(s.dtype);
+  }
+  if (s.kind == CollectiveKind::kAllreduce || s.kind == CollectiveKind::kReduceScatter ||
+      s.kind == CollectiveKind::kReduce) {
+    o << " " << to_string(s.op);
+  }
+  if (s.kind == CollectiveKind::kAllreduce) o << " algo=" << to_string(s.algorithm);
+  if (s.kind == CollectiveKind::kBroadcast || s.kind == CollectiveKind::kReduce) {
+    o << " root=" << s.root;
+  }
+  o << ")";
+  return o.str();
+}
+
+std::string describe_tag(const transport::Tag& tag) {
+  if (tag.words[3] != kSignatureMarker) return transport::default_format_tag(tag);
+  return describe(decode(tag));
+}
+
+}  // namespace gradsync::collectives

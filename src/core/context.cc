@@ -1,0 +1,342 @@
+// gradsync::Context: argument checks, call signatures, algorithm choice, blocking and
+// async execution in issue order, and the sticky failure that aborts a broken communicator.
+#include <chrono>
+#include <cstring>
+#include <numeric>
+
+#include "core/context_impl.h"
+#include "core/env.h"
+#include "kernels/kernels.h"
+
+namespace gradsync {
+
+using collectives::CallSignature;
+using collectives::CollectiveKind;
+using collectives::Comm;
+
+// ---- Work ----
+
+void Work::wait() {
+  if (!state_) return;
+  std::unique_lock lock(state_->mu);
+  state_->cv.wait(lock, [&] { return state_->done; });
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+bool Work::test() {
+  if (!state_) return true;
+  std::lock_guard lock(state_->mu);
+  return state_->done;
+}
+
+// ---- Impl ----
+
+Context::Impl::~Impl() {
+  {
+    std::lock_guard lock(queue_mu_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+Algorithm Context::Impl::pick_allreduce(std::size_t bytes, Algorithm requested) const {
+  if (requested != Algorithm::kAuto) return requested;
+  if (forced_algorithm != Algorithm::kAuto) return forced_algorithm;
+  return cost.choose_allreduce(size, bytes);
+}
+
+void Context::Impl::execute(Task& task) {
+  try {
+    if (failure_) {
+      throw Error(ErrorKind::kAborted, "communicator failed earlier: " + *failure_, rank,
+                  Error::kNoPeer, collectives::describe(task.sig));
+    }
+    Comm comm(*transport, task.sig, transport::Clock::now() + timeout);
+    try {
+      task.body(comm);
+    } catch (const Error& e) {
+      // Re-raise naming this call, then make the failure sticky and tell every peer, so no
+      // rank keeps waiting on a communicator that can no longer complete.
+      Error named(e.kind(), e.detail(), rank, e.peer(), collectives::describe(task.sig), e.bytes());
+      failure_ = named.what();
+      transport->abort(named.what());
+      throw named;
+    }
+  } catch (...) {
+    std::lock_guard lock(task.state->mu);
+    task.state->error = std::current_exception();
+  }
+  {
+    std::lock_guard lock(task.state->mu);
+    task.state->done = true;
+  }
+  task.state->cv.notify_all();
+}
+
+void Context::Impl::worker_loop() {
+  for (;;) {
+    Task task;
+    {
+      std::unique_lock lock(queue_mu_);
+      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping with nothing left
+      task = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+    }
+    {
+      std::lock_guard exec(exec_mu_);
+      execute(task);
+    }
+    {
+      std::lock_guard lock(queue_mu_);
+      busy_ = false;
+    }
+    queue_cv_.notify_all();
+  }
+}
+
+void Context::Impl::drain() {
+  std::unique_lock lock(queue_mu_);
+  queue_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+}
+
+Work Context::Impl::submit(CallSignature sig, std::function<void(Comm&)> body, bool blocking) {
+  sig.seq = next_seq_++;
+  auto state = std::make_shared<Work::State>();
+  Task task{sig, std::move(body), state};
+  if (blocking) {
+    drain();
+    std::lock_guard exec(exec_mu_);
+    execute(task);
+  } else {
+    std::lock_guard lock(queue_mu_);
+    if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
+    queue_.push_back(std::move(task));
+    queue_cv_.notify_all();
+  }
+  return Work(state);
+}
+
+// ---- Context ----
+
+namespace {
+
+void require(bool ok, const std::string& what, int rank, const char* op, std::size_t bytes = 0) {
+  if (!ok) throw Error(ErrorKind::kInvalidArgument, what, rank, Error::kNoPeer, op, bytes);
+}
+
+void check_buffer(const void* p, std::size_t count, const char* name, int rank, const char* op) {
+  require(p != nullptr || count == 0, std::string(name) + " buffer is null", rank, op);
+}
+
+void check_dtype_op(DataType dtype, ReduceOp op, int rank, const char* name) {
+  require(dtype_size(dtype) != 0, "unknown dtype", rank, name);
+  require(static_cast<int>(op) <= static_cast<int>(ReduceOp::kProd), "unknown reduce op", rank,
+          name);
+}
+
+}  // namespace
+
+namespace {
+
+Work allreduce_impl(Context::Impl& impl, const void* send, void* recv, std::size_t count,
+                    DataType dtype, ReduceOp op, Algorithm algo, bool blocking) {
+  const char* name = "allreduce";
+  check_dtype_op(dtype, op, impl.rank, name);
+  check_buffer(send, count, "send", impl.rank, name);
+  check_buffer(recv, count, "recv", impl.rank, name);
+  const Algorithm chosen = impl.pick_allreduce(count * dtype_size(dtype), algo);
+  CallSignature sig{0, CollectiveKind::kAllreduce, dtype, op, chosen, -1, count};
+  const auto cfg = impl.config;
+  return impl.submit(
+      sig,
+      [=](Comm& c) {
+        switch (chosen) {
+          case Algorithm::kRecursiveDoubling:
+            collectives::recursive_doubling_allreduce(c, send, recv, count, dtype, op);
+            break;
+          case Algorithm::kHalvingDoubling:
+            collectives::halving_doubling_allreduce(c, send, recv, count, dtype, op);
+            break;
+          case Algorithm::kParameterServer:
+            collectives::parameter_server_allreduce(c, send, recv, count, dtype, op);
+            break;
+          default:
+            collectives::ring_allreduce(c, send, recv, count, dtype, op, cfg);
+        }
+      },
+      blocking);
+}
+
+Work reduce_scatter_impl(Context::Impl& impl, const void* send, void* recv, std::size_t recv_count,
+                         DataType dtype, ReduceOp op, bool blocking) {
+  const char* name = "reduce_scatter";
+  check_dtype_op(dtype, op, impl.rank, name);
+  const std::size_t n = static_cast<std::size_t>(impl.size);
+  check_buffer(send, recv_count * n, "send", impl.rank, name);
+  check_buffer(recv, recv_count, "recv", impl.rank, name);
+  CallSignature sig{
+      0, CollectiveKind::kReduceScatter, dtype, op, Algorithm::kRing, -1, recv_count * n};
+  const auto cfg = impl.config;
+  return impl.submit(
+      sig,
+      [=](Comm& c) {
+        std::vector<std::size_t> counts(n, recv_count);
+        collectives::ring_reduce_scatter(c, send, recv, counts, dtype, op, cfg);
+      },
+      blocking);
+}
+
+Work allgatherv_impl(Context::Impl& impl, const void* send, void* recv,
+                     std::vector<std::size_t> counts, DataType dtype, CollectiveKind kind,
+                     bool blocking) {
+  const char* name = collectives::to_string(kind);
+  check_dtype_op(dtype, ReduceOp::kSum, impl.rank, name);
+  require(counts.size() == static_cast<std::size_t>(impl.size),
+          "recv_counts has " + std::to_string(counts.size()) + " entries for " +
+              std::to_string(impl.size) + " ranks",
+          impl.rank, name);
+  const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+  check_buffer(send, counts[static_cast<std::size_t>(impl.rank)], "send", impl.rank, name);
+  check_buffer(recv, total, "recv", impl.rank, name);
+  CallSignature sig{0, kind, dtype, ReduceOp::kSum, Algorithm::kRing, -1, total};
+  const auto cfg = impl.config;
+  return impl.submit(
+      sig, [=](Comm& c) { collectives::ring_allgatherv(c, send, recv, counts, dtype, cfg); },
+      blocking);
+}
+
+Work broadcast_impl(Context::Impl& impl, void* data, std::size_t count, DataType dtype, int root,
+                    bool blocking) {
+  const char* name = "broadcast";
+  check_dtype_op(dtype, ReduceOp::kSum, impl.rank, name);
+  require(root >= 0 && root < impl.size, "root " + std::to_string(root) + " is not a rank",
+          impl.rank, name);
+  check_buffer(data, count, "data", impl.rank, name);
+  CallSignature sig{0,    CollectiveKind::kBroadcast, dtype, ReduceOp::kSum, Algorithm::kAuto, root,
+                    count};
+  const auto cfg = impl.config;
+  return impl.submit(
+      sig, [=](Comm& c) { collectives::broadcast(c, data, count, dtype, root, cfg); }, blocking);
+}
+
+}  // namespace
+
+Context::Context(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Context::~Context() = default;
+
+int Context::rank() const {
+  return impl_->rank;
+}
+int Context::size() const {
+  return impl_->size;
+}
+int Context::local_rank() const {
+  return impl_->local_rank;
+}
+int Context::local_size() const {
+  return impl_->local_size;
+}
+std::string Context::transport_name(int peer) const {
+  if (peer == impl_->rank) return "self";
+  if (peer < 0 || peer >= impl_->size) {
+    throw Error(ErrorKind::kInvalidArgument, "no such peer", impl_->rank, peer, "transport_name");
+  }
+  return impl_->peer_transport[static_cast<std::size_t>(peer)];
+}
+
+Algorithm Context::choose_allreduce_algorithm(std::size_t bytes) const {
+  return impl_->pick_allreduce(bytes, Algorithm::kAuto);
+}
+
+PeerTraffic Context::traffic(int peer) const {
+  return impl_->transport->traffic(peer);
+}
+
+PeerTraffic Context::total_traffic() const {
+  PeerTraffic sum;
+  for (int p = 0; p < impl_->size; ++p) {
+    if (p == impl_->rank) continue;
+    PeerTraffic t = traffic(p);
+    sum.bytes_sent += t.bytes_sent;
+    sum.bytes_received += t.bytes_received;
+    sum.messages_sent += t.messages_sent;
+    sum.messages_received += t.messages_received;
+  }
+  return sum;
+}
+
+Work Context::allreduce_async(const void* send, void* recv, std::size_t count, DataType dtype,
+                              ReduceOp op, Algorithm algo) {
+  return allreduce_impl(*impl_, send, recv, count, dtype, op, algo, false);
+}
+
+void Context::allreduce(const void* send, void* recv, std::size_t count, DataType dtype,
+                        ReduceOp op, Algorithm algo) {
+  allreduce_impl(*impl_, send, recv, count, dtype, op, algo, true).wait();
+}
+
+Work Context::reduce_scatter_async(const void* send, void* recv, std::size_t recv_count,
+                                   DataType dtype, ReduceOp op) {
+  return reduce_scatter_impl(*impl_, send, recv, recv_count, dtype, op, false);
+}
+
+void Context::reduce_scatter(const void* send, void* recv, std::size_t recv_count, DataType dtype,
+                             ReduceOp op) {
+  reduce_scatter_impl(*impl_, send, recv, recv_count, dtype, op, true).wait();
+}
+
+Work Context::allgather_async(const void* send, void* recv, std::size_t send_count,
+                              DataType dtype) {
+  std::vector<std::size_t> counts(static_cast<std::size_t>(impl_->size), send_count);
+  return allgatherv_impl(*impl_, send, recv, counts, dtype, CollectiveKind::kAllgather, false);
+}
+
+void Context::allgather(const void* send, void* recv, std::size_t send_count, DataType dtype) {
+  std::vector<std::size_t> counts(static_cast<std::size_t>(impl_->size), send_count);
+  allgatherv_impl(*impl_, send, recv, counts, dtype, CollectiveKind::kAllgather, true).wait();
+}
+
+void Context::allgatherv(const void* send, void* recv, std::span<const std::size_t> recv_counts,
+                         DataType dtype) {
+  allgatherv_impl(*impl_, send, recv,
+                  std::vector<std::size_t>(recv_counts.begin(), recv_counts.end()), dtype,
+                  CollectiveKind::kAllgatherv, true)
+      .wait();
+}
+
+Work Context::broadcast_async(void* data, std::size_t count, DataType dtype, int root) {
+  return broadcast_impl(*impl_, data, count, dtype, root, false);
+}
+
+void Context::broadcast(void* data, std::size_t count, DataType dtype, int root) {
+  broadcast_impl(*impl_, data, count, dtype, root, true).wait();
+}
+
+void Context::reduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
+                     int root) {
+  const char* name = "reduce";
+  check_dtype_op(dtype, op, impl_->rank, name);
+  require(root >= 0 && root < impl_->size, "root " + std::to_string(root) + " is not a rank",
+          impl_->rank, name);
+  check_buffer(send, count, "send", impl_->rank, name);
+  if (impl_->rank == root) check_buffer(recv, count, "recv", impl_->rank, name);
+  CallSignature sig{0, CollectiveKind::kReduce, dtype, op, Algorithm::kAuto, root, count};
+  impl_
+      ->submit(
+          sig, [=](Comm& c) { collectives::reduce(c, send, recv, count, dtype, op, root); }, true)
+      .wait();
+}
+
+void Context::barrier() {
+  CallSignature sig{
+      0, CollectiveKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, Algorithm::kAuto, -1, 0};
+  impl_
+      ->submit(
+          sig, [](Comm& c) { collectives::barrier(c); }, true)
+      .wait();
+}
+
+}  // namespace gradsync

@@ -1,0 +1,125 @@
+// init(): rendezvous through a store, host discovery and the choice of transport per peer.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+
+#include "core/context_impl.h"
+#include "core/env.h"
+#include "rendezvous/store_util.h"
+#include "transport/router.h"
+#include "transport/shm.h"
+#include "transport/tcp.h"
+
+namespace gradsync {
+
+using collectives::CallSignature;
+using collectives::CollectiveKind;
+using collectives::Comm;
+
+namespace {
+
+// What makes two ranks "the same host" for shared memory: hostname, kernel boot and
+// network namespace (namespaces stand in for hosts in the multi-host tests).
+std::string host_identity() {
+  if (auto forced = env::get("GRADSYNC_HOST_ID")) return *forced;
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  char ns[128] = {};
+  ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof ns - 1);
+  return std::string(name) + "|" + boot + "|" + (n > 0 ? std::string(ns, static_cast<std::size_t>(n)) : "");
+}
+
+// Per-rank count of contexts created in this process, so several contexts over one store
+// use distinct keys (thread-ranks share the process, so the count is per rank).
+int next_context_generation(int rank) {
+  static std::mutex mu;
+  static std::map<int, int> generation;
+  std::lock_guard lock(mu);
+  return generation[rank]++;
+}
+
+}  // namespace
+
+std::unique_ptr<Context> init(const Options& given) {
+  Options o = env::resolve(given);
+  std::shared_ptr<Store> store = o.store;
+  std::unique_ptr<TcpStoreServer> server;
+  const auto timeout = o.timeout;
+  if (!store && o.world_size == 1) store = make_inproc_store();
+  if (!store) {
+    if (o.rank == 0) server = make_tcp_store_server("0.0.0.0", o.master_port, o.token);
+    store = make_tcp_store(o.master_addr, o.master_port, o.token, timeout);
+  }
+  const std::string prefix = "gradsync/" + std::to_string(next_context_generation(o.rank)) + "/";
+
+  // Host discovery: ranks with the same identity share memory.
+  store->set(prefix + "host/" + std::to_string(o.rank), to_bytes(host_identity()));
+  std::vector<std::string> hosts;
+  for (int r = 0; r < o.world_size; ++r) {
+    hosts.push_back(to_string(store->get(prefix + "host/" + std::to_string(r), timeout)));
+  }
+  std::vector<int> local_group;
+  for (int r = 0; r < o.world_size; ++r) {
+    if (hosts[static_cast<std::size_t>(r)] == hosts[static_cast<std::size_t>(o.rank)]) local_group.push_back(r);
+  }
+  if (o.local_rank < 0) {
+    o.local_rank = static_cast<int>(std::find(local_group.begin(), local_group.end(), o.rank) - local_group.begin());
+  }
+  if (o.local_world_size < 0) o.local_world_size = static_cast<int>(local_group.size());
+
+  transport::TransportOptions topts;
+  topts.format_tag = collectives::describe_tag;
+  topts.token = o.token;
+  std::vector<std::unique_ptr<transport::Transport>> transports;
+  std::vector<int> route(static_cast<std::size_t>(o.world_size), -1);
+  std::vector<std::string> names(static_cast<std::size_t>(o.world_size), "self");
+  const bool all_local = static_cast<int>(local_group.size()) == o.world_size;
+  const bool use_shm = o.transport == "shm" || (o.transport.empty() && local_group.size() > 1);
+  if (o.transport == "shm" && !all_local) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "GRADSYNC_TRANSPORT=shm but not every rank is on this host", o.rank);
+  }
+  if (o.world_size > 1) {
+    if (use_shm && local_group.size() > 1) {
+      transports.push_back(transport::make_shm_transport(*store, prefix + "shm", o.rank,
+                                                         o.world_size, local_group, topts, timeout));
+      for (int r : local_group) {
+        if (r != o.rank) {
+          route[static_cast<std::size_t>(r)] = 0;
+          names[static_cast<std::size_t>(r)] = "shm";
+        }
+      }
+    }
+    if (!use_shm || !all_local) {
+      // TCP reaches every rank the shm transport does not (or every rank, if forced).
+      std::vector<int> everyone(static_cast<std::size_t>(o.world_size));
+      for (int r = 0; r < o.world_size; ++r) everyone[static_cast<std::size_t>(r)] = r;
+      transport::TcpOptions tcp;
+      if (auto ifaddr = env::get("GRADSYNC_SOCKET_ADDR")) tcp.advertise_addr = *ifaddr;
+      transports.push_back(transport::make_tcp_transport(*store, prefix + "tcp", o.rank, o.world_size,
+                                                         everyone, topts, tcp, timeout));
+      const int index = static_cast<int>(transports.size()) - 1;
+      for (int r = 0; r < o.world_size; ++r) {
+        if (r != o.rank && route[static_cast<std::size_t>(r)] < 0) {
+          route[static_cast<std::size_t>(r)] = index;
+          names[static_cast<std::size_t>(r)] = "tcp";
+        }
+      }
+    }
+  }
+  auto router = std::make_unique<transport::RouterTransport>(o.rank, o.world_size,
+                                                             std::move(transports), route);
+  auto ctx = make_context(std::move(router), o);
+  ctx->impl().peer_transport = names;
+  ctx->impl().store = store;
+  ctx->impl().store_server = std::move(server);
+  return ctx;
+}
+
+}  // namespace gradsync

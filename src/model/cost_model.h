@@ -1,0 +1,45 @@
+// The alpha-beta-gamma cost model of the collectives: predicts each all-reduce algorithm's
+// time from per-message latency (alpha), per-byte transfer time (beta) and per-byte
+// reduction time (gamma), and picks the fastest. Pure arithmetic, so the advisor tool can
+// reuse it on constants measured elsewhere.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "gradsync/types.h"
+
+namespace gradsync::model {
+
+struct LinkParams {
+  double alpha_us = 5.0;        // one message's fixed cost
+  double bandwidth_gbps = 5.0;  // point-to-point payload bandwidth, 1e9 B/s
+  double reduce_gbps = 10.0;    // reduction throughput over the input bytes, 1e9 B/s
+
+  double beta_us_per_byte() const { return 1e-3 / bandwidth_gbps; }
+  double gamma_us_per_byte() const { return 1e-3 / reduce_gbps; }
+};
+
+class CostModel {
+ public:
+  CostModel() = default;
+  explicit CostModel(LinkParams p) : p_(p) {}
+
+  const LinkParams& params() const { return p_; }
+
+  // Predicted time of one all-reduce of `bytes` over `ranks` ranks.
+  double allreduce_us(Algorithm a, int ranks, std::size_t bytes) const;
+  // The fastest of ring, recursive doubling and halving-doubling (never the baseline).
+  Algorithm choose_allreduce(int ranks, std::size_t bytes) const;
+
+  // "alpha_us=3,bandwidth_gbps=8,reduce_gbps=20" (any subset); nullopt if malformed.
+  static std::optional<LinkParams> parse(std::string_view spec, LinkParams base = {});
+  std::string to_string() const;
+
+ private:
+  LinkParams p_;
+};
+
+}  // namespace gradsync::model

@@ -1,0 +1,41 @@
+// Per-peer dispatch to the underlying transports.
+#include "transport/router.h"
+
+namespace gradsync::transport {
+
+RouterTransport::RouterTransport(int rank, int size,
+                                 std::vector<std::unique_ptr<Transport>> transports,
+                                 std::vector<int> route)
+    : rank_(rank), size_(size), transports_(std::move(transports)), route_(std::move(route)) {}
+
+Transport& RouterTransport::to(int peer) const {
+  if (peer < 0 || peer >= size_ || peer == rank_ || route_[static_cast<std::size_t>(peer)] < 0) {
+    throw Error(ErrorKind::kInvalidArgument, "no transport reaches this peer", rank_, peer);
+  }
+  return *transports_[static_cast<std::size_t>(route_[static_cast<std::size_t>(peer)])];
+}
+
+const char* RouterTransport::name_for(int peer) const {
+  if (peer == rank_) return "self";
+  return to(peer).name();
+}
+
+RequestPtr RouterTransport::isend(int peer, const Tag& tag, const void* data, std::size_t bytes) {
+  return to(peer).isend(peer, tag, data, bytes);
+}
+RequestPtr RouterTransport::irecv(int peer, const Tag& tag, void* data, std::size_t bytes) {
+  return to(peer).irecv(peer, tag, data, bytes);
+}
+RequestPtr RouterTransport::irecv_consume(int peer, const Tag& tag, std::size_t bytes,
+                                          Consumer consume) {
+  return to(peer).irecv_consume(peer, tag, bytes, std::move(consume));
+}
+void RouterTransport::abort(const std::string& reason) {
+  for (auto& t : transports_) t->abort(reason);
+}
+PeerTraffic RouterTransport::traffic(int peer) const {
+  if (peer == rank_) return {};
+  return to(peer).traffic(peer);
+}
+
+}  // namespace gradsync::transport

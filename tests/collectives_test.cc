@@ -1,0 +1,242 @@
+// Every collective and every all-reduce algorithm against a plain reference, for world
+// sizes 1-8, awkward counts, all dtypes and ops, in place and out of place, over thread
+// ranks on the inproc transport. Outputs must also be bitwise identical on every rank.
+#include <gtest/gtest.h>
+
+#include <mutex>
+#include <numeric>
+#include <sstream>
+
+#include "harness.h"
+#include "reference.h"
+
+namespace gradsync {
+namespace {
+
+using testing::Buffer;
+
+std::vector<std::size_t> awkward_counts(int n) {
+  return {0, 1, static_cast<std::size_t>(n > 1 ? n - 1 : 1), 1031};
+}
+
+std::string label(int n, Algorithm a, DataType t, ReduceOp op, std::size_t count, bool in_place) {
+  std::ostringstream s;
+  s << "n=" << n << " algo=" << to_string(a) << " " << to_string(t) << " " << to_string(op)
+    << " count=" << count << (in_place ? " in-place" : " out-of-place");
+  return s.str();
+}
+
+// Collects each rank's output of one call so the test can check they are all identical.
+class Outputs {
+ public:
+  explicit Outputs(int n) : out_(static_cast<std::size_t>(n)) {}
+  void put(int rank, Buffer b) {
+    std::lock_guard lock(mu_);
+    out_[static_cast<std::size_t>(rank)] = std::move(b);
+  }
+  void expect_identical(const std::string& what) const {
+    for (std::size_t r = 1; r < out_.size(); ++r) {
+      EXPECT_TRUE(out_[r] == out_[0]) << what << ": rank " << r << " differs from rank 0";
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<Buffer> out_;
+};
+
+class AllreduceGrid : public ::testing::TestWithParam<std::tuple<int, Algorithm>> {};
+
+TEST_P(AllreduceGrid, EveryDtypeOpCountMatchesReference) {
+  const auto [n, algo] = GetParam();
+  // Every rank runs the same sequence of calls; each call's outputs are compared across ranks.
+  std::vector<std::unique_ptr<Outputs>> outputs;
+  std::vector<std::string> labels;
+  for (DataType t : testing::kAllDtypes)
+    for (ReduceOp op : testing::kAllOps)
+      for (std::size_t count : awkward_counts(n))
+        for (bool in_place : {false, true}) {
+          outputs.push_back(std::make_unique<Outputs>(n));
+          labels.push_back(label(n, algo, t, op, count, in_place));
+        }
+  testing::run_inproc_contexts(n, [&](Context& ctx) {
+    std::size_t call = 0;
+    for (DataType t : testing::kAllDtypes)
+      for (ReduceOp op : testing::kAllOps)
+        for (std::size_t count : awkward_counts(n))
+          for (bool in_place : {false, true}) {
+            Buffer in = testing::make_input(t, op, ctx.rank(), count);
+            Buffer out(in.size(), 0xAB);
+            if (in_place) {
+              out = in;
+              ctx.allreduce(out.data(), out.data(), count, t, op, algo);
+            } else {
+              ctx.allreduce(in.data(), out.data(), count, t, op, algo);
+              EXPECT_TRUE(in == testing::make_input(t, op, ctx.rank(), count))
+                  << "input modified: " << labels[call];
+            }
+            EXPECT_TRUE(out == testing::reference_reduce(t, op, n, count)) << labels[call];
+            outputs[call++]->put(ctx.rank(), std::move(out));
+          }
+  });
+  for (std::size_t i = 0; i < outputs.size(); ++i) outputs[i]->expect_identical(labels[i]);
+}
+
+TEST_P(AllreduceGrid, LargeAndPrimeCounts) {
+  const auto [n, algo] = GetParam();
+  const std::size_t counts[] = {99991, (std::size_t{1} << 20) + 3};
+  const std::pair<DataType, ReduceOp> cases[] = {{DataType::kFloat32, ReduceOp::kSum},
+                                                 {DataType::kFloat32, ReduceOp::kAvg},
+                                                 {DataType::kBFloat16, ReduceOp::kMax},
+                                                 {DataType::kInt64, ReduceOp::kProd}};
+  Outputs outputs(n);
+  testing::run_inproc_contexts(n, [&](Context& ctx) {
+    for (std::size_t count : counts) {
+      for (auto [t, op] : cases) {
+        if (count > 100000 && t != DataType::kFloat32) continue;  // keep the grid fast
+        Buffer buf = testing::make_input(t, op, ctx.rank(), count);
+        ctx.allreduce(buf.data(), buf.data(), count, t, op, algo);
+        EXPECT_TRUE(buf == testing::reference_reduce(t, op, n, count))
+            << label(n, algo, t, op, count, true);
+        if (count == counts[1] && op == ReduceOp::kSum) outputs.put(ctx.rank(), buf);
+      }
+    }
+  });
+  outputs.expect_identical("large allreduce");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Worlds, AllreduceGrid,
+    ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8),
+                       ::testing::Values(Algorithm::kRing, Algorithm::kRecursiveDoubling,
+                                         Algorithm::kHalvingDoubling,
+                                         Algorithm::kParameterServer)),
+    [](const auto& p) {
+      return "n" + std::to_string(std::get<0>(p.param)) + "_" +
+             to_string(std::get<1>(p.param));
+    });
+
+class CollectivesByWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(CollectivesByWorld, ReduceScatterMatchesReference) {
+  const int n = GetParam();
+  testing::run_inproc_contexts(n, [&](Context& ctx) {
+    for (DataType t : testing::kAllDtypes)
+      for (ReduceOp op : testing::kAllOps)
+        for (std::size_t block : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{1031}}) {
+          const std::size_t total = block * static_cast<std::size_t>(n), es = dtype_size(t);
+          Buffer in = testing::make_input(t, op, ctx.rank(), total);
+          Buffer out(block * es, 0xCD);
+          ctx.reduce_scatter(in.data(), out.data(), block, t, op);
+          Buffer want = testing::reference_reduce(t, op, n, block,
+                                                  block * static_cast<std::size_t>(ctx.rank()));
+          EXPECT_TRUE(out == want) << label(n, Algorithm::kRing, t, op, block, false);
+        }
+  });
+}
+
+TEST_P(CollectivesByWorld, AllgatherAndAllgathervMatchReference) {
+  const int n = GetParam();
+  testing::run_inproc_contexts(n, [&](Context& ctx) {
+    const int r = ctx.rank();
+    for (DataType t : testing::kAllDtypes) {
+      const std::size_t es = dtype_size(t);
+      for (std::size_t block : {std::size_t{0}, std::size_t{1}, std::size_t{1031}}) {
+        Buffer mine = testing::make_input(t, ReduceOp::kSum, r, block);
+        Buffer out(block * static_cast<std::size_t>(n) * es, 0xEE);
+        ctx.allgather(mine.data(), out.data(), block, t);
+        for (int src = 0; src < n; ++src) {
+          Buffer want = testing::make_input(t, ReduceOp::kSum, src, block);
+          EXPECT_EQ(0, std::memcmp(out.data() + static_cast<std::size_t>(src) * block * es,
+                                   want.data(), want.size()))
+              << "allgather n=" << n << " block " << src << " " << to_string(t);
+        }
+        // In place: this rank's block already sits at its offset in the output.
+        Buffer inplace(out.size(), 0);
+        std::memcpy(inplace.data() + static_cast<std::size_t>(r) * block * es, mine.data(), mine.size());
+        ctx.allgather(inplace.data() + static_cast<std::size_t>(r) * block * es, inplace.data(), block, t);
+        EXPECT_TRUE(inplace == out) << "in-place allgather n=" << n;
+      }
+      // Variable counts, some zero.
+      std::vector<std::size_t> counts(static_cast<std::size_t>(n));
+      for (int i = 0; i < n; ++i) counts[static_cast<std::size_t>(i)] = static_cast<std::size_t>((i * 37) % 5 == 1 ? 0 : i * 101 + 1);
+      const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+      Buffer mine = testing::make_input(t, ReduceOp::kSum, r, counts[static_cast<std::size_t>(r)]);
+      Buffer out(total * es, 0x11);
+      ctx.allgatherv(mine.data(), out.data(), counts, t);
+      std::size_t off = 0;
+      for (int src = 0; src < n; ++src) {
+        Buffer want = testing::make_input(t, ReduceOp::kSum, src, counts[static_cast<std::size_t>(src)]);
+        EXPECT_EQ(0, std::memcmp(out.data() + off * es, want.data(), want.size()))
+            << "allgatherv n=" << n << " block " << src;
+        off += counts[static_cast<std::size_t>(src)];
+      }
+    }
+  });
+}
+
+TEST_P(CollectivesByWorld, BroadcastFromEveryRoot) {
+  const int n = GetParam();
+  testing::run_inproc_contexts(n, [&](Context& ctx) {
+    for (int root = 0; root < n; ++root) {
+      // Small sizes take the binomial tree, large ones the pipelined chain.
+      for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{1031}, std::size_t{300007}}) {
+        Buffer want = testing::make_input(DataType::kFloat32, ReduceOp::kSum, root, count);
+        Buffer buf = ctx.rank() == root ? want : Buffer(want.size(), 0x5A);
+        ctx.broadcast(buf.data(), count, DataType::kFloat32, root);
+        EXPECT_TRUE(buf == want) << "broadcast n=" << n << " root=" << root << " count=" << count;
+      }
+    }
+  });
+}
+
+TEST_P(CollectivesByWorld, ReduceToEveryRoot) {
+  const int n = GetParam();
+  testing::run_inproc_contexts(n, [&](Context& ctx) {
+    for (int root = 0; root < n; ++root) {
+      for (DataType t : testing::kAllDtypes) {
+        for (ReduceOp op : testing::kAllOps) {
+          const std::size_t count = 1031;
+          Buffer in = testing::make_input(t, op, ctx.rank(), count);
+          Buffer out(in.size(), 0x77);
+          ctx.reduce(in.data(), ctx.rank() == root ? out.data() : nullptr, count, t, op, root);
+          if (ctx.rank() == root) {
+            EXPECT_TRUE(out == testing::reference_reduce(t, op, n, count))
+                << "reduce n=" << n << " root=" << root << " " << to_string(t) << " " << to_string(op);
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(CollectivesByWorld, BarrierAndAsyncKeepIssueOrder) {
+  const int n = GetParam();
+  testing::run_inproc_contexts(n, [&](Context& ctx) {
+    ctx.barrier();
+    std::vector<Buffer> bufs;
+    std::vector<Work> works;
+    for (int i = 0; i < 6; ++i) bufs.push_back(testing::make_input(DataType::kFloat32, ReduceOp::kSum, ctx.rank(), 5000 + static_cast<std::size_t>(i)));
+    for (int i = 0; i < 6; ++i) {
+      auto& b = bufs[static_cast<std::size_t>(i)];
+      works.push_back(ctx.allreduce_async(b.data(), b.data(), 5000 + static_cast<std::size_t>(i),
+                                          DataType::kFloat32, ReduceOp::kSum));
+    }
+    // A blocking call issued behind async ones runs after them.
+    Buffer last = testing::make_input(DataType::kFloat32, ReduceOp::kSum, ctx.rank(), 7);
+    ctx.allreduce(last.data(), last.data(), 7, DataType::kFloat32, ReduceOp::kSum);
+    for (auto& w : works) w.wait();
+    for (int i = 0; i < 6; ++i) {
+      EXPECT_TRUE(bufs[static_cast<std::size_t>(i)] ==
+                  testing::reference_reduce(DataType::kFloat32, ReduceOp::kSum, n, 5000 + static_cast<std::size_t>(i)));
+    }
+    EXPECT_TRUE(last == testing::reference_reduce(DataType::kFloat32, ReduceOp::kSum, n, 7));
+    ctx.barrier();
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesByWorld, ::testing::Values(1, 2, 3, 4, 5, 8),
+                         [](const auto& p) { return "n" + std::to_string(p.param); });
+
+}  // namespace
+}  // namespace gradsync
