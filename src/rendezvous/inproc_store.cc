@@ -63,6 +63,8 @@ class InprocStore final : public Store {
 };
 }  // namespace
 
-std::shared_ptr<Store> make_inproc_store() { return std::make_shared<InprocStore>(); }
+std::shared_ptr<Store> make_inproc_store() {
+  return std::make_shared<InprocStore>();
+}
 
 }  // namespace gradsync

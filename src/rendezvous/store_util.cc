@@ -7,7 +7,9 @@
 
 namespace gradsync {
 
-Bytes encode_int(std::int64_t v) { return to_bytes(std::to_string(v)); }
+Bytes encode_int(std::int64_t v) {
+  return to_bytes(std::to_string(v));
+}
 
 std::int64_t decode_int(const Bytes& b) {
   if (b.empty()) return 0;
@@ -20,8 +22,12 @@ std::int64_t decode_int(const Bytes& b) {
   return v;
 }
 
-Bytes to_bytes(const std::string& s) { return Bytes(s.begin(), s.end()); }
-std::string to_string(const Bytes& b) { return std::string(b.begin(), b.end()); }
+Bytes to_bytes(const std::string& s) {
+  return Bytes(s.begin(), s.end());
+}
+std::string to_string(const Bytes& b) {
+  return std::string(b.begin(), b.end());
+}
 
 void throw_store_timeout(const std::string& store, const std::vector<std::string>& missing,
                          std::chrono::milliseconds timeout) {

@@ -16,7 +16,8 @@ std::int64_t decode_int(const Bytes& b);  // empty -> 0; throws kProtocol on gar
 Bytes to_bytes(const std::string& s);
 std::string to_string(const Bytes& b);
 
-[[noreturn]] void throw_store_timeout(const std::string& store, const std::vector<std::string>& missing,
+[[noreturn]] void throw_store_timeout(const std::string& store,
+                                      const std::vector<std::string>& missing,
                                       std::chrono::milliseconds timeout);
 
 }  // namespace gradsync

@@ -18,9 +18,9 @@ struct Message {
 };
 
 struct Mailbox {
-  std::uint64_t next_send = 0;      // sequence number of the next message sent on this pair
-  std::uint64_t next_post = 0;      // sequence number the next posted receive will match
-  std::map<std::uint64_t, Message> messages;  // sent but not yet taken
+  std::uint64_t next_send = 0;  // sequence number of the next message sent on this pair
+  std::uint64_t next_post = 0;  // sequence number the next posted receive will match
+  std::map<std::uint64_t, Message> messages;                // sent but not yet taken
   std::uint64_t bytes_sent = 0, messages_sent = 0;          // counted by the sender
   std::uint64_t bytes_received = 0, messages_received = 0;  // counted when a receive takes it
 };
@@ -107,7 +107,8 @@ class InprocTransport final : public Transport {
 
   void abort(const std::string& reason) override {
     std::lock_guard lock(group_->mu);
-    if (!group_->abort_reason) group_->abort_reason = "rank " + std::to_string(rank_) + ": " + reason;
+    if (!group_->abort_reason)
+      group_->abort_reason = "rank " + std::to_string(rank_) + ": " + reason;
     group_->cv.notify_all();
   }
 

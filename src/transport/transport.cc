@@ -39,18 +39,16 @@ class BufferedConsumeRequest final : public Request {
 };
 }  // namespace
 
-RequestPtr Transport::irecv_consume(int peer, const Tag& tag, std::size_t bytes,
-                                    Consumer consume) {
+RequestPtr Transport::irecv_consume(int peer, const Tag& tag, std::size_t bytes, Consumer consume) {
   return std::make_unique<BufferedConsumeRequest>(*this, peer, tag, bytes, std::move(consume));
 }
 
 std::string default_format_tag(const Tag& tag) {
   char buf[80];
-  std::snprintf(buf, sizeof buf, "tag %016llx:%016llx:%016llx:%016llx",
-                static_cast<unsigned long long>(tag.words[0]),
-                static_cast<unsigned long long>(tag.words[1]),
-                static_cast<unsigned long long>(tag.words[2]),
-                static_cast<unsigned long long>(tag.words[3]));
+  std::snprintf(
+      buf, sizeof buf, "tag %016llx:%016llx:%016llx:%016llx",
+      static_cast<unsigned long long>(tag.words[0]), static_cast<unsigned long long>(tag.words[1]),
+      static_cast<unsigned long long>(tag.words[2]), static_cast<unsigned long long>(tag.words[3]));
   return buf;
 }
 
