@@ -1,0 +1,186 @@
+// Failure behaviour of the context: mismatched calls across ranks, timeouts, bad
+// arguments and the sticky failure after an error. Each asserts the message, not only
+// that something was thrown.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "harness.h"
+#include "reference.h"
+
+namespace gradsync {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+// Runs `n` ranks where `call(ctx)` is expected to throw on every rank; returns each rank's
+// error message and checks every rank failed within `limit`.
+std::vector<std::string> expect_all_fail(int n, const std::function<void(Context&)>& call,
+                                         std::chrono::milliseconds limit, Options options = {}) {
+  std::vector<std::string> messages(static_cast<std::size_t>(n));
+  std::vector<ErrorKind> kinds(static_cast<std::size_t>(n));
+  testing::run_inproc_contexts(
+      n,
+      [&](Context& ctx) {
+        auto t0 = Clock::now();
+        try {
+          call(ctx);
+          ADD_FAILURE() << "rank " << ctx.rank() << " did not fail";
+        } catch (const Error& e) {
+          messages[static_cast<std::size_t>(ctx.rank())] = e.what();
+          EXPECT_EQ(e.rank(), ctx.rank());
+        }
+        EXPECT_LT(Clock::now() - t0, limit) << "rank " << ctx.rank() << " failed too late";
+      },
+      options);
+  return messages;
+}
+
+TEST(Mismatch, DifferentCountsNameBothSidesAndSequenceNumber) {
+  auto msgs = expect_all_fail(
+      2,
+      [](Context& ctx) {
+        std::vector<float> buf(200, 1.0f);
+        ctx.barrier();  // call #1 matches
+        ctx.allreduce(buf.data(), buf.data(), ctx.rank() == 0 ? 100 : 200, DataType::kFloat32,
+                      ReduceOp::kSum, Algorithm::kRing);
+      },
+      1000ms);
+  for (const auto& m : msgs) {
+    EXPECT_TRUE(contains(m, "allreduce #2 (count=100")) << m;
+    EXPECT_TRUE(contains(m, "allreduce #2 (count=200")) << m;
+  }
+}
+
+TEST(Mismatch, DifferentDtypeOpOrCollective) {
+  struct Case {
+    const char* name;
+    std::function<void(Context&)> call;
+    const char* side0;
+    const char* side1;
+  };
+  const Case cases[] = {
+      {"dtype",
+       [](Context& ctx) {
+         std::vector<double> buf(64, 1.0);
+         ctx.allreduce(buf.data(), buf.data(), 16,
+                       ctx.rank() == 0 ? DataType::kFloat32 : DataType::kInt32, ReduceOp::kSum,
+                       Algorithm::kRing);
+       },
+       "float32", "int32"},
+      {"op",
+       [](Context& ctx) {
+         std::vector<float> buf(16, 1.0f);
+         ctx.allreduce(buf.data(), buf.data(), 16, DataType::kFloat32,
+                       ctx.rank() == 0 ? ReduceOp::kSum : ReduceOp::kMax, Algorithm::kRing);
+       },
+       "float32 sum", "float32 max"},
+      {"collective order",
+       [](Context& ctx) {
+         std::vector<float> buf(16, 1.0f);
+         if (ctx.rank() == 0) {
+           ctx.allreduce(buf.data(), buf.data(), 16, DataType::kFloat32, ReduceOp::kSum);
+           ctx.broadcast(buf.data(), 16, DataType::kFloat32, 0);
+         } else {
+           ctx.broadcast(buf.data(), 16, DataType::kFloat32, 0);
+           ctx.allreduce(buf.data(), buf.data(), 16, DataType::kFloat32, ReduceOp::kSum);
+         }
+       },
+       "allreduce #1", "broadcast #1"},
+  };
+  for (const auto& c : cases) {
+    auto msgs = expect_all_fail(2, c.call, 1000ms);
+    for (const auto& m : msgs) {
+      EXPECT_TRUE(contains(m, c.side0) && contains(m, c.side1)) << c.name << ": " << m;
+    }
+  }
+}
+
+TEST(Mismatch, UninvolvedRanksAreReleasedByTheAbort) {
+  // Only ranks 0 and 1 disagree; ranks 2..4 must not hang either.
+  auto msgs = expect_all_fail(
+      5,
+      [](Context& ctx) {
+        std::vector<float> buf(1000, 1.0f);
+        ctx.allreduce(buf.data(), buf.data(), ctx.rank() == 1 ? 999 : 1000, DataType::kFloat32,
+                      ReduceOp::kSum, Algorithm::kRing);
+      },
+      1000ms);
+  for (const auto& m : msgs) EXPECT_TRUE(contains(m, "count=999")) << m;
+}
+
+TEST(Timeout, NamesOperationPeerAndMissingBytes) {
+  Options o;
+  o.timeout = 200ms;
+  std::string message;
+  testing::run_inproc_contexts(
+      2,
+      [&](Context& ctx) {
+        if (ctx.rank() == 1) {
+          std::this_thread::sleep_for(400ms);  // never joins the call
+          return;
+        }
+        std::vector<float> buf(256, 1.0f);
+        try {
+          ctx.allreduce(buf.data(), buf.data(), 256, DataType::kFloat32, ReduceOp::kSum,
+                        Algorithm::kRecursiveDoubling);
+          ADD_FAILURE() << "no timeout";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.kind(), ErrorKind::kTimeout);
+          EXPECT_EQ(e.peer(), 1);
+          message = e.what();
+        }
+        // The failure is sticky: the communicator refuses further calls at once.
+        try {
+          ctx.barrier();
+          ADD_FAILURE() << "barrier after failure succeeded";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.kind(), ErrorKind::kAborted);
+          EXPECT_TRUE(contains(e.what(), "failed earlier")) << e.what();
+        }
+      },
+      o);
+  EXPECT_TRUE(contains(message, "timeout in allreduce #1")) << message;
+  EXPECT_TRUE(contains(message, "peer 1")) << message;
+  EXPECT_TRUE(contains(message, "1024 bytes")) << message;
+}
+
+TEST(BadArguments, AreRejectedWithTheirReason) {
+  testing::run_inproc_contexts(2, [](Context& ctx) {
+    std::vector<float> buf(8);
+    auto expect_invalid = [&](const std::function<void()>& f, const std::string& part) {
+      try {
+        f();
+        ADD_FAILURE() << "accepted: " << part;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+        EXPECT_TRUE(contains(e.what(), part)) << e.what();
+      }
+    };
+    expect_invalid([&] { ctx.allreduce(nullptr, buf.data(), 8, DataType::kFloat32, ReduceOp::kSum); },
+                   "send buffer is null");
+    expect_invalid([&] { ctx.broadcast(buf.data(), 8, DataType::kFloat32, 2); }, "root 2 is not a rank");
+    expect_invalid([&] { ctx.reduce(buf.data(), buf.data(), 8, DataType::kFloat32, ReduceOp::kSum, -1); },
+                   "root -1 is not a rank");
+    std::vector<std::size_t> counts{1, 2, 3};
+    expect_invalid([&] { ctx.allgatherv(buf.data(), buf.data(), counts, DataType::kFloat32); },
+                   "3 entries for 2 ranks");
+    expect_invalid([&] {
+      ctx.allreduce(buf.data(), buf.data(), 8, static_cast<DataType>(42), ReduceOp::kSum);
+    }, "unknown dtype");
+    expect_invalid([&] {
+      ctx.allreduce(buf.data(), buf.data(), 8, DataType::kFloat32, static_cast<ReduceOp>(9));
+    }, "unknown reduce op");
+    // Rejected calls consume no sequence number: the ranks still agree afterwards.
+    ctx.allreduce(buf.data(), buf.data(), 8, DataType::kFloat32, ReduceOp::kSum);
+  });
+}
+
+}  // namespace
+}  // namespace gradsync
