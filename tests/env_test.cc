@@ -1,0 +1,146 @@
+// Launch environments (torchrun, mpirun, PMI, srun) resolve to the same Options, explicit
+// options win, and garbage is named; the cost model picks latency-optimal algorithms for
+// small messages and the ring for large ones.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "core/env.h"
+#include "model/cost_model.h"
+
+namespace gradsync {
+namespace {
+
+// Sets variables for one test and removes every launch variable afterwards.
+class EnvGuard {
+ public:
+  explicit EnvGuard(std::initializer_list<std::pair<const char*, const char*>> vars) {
+    clear();
+    for (auto [k, v] : vars) ::setenv(k, v, 1);
+  }
+  ~EnvGuard() { clear(); }
+
+ private:
+  static void clear() {
+    for (const char* k :
+         {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+          "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+          "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID",
+          "MPI_LOCALNRANKS", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+          "SLURM_NTASKS_PER_NODE", "GRADSYNC_TRANSPORT", "GRADSYNC_ALGO", "GRADSYNC_TIMEOUT",
+          "GRADSYNC_TOKEN"}) {
+      ::unsetenv(k);
+    }
+  }
+};
+
+TEST(Env, TorchrunConvention) {
+  EnvGuard g({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+              {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "1234"}, {"GRADSYNC_TOKEN", "s3cret"}});
+  Options o = env::resolve({});
+  EXPECT_EQ(o.rank, 3);
+  EXPECT_EQ(o.world_size, 8);
+  EXPECT_EQ(o.local_rank, 1);
+  EXPECT_EQ(o.local_world_size, 2);
+  EXPECT_EQ(o.master_addr, "10.0.0.1");
+  EXPECT_EQ(o.master_port, 1234);
+  EXPECT_EQ(o.token, "s3cret");
+  EXPECT_EQ(o.timeout.count(), 300000);
+}
+
+TEST(Env, MpirunPmiAndSrunConventions) {
+  {
+    EnvGuard g({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+    Options o = env::resolve({});
+    EXPECT_EQ(o.rank, 2);
+    EXPECT_EQ(o.world_size, 4);
+    EXPECT_EQ(o.local_rank, 0);
+    EXPECT_EQ(o.local_world_size, 2);
+  }
+  {
+    EnvGuard g({{"PMI_RANK", "5"}, {"PMI_SIZE", "6"}});
+    Options o = env::resolve({});
+    EXPECT_EQ(o.rank, 5);
+    EXPECT_EQ(o.world_size, 6);
+    EXPECT_EQ(o.local_rank, -1) << "unknown until host discovery";
+  }
+  {
+    EnvGuard g({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "3"}, {"SLURM_LOCALID", "1"}});
+    Options o = env::resolve({});
+    EXPECT_EQ(o.rank, 1);
+    EXPECT_EQ(o.world_size, 3);
+    EXPECT_EQ(o.local_rank, 1);
+  }
+}
+
+TEST(Env, ExplicitOptionsOverrideTheEnvironment) {
+  EnvGuard g({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"GRADSYNC_TRANSPORT", "tcp"},
+              {"GRADSYNC_ALGO", "hd"}, {"GRADSYNC_TIMEOUT", "1500"}});
+  Options in;
+  in.rank = 0;
+  in.world_size = 2;
+  in.transport = "shm";
+  in.algorithm = Algorithm::kRing;
+  Options o = env::resolve(in);
+  EXPECT_EQ(o.rank, 0);
+  EXPECT_EQ(o.world_size, 2);
+  EXPECT_EQ(o.transport, "shm");
+  EXPECT_EQ(o.algorithm, Algorithm::kRing);
+  EXPECT_EQ(o.timeout.count(), 1500) << "not set explicitly, so the environment's";
+  Options from_env = env::resolve({});
+  EXPECT_EQ(from_env.algorithm, Algorithm::kHalvingDoubling);
+  EXPECT_EQ(from_env.transport, "tcp");
+}
+
+TEST(Env, GarbageIsNamed) {
+  auto expect_error = [](std::initializer_list<std::pair<const char*, const char*>> vars,
+                         const std::string& part) {
+    EnvGuard g(vars);
+    try {
+      env::resolve({});
+      ADD_FAILURE() << "accepted " << part;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  expect_error({{"RANK", "two"}, {"WORLD_SIZE", "4"}}, "RANK='two' is not an integer");
+  expect_error({{"RANK", "4"}, {"WORLD_SIZE", "4"}}, "rank 4 is outside world size 4");
+  expect_error({{"GRADSYNC_TRANSPORT", "carrier-pigeon"}}, "'carrier-pigeon' is not one of shm, tcp");
+  expect_error({{"GRADSYNC_ALGO", "fastest"}}, "GRADSYNC_ALGO='fastest'");
+  expect_error({{"MASTER_PORT", "70000"}}, "MASTER_PORT 70000");
+}
+
+TEST(CostModel, LatencyOptimalForSmallRingForLarge) {
+  model::CostModel m(model::LinkParams{5.0, 5.0, 10.0});
+  for (int n : {2, 3, 4, 5, 8}) {
+    EXPECT_EQ(m.choose_allreduce(n, 4096), Algorithm::kRecursiveDoubling) << n;
+    EXPECT_NE(m.choose_allreduce(n, 256 << 20), Algorithm::kRecursiveDoubling) << n;
+  }
+  // Non-power-of-two worlds pay for folding; the ring does not.
+  EXPECT_EQ(m.choose_allreduce(5, 64 << 20), Algorithm::kRing);
+  EXPECT_EQ(m.choose_allreduce(3, 64 << 20), Algorithm::kRing);
+  // The baseline's server cost grows with N; the ring's does not.
+  double ps2 = m.allreduce_us(Algorithm::kParameterServer, 2, 64 << 20);
+  double ps8 = m.allreduce_us(Algorithm::kParameterServer, 8, 64 << 20);
+  double ring2 = m.allreduce_us(Algorithm::kRing, 2, 64 << 20);
+  double ring8 = m.allreduce_us(Algorithm::kRing, 8, 64 << 20);
+  EXPECT_GT(ps8 / ps2, 6.0);
+  EXPECT_LT(ring8 / ring2, 2.0);
+}
+
+TEST(CostModel, ParsesAndRejectsSpecs) {
+  auto p = model::CostModel::parse("alpha_us=2.5,bandwidth_gbps=12");
+  ASSERT_TRUE(p.has_value());
+  EXPECT_DOUBLE_EQ(p->alpha_us, 2.5);
+  EXPECT_DOUBLE_EQ(p->bandwidth_gbps, 12);
+  EXPECT_DOUBLE_EQ(p->reduce_gbps, model::LinkParams{}.reduce_gbps);
+  EXPECT_FALSE(model::CostModel::parse("alpha_us=-1"));
+  EXPECT_FALSE(model::CostModel::parse("speed=3"));
+  EXPECT_FALSE(model::CostModel::parse("alpha_us"));
+  EXPECT_FALSE(model::CostModel::parse("alpha_us=3x"));
+}
+
+}  // namespace
+}  // namespace gradsync
