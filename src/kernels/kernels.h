@@ -36,7 +36,8 @@ float bfloat16_to_float(std::uint16_t h);
 
 // Which implementation run-time dispatch picked ("avx2+f16c" or "scalar").
 const char* isa_name();
-// Forces the scalar path (tests compare both paths); not thread-safe against running kernels.
+// Forces the scalar path (tests compare both paths). Safe while kernels run: both paths
+// produce identical bits.
 void force_scalar(bool on);
 
 }  // namespace gradsync::kernels

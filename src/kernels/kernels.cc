@@ -1,0 +1,424 @@
+// Run-time dispatch between the AVX2/F16C kernels and the portable scalar kernels, and the
+// scalar kernels themselves (the reference the vector path must match bit for bit).
+//
+// Bitwise rules every path obeys (so every rank and every operand order agrees):
+//  * Any float op (sum/avg/prod/min/max) whose result is NaN yields the canonical quiet NaN
+//    (+qNaN: f32 0x7FC00000, f64 0x7FF8000000000000, f16 0x7E00, bf16 0x7FC0). x86 returns
+//    the first operand's payload when both are NaN, which is not commutative.
+//  * min/max propagate NaN and order -0 below +0: min(-0,+0) = -0, max(-0,+0) = +0.
+//  * Integers wrap modulo 2^bits (computed in unsigned arithmetic, no UB).
+//  * f16/bf16 widen to f32, combine, round once to nearest even. float32 carries more than
+//    2p+2 bits of either format, so this double rounding equals a single correct rounding.
+//  * Conversions of NaN keep the sign and the top payload bits and set the quiet bit (what
+//    F16C does); finite values round to nearest even; half overflows to +-Inf.
+#include "kernels/kernels.h"
+
+#include <cpuid.h>
+
+#include <atomic>
+#include <bit>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "gradsync/error.h"
+#include "kernels/kernels_avx2.h"
+
+namespace gradsync::kernels {
+namespace {
+
+// ---------------------------------------------------------------- scalar conversions
+
+// Internal and ahead of the loops so they inline into them; the half codecs are forced,
+// since GCC otherwise leaves them as calls inside the large dispatch switch (1.4x slower).
+
+[[gnu::always_inline]] inline std::uint16_t encode_half(float f) {
+  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000u);
+  const std::uint32_t ax = x & 0x7FFFFFFFu;
+  if (ax > 0x7F800000u) {  // NaN: quiet it, keep the top 10 payload bits
+    return static_cast<std::uint16_t>(sign | 0x7E00u | ((ax >> 13) & 0x3FFu));
+  }
+  // 65520 = 0x477FF000 is halfway between 65504 (max half, odd mantissa) and 2^16: ties
+  // go to the even neighbour, which is Inf.
+  if (ax >= 0x477FF000u) return static_cast<std::uint16_t>(sign | 0x7C00u);
+  if (ax >= 0x38800000u) {  // normal half: rebias exponent (127-15)<<23, round 13 bits
+    std::uint32_t r = ax - 0x38000000u;
+    r += 0xFFFu + ((r >> 13) & 1u);  // a carry into the exponent is the correct result
+    return static_cast<std::uint16_t>(sign | (r >> 13));
+  }
+  if (ax <= 0x33000000u) return sign;  // <= 2^-25: rounds to (signed) zero, tie goes to 0
+  // Subnormal half: value / 2^-24 rounded to nearest even. value = m * 2^(e-150).
+  const std::uint32_t e = ax >> 23;  // 102..112
+  const std::uint32_t m = (ax & 0x7FFFFFu) | 0x800000u;
+  const std::uint32_t shift = 126u - e;  // 14..24
+  std::uint32_t q = m >> shift;
+  const std::uint32_t rem = m & ((1u << shift) - 1u);
+  const std::uint32_t half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (q & 1u) != 0)) ++q;
+  return static_cast<std::uint16_t>(sign | q);
+}
+
+[[gnu::always_inline]] inline float decode_half(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  std::uint32_t e = (h >> 10) & 0x1Fu;
+  std::uint32_t m = h & 0x3FFu;
+  std::uint32_t out;
+  if (e == 0x1Fu) {  // Inf or NaN; a signalling NaN comes out quiet, as with F16C
+    out = sign | 0x7F800000u | (m << 13) | (m != 0 ? 0x400000u : 0u);
+  } else if (e != 0) {
+    out = sign | ((e + 112u) << 23) | (m << 13);
+  } else if (m == 0) {
+    out = sign;
+  } else {  // subnormal m * 2^-24: normalise
+    e = 113;
+    while ((m & 0x400u) == 0) {
+      m <<= 1;
+      --e;
+    }
+    out = sign | (e << 23) | ((m & 0x3FFu) << 13);
+  }
+  return std::bit_cast<float>(out);
+}
+
+std::uint16_t encode_bf16(float f) {
+  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  const std::uint32_t rounded = (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
+  const std::uint32_t quiet = (x >> 16) | 0x40u;  // NaN: keep the top bits, set quiet bit
+  // A select rather than a branch: the loops that call this stay branch-free.
+  return static_cast<std::uint16_t>((x & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+}
+
+float decode_bf16(std::uint16_t h) {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(h) << 16);
+}
+
+// ---------------------------------------------------------------- scalar element ops
+
+template <class F>
+struct Bits;
+template <>
+struct Bits<float> {
+  using U = std::uint32_t;
+  static constexpr U kQNaN = 0x7FC00000u;
+};
+template <>
+struct Bits<double> {
+  using U = std::uint64_t;
+  static constexpr U kQNaN = 0x7FF8000000000000ull;
+};
+
+template <class F>
+F qnan() {
+  return std::bit_cast<F>(Bits<F>::kQNaN);
+}
+
+template <class F>
+F canon(F x) {
+  return x != x ? qnan<F>() : x;
+}
+
+template <class F>
+F float_min(F a, F b) {
+  if (a != a || b != b) return qnan<F>();
+  if (a < b) return a;
+  if (b < a) return b;
+  // Equal: identical bits, or -0 and +0, where OR picks -0.
+  using U = typename Bits<F>::U;
+  return std::bit_cast<F>(static_cast<U>(std::bit_cast<U>(a) | std::bit_cast<U>(b)));
+}
+
+template <class F>
+F float_max(F a, F b) {
+  if (a != a || b != b) return qnan<F>();
+  if (a > b) return a;
+  if (b > a) return b;
+  using U = typename Bits<F>::U;  // AND of -0 and +0 is +0
+  return std::bit_cast<F>(static_cast<U>(std::bit_cast<U>(a) & std::bit_cast<U>(b)));
+}
+
+struct OpSum {
+  template <class F>
+  static F f(F a, F b) { return canon(a + b); }
+  template <class U>
+  static U u(U a, U b) { return static_cast<U>(a + b); }
+};
+struct OpProd {
+  template <class F>
+  static F f(F a, F b) { return canon(a * b); }
+  template <class U>
+  static U u(U a, U b) {
+    // uint8 promotes to int; 255*255 fits. Wider types are already unsigned.
+    return static_cast<U>(a * b);
+  }
+};
+struct OpMin {
+  template <class F>
+  static F f(F a, F b) { return float_min(a, b); }
+};
+struct OpMax {
+  template <class F>
+  static F f(F a, F b) { return float_max(a, b); }
+};
+
+template <class T, class Fn>
+void loop(void* dst, const void* a, const void* b, std::size_t n, Fn fn) {
+  T* d = static_cast<T*>(dst);
+  const T* x = static_cast<const T*>(a);
+  const T* y = static_cast<const T*>(b);
+  for (std::size_t i = 0; i < n; ++i) d[i] = fn(x[i], y[i]);
+}
+
+template <class F>
+void reduce_float(void* d, const void* a, const void* b, std::size_t n, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg: return loop<F>(d, a, b, n, [](F x, F y) { return OpSum::f(x, y); });
+    case ReduceOp::kProd: return loop<F>(d, a, b, n, [](F x, F y) { return OpProd::f(x, y); });
+    case ReduceOp::kMin: return loop<F>(d, a, b, n, [](F x, F y) { return OpMin::f(x, y); });
+    case ReduceOp::kMax: return loop<F>(d, a, b, n, [](F x, F y) { return OpMax::f(x, y); });
+  }
+}
+
+// 16-bit float formats stored as uint16_t; Codec supplies decode/encode.
+template <class Codec, class Op>
+void loop_narrow(void* d, const void* a, const void* b, std::size_t n) {
+  loop<std::uint16_t>(d, a, b, n, [](std::uint16_t x, std::uint16_t y) {
+    return Codec::encode(Op::f(Codec::decode(x), Codec::decode(y)));
+  });
+}
+
+template <class Codec>
+void reduce_narrow(void* d, const void* a, const void* b, std::size_t n, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg: return loop_narrow<Codec, OpSum>(d, a, b, n);
+    case ReduceOp::kProd: return loop_narrow<Codec, OpProd>(d, a, b, n);
+    case ReduceOp::kMin: return loop_narrow<Codec, OpMin>(d, a, b, n);
+    case ReduceOp::kMax: return loop_narrow<Codec, OpMax>(d, a, b, n);
+  }
+}
+
+struct HalfCodec {
+  static float decode(std::uint16_t h) { return decode_half(h); }
+  static std::uint16_t encode(float f) { return encode_half(f); }
+};
+struct BFloat16Codec {
+  static float decode(std::uint16_t h) { return decode_bf16(h); }
+  static std::uint16_t encode(float f) { return encode_bf16(f); }
+};
+
+// Integers: sum and prod wrap in the unsigned type U of the same width; min/max compare T.
+template <class T, class U>
+void reduce_int(void* d, const void* a, const void* b, std::size_t n, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+      return loop<U>(d, a, b, n, [](U x, U y) { return OpSum::u(x, y); });
+    case ReduceOp::kProd:
+      return loop<U>(d, a, b, n, [](U x, U y) { return OpProd::u(x, y); });
+    case ReduceOp::kMin: return loop<T>(d, a, b, n, [](T x, T y) { return y < x ? y : x; });
+    case ReduceOp::kMax: return loop<T>(d, a, b, n, [](T x, T y) { return y > x ? y : x; });
+  }
+}
+
+void scalar_reduce(void* d, const void* a, const void* b, std::size_t n, DataType dtype,
+                   ReduceOp op) {
+  switch (dtype) {
+    case DataType::kFloat32: return reduce_float<float>(d, a, b, n, op);
+    case DataType::kFloat64: return reduce_float<double>(d, a, b, n, op);
+    case DataType::kFloat16: return reduce_narrow<HalfCodec>(d, a, b, n, op);
+    case DataType::kBFloat16: return reduce_narrow<BFloat16Codec>(d, a, b, n, op);
+    case DataType::kInt32: return reduce_int<std::int32_t, std::uint32_t>(d, a, b, n, op);
+    case DataType::kInt64: return reduce_int<std::int64_t, std::uint64_t>(d, a, b, n, op);
+    case DataType::kUInt8: return reduce_int<std::uint8_t, std::uint8_t>(d, a, b, n, op);
+  }
+}
+
+template <class T, class Fn>
+void map(void* data, std::size_t n, Fn fn) {
+  T* p = static_cast<T*>(data);
+  for (std::size_t i = 0; i < n; ++i) p[i] = fn(p[i]);
+}
+
+void scalar_scale(void* data, std::size_t n, DataType dtype, int divisor) {
+  const float fd = static_cast<float>(divisor);
+  switch (dtype) {
+    case DataType::kFloat32: return map<float>(data, n, [fd](float x) { return x / fd; });
+    case DataType::kFloat64: {
+      const double dd = divisor;
+      return map<double>(data, n, [dd](double x) { return x / dd; });
+    }
+    case DataType::kFloat16:
+      return map<std::uint16_t>(data, n, [fd](std::uint16_t h) {
+        return encode_half(decode_half(h) / fd);
+      });
+    case DataType::kBFloat16:
+      return map<std::uint16_t>(data, n, [fd](std::uint16_t h) {
+        return encode_bf16(decode_bf16(h) / fd);
+      });
+    // divisor >= 1 (checked), so INT_MIN / -1 cannot happen.
+    case DataType::kInt32:
+      return map<std::int32_t>(data, n, [divisor](std::int32_t x) { return x / divisor; });
+    case DataType::kInt64: {
+      const std::int64_t d64 = divisor;
+      return map<std::int64_t>(data, n, [d64](std::int64_t x) { return x / d64; });
+    }
+    case DataType::kUInt8:
+      return map<std::uint8_t>(data, n, [divisor](std::uint8_t x) {
+        return static_cast<std::uint8_t>(x / divisor);
+      });
+  }
+}
+
+// ---------------------------------------------------------------- dispatch
+
+struct Cpu {
+  bool has_avx2 = false;    // the CPU (and OS) can run kernels_avx2.cc
+  bool env_scalar = false;  // GRADSYNC_KERNELS_ISA=scalar
+};
+
+// CPUID directly rather than __builtin_cpu_supports: clang (used for the fuzz build) does
+// not know "f16c" there. AVX state must also be enabled by the OS (OSXSAVE, XCR0 bits 1-2).
+bool cpu_has_avx2_f16c_fma() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
+  const bool fma = (ecx & bit_FMA) != 0;
+  const bool osxsave = (ecx & bit_OSXSAVE) != 0;
+  const bool avx = (ecx & bit_AVX) != 0;
+  const bool f16c = (ecx & bit_F16C) != 0;
+  if (!(fma && osxsave && avx && f16c)) return false;
+  unsigned xcr0_lo = 0, xcr0_hi = 0;
+  __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if ((xcr0_lo & 0x6u) != 0x6u) return false;  // XMM and YMM state saved by the OS
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+  return (ebx & bit_AVX2) != 0;
+}
+
+Cpu detect() {
+  Cpu c;
+  c.has_avx2 = cpu_has_avx2_f16c_fma();
+  if (const char* v = std::getenv("GRADSYNC_KERNELS_ISA"); v != nullptr && *v != '\0') {
+    // Read on first kernel use, where throwing would surprise; a bad value is reported
+    // and ignored instead.
+    const std::string s(v);
+    if (s == "scalar") {
+      c.env_scalar = true;
+      std::fprintf(stderr, "gradsync: GRADSYNC_KERNELS_ISA=scalar (default auto)\n");
+    } else if (s != "auto") {
+      std::fprintf(stderr,
+                   "gradsync: ignoring GRADSYNC_KERNELS_ISA=%s (expected auto or scalar)\n", v);
+    }
+  }
+  return c;
+}
+
+const Cpu& cpu() {
+  static const Cpu c = detect();
+  return c;
+}
+
+// Relaxed is enough: both paths produce identical bits, so a racing flip is harmless.
+std::atomic<bool> g_force_scalar{false};
+
+bool use_avx2() {
+  return cpu().has_avx2 && !cpu().env_scalar && !g_force_scalar.load(std::memory_order_relaxed);
+}
+
+void check_dtype_op(DataType dtype, ReduceOp op, const char* fn) {
+  if (static_cast<unsigned>(dtype) > static_cast<unsigned>(DataType::kUInt8)) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "unknown dtype " + std::to_string(static_cast<unsigned>(dtype)), Error::kUnknownRank,
+                Error::kNoPeer, fn);
+  }
+  if (static_cast<unsigned>(op) > static_cast<unsigned>(ReduceOp::kProd)) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "unknown reduce op " + std::to_string(static_cast<unsigned>(op)),
+                Error::kUnknownRank, Error::kNoPeer, fn);
+  }
+}
+
+void check_ptr(const void* p, std::size_t count, std::size_t elem, const char* what,
+               const char* fn) {
+  if (p == nullptr && count != 0) {
+    throw Error(ErrorKind::kInvalidArgument, std::string("null ") + what + " buffer",
+                Error::kUnknownRank, Error::kNoPeer, fn, count * elem);
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- public entry points
+
+std::uint16_t float_to_half(float f) { return encode_half(f); }
+float half_to_float(std::uint16_t h) { return decode_half(h); }
+std::uint16_t float_to_bfloat16(float f) { return encode_bf16(f); }
+float bfloat16_to_float(std::uint16_t h) { return decode_bf16(h); }
+
+void reduce(void* dst, const void* a, const void* b, std::size_t count, DataType dtype,
+            ReduceOp op) {
+  check_dtype_op(dtype, op, "reduce");
+  const std::size_t elem = dtype_size(dtype);
+  check_ptr(dst, count, elem, "dst", "reduce");
+  check_ptr(a, count, elem, "a", "reduce");
+  check_ptr(b, count, elem, "b", "reduce");
+  if (count == 0) return;
+  if (use_avx2()) return avx2::reduce(dst, a, b, count, dtype, op);
+  scalar_reduce(dst, a, b, count, dtype, op);
+}
+
+void reduce_into(void* dst, const void* src, std::size_t count, DataType dtype, ReduceOp op) {
+  reduce(dst, dst, src, count, dtype, op);
+}
+
+void scale_for_average(void* data, std::size_t count, DataType dtype, int divisor) {
+  check_dtype_op(dtype, ReduceOp::kAvg, "scale_for_average");
+  check_ptr(data, count, dtype_size(dtype), "data", "scale_for_average");
+  if (divisor < 1) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "divisor must be >= 1, got " + std::to_string(divisor), Error::kUnknownRank,
+                Error::kNoPeer, "scale_for_average");
+  }
+  if (count == 0 || divisor == 1) return;
+  if (use_avx2() && avx2::scale_for_average(data, count, dtype, divisor)) return;
+  scalar_scale(data, count, dtype, divisor);
+}
+
+void float_to_half(const float* src, std::uint16_t* dst, std::size_t count) {
+  check_ptr(src, count, 4, "src", "float_to_half");
+  check_ptr(dst, count, 2, "dst", "float_to_half");
+  if (count == 0) return;
+  if (use_avx2()) return avx2::float_to_half(src, dst, count);
+  for (std::size_t i = 0; i < count; ++i) dst[i] = encode_half(src[i]);
+}
+
+void half_to_float(const std::uint16_t* src, float* dst, std::size_t count) {
+  check_ptr(src, count, 2, "src", "half_to_float");
+  check_ptr(dst, count, 4, "dst", "half_to_float");
+  if (count == 0) return;
+  if (use_avx2()) return avx2::half_to_float(src, dst, count);
+  for (std::size_t i = 0; i < count; ++i) dst[i] = decode_half(src[i]);
+}
+
+void float_to_bfloat16(const float* src, std::uint16_t* dst, std::size_t count) {
+  check_ptr(src, count, 4, "src", "float_to_bfloat16");
+  check_ptr(dst, count, 2, "dst", "float_to_bfloat16");
+  if (count == 0) return;
+  if (use_avx2()) return avx2::float_to_bfloat16(src, dst, count);
+  for (std::size_t i = 0; i < count; ++i) dst[i] = encode_bf16(src[i]);
+}
+
+void bfloat16_to_float(const std::uint16_t* src, float* dst, std::size_t count) {
+  check_ptr(src, count, 2, "src", "bfloat16_to_float");
+  check_ptr(dst, count, 4, "dst", "bfloat16_to_float");
+  if (count == 0) return;
+  if (use_avx2()) return avx2::bfloat16_to_float(src, dst, count);
+  for (std::size_t i = 0; i < count; ++i) dst[i] = decode_bf16(src[i]);
+}
+
+const char* isa_name() { return use_avx2() ? "avx2+f16c" : "scalar"; }
+
+void force_scalar(bool on) { g_force_scalar.store(on, std::memory_order_relaxed); }
+
+}  // namespace gradsync::kernels

@@ -1,0 +1,410 @@
+// AVX2/F16C kernels: the same element rules as the scalar path in kernels.cc, bit for bit.
+//
+// This file is compiled with -mavx2 -mf16c -mfma. An inline function or template emitted
+// here and also in a baseline file would be merged by the linker, which may keep this copy
+// and run AVX code on a CPU without it; so everything here has internal linkage and no
+// std:: inline function or template is used (std::memcpy is a builtin/libc call).
+// Tails (count not a multiple of the vector width) go through a zero-padded stack buffer
+// and the same vector code, so they cannot drift from the main loop.
+// No float multiply here feeds an add: with -mfma GCC may fuse such a pair into an FMA
+// (-ffp-contract=fast), whose single rounding would differ from the scalar path.
+#include "kernels/kernels_avx2.h"
+
+#include <immintrin.h>
+
+#include <cstring>
+
+namespace gradsync::kernels::avx2 {
+namespace {
+
+constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// ---------------------------------------------------------------- float ops
+
+inline __m256 qnan_ps() { return _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)); }
+inline __m256d qnan_pd() {
+  return _mm256_castsi256_pd(_mm256_set1_epi64x(0x7FF8000000000000ll));
+}
+
+// Any NaN result becomes the canonical quiet NaN (x86 keeps the first operand's payload
+// when both are NaN, which would make a+b and b+a differ).
+inline __m256 canon_ps(__m256 r) {
+  return _mm256_blendv_ps(r, qnan_ps(), _mm256_cmp_ps(r, r, _CMP_UNORD_Q));
+}
+inline __m256d canon_pd(__m256d r) {
+  return _mm256_blendv_pd(r, qnan_pd(), _mm256_cmp_pd(r, r, _CMP_UNORD_Q));
+}
+
+struct PsSum {
+  static __m256 apply(__m256 a, __m256 b) { return canon_ps(_mm256_add_ps(a, b)); }
+};
+struct PsProd {
+  static __m256 apply(__m256 a, __m256 b) { return canon_ps(_mm256_mul_ps(a, b)); }
+};
+// minps returns its second operand on equality (and on NaN), so min(a,b) | min(b,a) picks
+// -0 for {-0,+0} and is the plain minimum otherwise; NaN is patched afterwards.
+struct PsMin {
+  static __m256 apply(__m256 a, __m256 b) {
+    const __m256 m = _mm256_or_ps(_mm256_min_ps(a, b), _mm256_min_ps(b, a));
+    return _mm256_blendv_ps(m, qnan_ps(), _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+  }
+};
+struct PsMax {  // AND picks +0 for {-0,+0}
+  static __m256 apply(__m256 a, __m256 b) {
+    const __m256 m = _mm256_and_ps(_mm256_max_ps(a, b), _mm256_max_ps(b, a));
+    return _mm256_blendv_ps(m, qnan_ps(), _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+  }
+};
+
+struct PdSum {
+  static __m256d apply(__m256d a, __m256d b) { return canon_pd(_mm256_add_pd(a, b)); }
+};
+struct PdProd {
+  static __m256d apply(__m256d a, __m256d b) { return canon_pd(_mm256_mul_pd(a, b)); }
+};
+struct PdMin {
+  static __m256d apply(__m256d a, __m256d b) {
+    const __m256d m = _mm256_or_pd(_mm256_min_pd(a, b), _mm256_min_pd(b, a));
+    return _mm256_blendv_pd(m, qnan_pd(), _mm256_cmp_pd(a, b, _CMP_UNORD_Q));
+  }
+};
+struct PdMax {
+  static __m256d apply(__m256d a, __m256d b) {
+    const __m256d m = _mm256_and_pd(_mm256_max_pd(a, b), _mm256_max_pd(b, a));
+    return _mm256_blendv_pd(m, qnan_pd(), _mm256_cmp_pd(a, b, _CMP_UNORD_Q));
+  }
+};
+
+// ---------------------------------------------------------------- integer ops (wrapping)
+
+struct I32Sum {
+  static __m256i apply(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+};
+struct I32Prod {
+  static __m256i apply(__m256i a, __m256i b) { return _mm256_mullo_epi32(a, b); }
+};
+struct I32Min {
+  static __m256i apply(__m256i a, __m256i b) { return _mm256_min_epi32(a, b); }
+};
+struct I32Max {
+  static __m256i apply(__m256i a, __m256i b) { return _mm256_max_epi32(a, b); }
+};
+
+struct I64Sum {
+  static __m256i apply(__m256i a, __m256i b) { return _mm256_add_epi64(a, b); }
+};
+// AVX2 has no 64-bit low multiply: lo(a)*lo(b) + ((hi(a)*lo(b) + lo(a)*hi(b)) << 32).
+struct I64Prod {
+  static __m256i apply(__m256i a, __m256i b) {
+    const __m256i lo = _mm256_mul_epu32(a, b);
+    const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), b),
+                                           _mm256_mul_epu32(a, _mm256_srli_epi64(b, 32)));
+    return _mm256_add_epi64(lo, _mm256_slli_epi64(cross, 32));
+  }
+};
+struct I64Min {  // no vpminsq in AVX2
+  static __m256i apply(__m256i a, __m256i b) {
+    return _mm256_blendv_epi8(a, b, _mm256_cmpgt_epi64(a, b));
+  }
+};
+struct I64Max {
+  static __m256i apply(__m256i a, __m256i b) {
+    return _mm256_blendv_epi8(b, a, _mm256_cmpgt_epi64(a, b));
+  }
+};
+
+struct U8Sum {
+  static __m256i apply(__m256i a, __m256i b) { return _mm256_add_epi8(a, b); }
+};
+// No byte multiply: multiply even and odd bytes in 16-bit lanes; the low byte of a 16-bit
+// product of (x + 256y)(u + 256v) is the low byte of x*u.
+struct U8Prod {
+  static __m256i apply(__m256i a, __m256i b) {
+    const __m256i even = _mm256_and_si256(_mm256_mullo_epi16(a, b), _mm256_set1_epi16(0x00FF));
+    const __m256i odd = _mm256_slli_epi16(
+        _mm256_mullo_epi16(_mm256_srli_epi16(a, 8), _mm256_srli_epi16(b, 8)), 8);
+    return _mm256_or_si256(even, odd);
+  }
+};
+struct U8Min {
+  static __m256i apply(__m256i a, __m256i b) { return _mm256_min_epu8(a, b); }
+};
+struct U8Max {
+  static __m256i apply(__m256i a, __m256i b) { return _mm256_max_epu8(a, b); }
+};
+
+// ---------------------------------------------------------------- lanes: load/store one vector
+
+struct F32Lane {
+  using T = float;
+  static constexpr std::size_t kWidth = 8;
+  static __m256 load(const T* p) { return _mm256_loadu_ps(p); }
+  static void store(T* p, __m256 v) { _mm256_storeu_ps(p, v); }
+};
+struct F64Lane {
+  using T = double;
+  static constexpr std::size_t kWidth = 4;
+  static __m256d load(const T* p) { return _mm256_loadu_pd(p); }
+  static void store(T* p, __m256d v) { _mm256_storeu_pd(p, v); }
+};
+// float16 <-> float32 in registers via F16C; rounding fixed to nearest-even (not MXCSR).
+struct F16Lane {
+  using T = std::uint16_t;
+  static constexpr std::size_t kWidth = 8;
+  static __m256 load(const T* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store(T* p, __m256 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, kRoundNearest));
+  }
+};
+// bfloat16 in reductions: 16 elements per step as two float vectors. Interleaving zeros
+// below each bf16 (unpacklo/hi) widens in one instruction per 8 elements; the order comes
+// out permuted within 128-bit lanes, but packus undoes exactly that permutation on the way
+// back, and the ops are elementwise. Narrowing adds 0x7FFF + lsb and truncates (nearest
+// even). Results here are already canonical NaNs (0x7FC00000), which that rounding maps to
+// 0x7FC0 correctly, so no NaN branch is needed.
+struct F32x2 {
+  __m256 lo, hi;
+};
+template <class Op>
+struct PairOp {
+  static F32x2 apply(F32x2 a, F32x2 b) { return {Op::apply(a.lo, b.lo), Op::apply(a.hi, b.hi)}; }
+};
+
+inline __m256i bf16_round_to_high_half(__m256 v) {  // rounded bf16 in bits 16..31
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+}
+
+struct BF16PairLane {
+  using T = std::uint16_t;
+  static constexpr std::size_t kWidth = 16;
+  static F32x2 load(const T* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i zero = _mm256_setzero_si256();
+    return {_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h)),
+            _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h))};
+  }
+  static void store(T* p, F32x2 v) {
+    const __m256i lo = _mm256_srli_epi32(bf16_round_to_high_half(v.lo), 16);
+    const __m256i hi = _mm256_srli_epi32(bf16_round_to_high_half(v.hi), 16);
+    // Every 32-bit lane is <= 0xFFFF, so unsigned saturation is just a narrowing.
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_packus_epi32(lo, hi));
+  }
+};
+
+// bfloat16 <-> float32 conversion, 8 at a time, with NaN of any payload: quieted, keeping
+// the top payload bits (a payload such as 0x7FFFFFFF would otherwise carry into the sign).
+struct BF16Lane {
+  using T = std::uint16_t;
+  static constexpr std::size_t kWidth = 8;
+  static __m256 load(const T* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static void store(T* p, __m256 v) {
+    const __m256i x = _mm256_castps_si256(v);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i quiet = _mm256_or_si256(x, _mm256_set1_epi32(0x00400000));
+    const __m256i r = _mm256_srli_epi32(_mm256_blendv_epi8(bf16_round_to_high_half(v), quiet, nan), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+  }
+};
+struct I32Lane {
+  using T = std::int32_t;
+  static constexpr std::size_t kWidth = 8;
+  static __m256i load(const T* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static void store(T* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+};
+struct I64Lane {
+  using T = std::int64_t;
+  static constexpr std::size_t kWidth = 4;
+  static __m256i load(const T* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static void store(T* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+};
+struct U8Lane {
+  using T = std::uint8_t;
+  static constexpr std::size_t kWidth = 32;
+  static __m256i load(const T* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static void store(T* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+};
+
+// ---------------------------------------------------------------- loops
+
+// d[i] = Op(x[i], y[i]). Four vectors per iteration keep both load ports busy; every
+// iteration loads before it stores at the same indices, so d may alias x or y.
+template <class L, class Op>
+void binary(void* dst, const void* a, const void* b, std::size_t n) {
+  using T = typename L::T;
+  constexpr std::size_t W = L::kWidth;
+  T* d = static_cast<T*>(dst);
+  const T* x = static_cast<const T*>(a);
+  const T* y = static_cast<const T*>(b);
+  std::size_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {
+    const auto x0 = L::load(x + i), x1 = L::load(x + i + W);
+    const auto x2 = L::load(x + i + 2 * W), x3 = L::load(x + i + 3 * W);
+    const auto y0 = L::load(y + i), y1 = L::load(y + i + W);
+    const auto y2 = L::load(y + i + 2 * W), y3 = L::load(y + i + 3 * W);
+    L::store(d + i, Op::apply(x0, y0));
+    L::store(d + i + W, Op::apply(x1, y1));
+    L::store(d + i + 2 * W, Op::apply(x2, y2));
+    L::store(d + i + 3 * W, Op::apply(x3, y3));
+  }
+  for (; i + W <= n; i += W) L::store(d + i, Op::apply(L::load(x + i), L::load(y + i)));
+  if (i < n) {
+    const std::size_t bytes = (n - i) * sizeof(T);
+    T tx[W] = {}, ty[W] = {}, td[W] = {};
+    std::memcpy(tx, x + i, bytes);
+    std::memcpy(ty, y + i, bytes);
+    L::store(td, Op::apply(L::load(tx), L::load(ty)));
+    std::memcpy(d + i, td, bytes);
+  }
+}
+
+// p[i] = fn(p[i]) in place; the loaded representation comes from L.
+template <class L, class Fn>
+void unary_in_place(void* data, std::size_t n, Fn fn) {
+  using T = typename L::T;
+  constexpr std::size_t W = L::kWidth;
+  T* p = static_cast<T*>(data);
+  std::size_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    const auto v0 = L::load(p + i), v1 = L::load(p + i + W);
+    L::store(p + i, fn(v0));
+    L::store(p + i + W, fn(v1));
+  }
+  for (; i + W <= n; i += W) L::store(p + i, fn(L::load(p + i)));
+  if (i < n) {
+    const std::size_t bytes = (n - i) * sizeof(T);
+    T t[W] = {};
+    std::memcpy(t, p + i, bytes);
+    L::store(t, fn(L::load(t)));
+    std::memcpy(p + i, t, bytes);
+  }
+}
+
+// dst[i] = Out(In(src[i])): both lanes move 8 floats through a __m256.
+template <class In, class Out>
+void convert(const typename In::T* src, typename Out::T* dst, std::size_t n) {
+  static_assert(In::kWidth == 8 && Out::kWidth == 8);
+  constexpr std::size_t W = 8;
+  std::size_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {
+    const __m256 v0 = In::load(src + i), v1 = In::load(src + i + W);
+    const __m256 v2 = In::load(src + i + 2 * W), v3 = In::load(src + i + 3 * W);
+    Out::store(dst + i, v0);
+    Out::store(dst + i + W, v1);
+    Out::store(dst + i + 2 * W, v2);
+    Out::store(dst + i + 3 * W, v3);
+  }
+  for (; i + W <= n; i += W) Out::store(dst + i, In::load(src + i));
+  if (i < n) {
+    typename In::T ts[W] = {};
+    typename Out::T td[W] = {};
+    std::memcpy(ts, src + i, (n - i) * sizeof(typename In::T));
+    Out::store(td, In::load(ts));
+    std::memcpy(dst + i, td, (n - i) * sizeof(typename Out::T));
+  }
+}
+
+template <class L, class Sum, class Prod, class Min, class Max>
+void by_op(void* d, const void* a, const void* b, std::size_t n, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg: return binary<L, Sum>(d, a, b, n);
+    case ReduceOp::kProd: return binary<L, Prod>(d, a, b, n);
+    case ReduceOp::kMin: return binary<L, Min>(d, a, b, n);
+    case ReduceOp::kMax: return binary<L, Max>(d, a, b, n);
+  }
+}
+
+// Integer division by n via a floating quotient: exact after truncation whenever every
+// dividend and n are exact in the float type, because a non-integer quotient x/n lies at
+// least 1/n (relative >= 1/|x|) from the nearest integer, far more than half an ulp.
+// int32 uses double (53 bits >= 31), uint8 uses float (24 bits >= 8).
+__m256i div_i32(__m256i x, __m256d n) {
+  const __m128i lo = _mm256_cvttpd_epi32(_mm256_div_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(x)), n));
+  const __m128i hi =
+      _mm256_cvttpd_epi32(_mm256_div_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(x, 1)), n));
+  return _mm256_set_m128i(hi, lo);
+}
+
+__m128i div_u8x16(__m128i x, __m256 n) {
+  const __m256i q0 = _mm256_cvttps_epi32(_mm256_div_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)), n));
+  const __m256i q1 = _mm256_cvttps_epi32(
+      _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(x, 8))), n));
+  const __m128i w0 = _mm_packus_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1));
+  const __m128i w1 = _mm_packus_epi32(_mm256_castsi256_si128(q1), _mm256_extracti128_si256(q1, 1));
+  return _mm_packus_epi16(w0, w1);
+}
+
+}  // namespace
+
+void reduce(void* d, const void* a, const void* b, std::size_t n, DataType dtype, ReduceOp op) {
+  switch (dtype) {
+    case DataType::kFloat32: return by_op<F32Lane, PsSum, PsProd, PsMin, PsMax>(d, a, b, n, op);
+    case DataType::kFloat64: return by_op<F64Lane, PdSum, PdProd, PdMin, PdMax>(d, a, b, n, op);
+    case DataType::kFloat16: return by_op<F16Lane, PsSum, PsProd, PsMin, PsMax>(d, a, b, n, op);
+    case DataType::kBFloat16:
+      return by_op<BF16PairLane, PairOp<PsSum>, PairOp<PsProd>, PairOp<PsMin>, PairOp<PsMax>>(
+          d, a, b, n, op);
+    case DataType::kInt32: return by_op<I32Lane, I32Sum, I32Prod, I32Min, I32Max>(d, a, b, n, op);
+    case DataType::kInt64: return by_op<I64Lane, I64Sum, I64Prod, I64Min, I64Max>(d, a, b, n, op);
+    case DataType::kUInt8: return by_op<U8Lane, U8Sum, U8Prod, U8Min, U8Max>(d, a, b, n, op);
+  }
+}
+
+bool scale_for_average(void* data, std::size_t n, DataType dtype, int divisor) {
+  const __m256 fd = _mm256_set1_ps(static_cast<float>(divisor));
+  const __m256d dd = _mm256_set1_pd(static_cast<double>(divisor));
+  switch (dtype) {
+    case DataType::kFloat32:
+      unary_in_place<F32Lane>(data, n, [fd](__m256 v) { return _mm256_div_ps(v, fd); });
+      return true;
+    case DataType::kFloat64:
+      unary_in_place<F64Lane>(data, n, [dd](__m256d v) { return _mm256_div_pd(v, dd); });
+      return true;
+    case DataType::kFloat16:
+      unary_in_place<F16Lane>(data, n, [fd](__m256 v) { return _mm256_div_ps(v, fd); });
+      return true;
+    case DataType::kBFloat16:  // NaN inputs keep their payload, so quiet them explicitly
+      unary_in_place<BF16Lane>(data, n, [fd](__m256 v) { return _mm256_div_ps(v, fd); });
+      return true;
+    case DataType::kInt32:
+      unary_in_place<I32Lane>(data, n, [dd](__m256i v) { return div_i32(v, dd); });
+      return true;
+    case DataType::kUInt8:
+      unary_in_place<U8Lane>(data, n, [fd](__m256i v) {
+        return _mm256_set_m128i(div_u8x16(_mm256_extracti128_si256(v, 1), fd),
+                                div_u8x16(_mm256_castsi256_si128(v), fd));
+      });
+      return true;
+    case DataType::kInt64: return false;
+  }
+  return false;
+}
+
+void float_to_half(const float* src, std::uint16_t* dst, std::size_t n) {
+  convert<F32Lane, F16Lane>(src, dst, n);
+}
+void half_to_float(const std::uint16_t* src, float* dst, std::size_t n) {
+  convert<F16Lane, F32Lane>(src, dst, n);
+}
+void float_to_bfloat16(const float* src, std::uint16_t* dst, std::size_t n) {
+  convert<F32Lane, BF16Lane>(src, dst, n);
+}
+void bfloat16_to_float(const std::uint16_t* src, float* dst, std::size_t n) {
+  convert<BF16Lane, F32Lane>(src, dst, n);
+}
+
+}  // namespace gradsync::kernels::avx2
