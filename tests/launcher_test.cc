@@ -1,0 +1,371 @@
+// gradsync-run, driven as a user would drive it: environment of the ranks, prefixed output,
+// the report of the first failed rank, teardown of the others, signal forwarding, shm cleanup.
+// Ranks are small sh scripts, so these tests need nothing of the library.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Generous: the ranks sleep for 1000 s, so finishing at all proves they were stopped; the
+// bound only keeps a broken launcher from hanging the test suite.
+constexpr double kDeadlineS = 30;
+
+std::string launcher_path() {
+  auto exe = std::filesystem::read_symlink("/proc/self/exe");
+  return (exe.parent_path() / ".." / "tools" / "gradsync-run").lexically_normal().string();
+}
+
+struct Result {
+  int status = -1;  // wait status of the launcher
+  std::string out, err;
+  double seconds = 0;
+  bool hung = false;  // the deadline passed and the launcher was killed
+
+  int exit_code() const { return WIFEXITED(status) ? WEXITSTATUS(status) : -1; }
+};
+
+struct RunSpec {
+  std::vector<std::string> args;           // after "gradsync-run"
+  std::map<std::string, std::string> env;  // set for the launcher ("" value: unset)
+  // Called once, with the launcher's pid, when `ready(out)` first holds.
+  std::function<bool(const std::string&)> ready;
+  std::function<void(pid_t)> action;
+};
+
+Result run_launcher(const RunSpec& spec) {
+  Result res;
+  std::string exe = launcher_path();
+  if (::access(exe.c_str(), X_OK) != 0) {
+    ADD_FAILURE() << exe << " not found: build the gradsync-run target";
+    return res;
+  }
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) {
+    std::string kv = *e;
+    if (!spec.env.count(kv.substr(0, kv.find('=')))) env.push_back(kv);
+  }
+  for (const auto& [k, v] : spec.env) {
+    if (!v.empty()) env.push_back(k + "=" + v);
+  }
+  std::vector<char*> envp, argv{exe.data()};
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> args = spec.args;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  int out[2], err[2];
+  EXPECT_EQ(::pipe2(out, O_CLOEXEC), 0);
+  EXPECT_EQ(::pipe2(err, O_CLOEXEC), 0);
+  auto start = Clock::now();
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(out[1], 1);
+    ::dup2(err[1], 2);
+    ::execve(argv[0], argv.data(), envp.data());
+    ::_exit(126);
+  }
+  ::close(out[1]);
+  ::close(err[1]);
+  bool acted = false;
+  int open_fds = 2;
+  pollfd fds[2] = {{out[0], POLLIN, 0}, {err[0], POLLIN, 0}};
+  while (open_fds > 0) {
+    double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    if (elapsed > kDeadlineS) {
+      res.hung = true;
+      ::kill(pid, SIGKILL);
+      break;
+    }
+    ::poll(fds, 2, 100);
+    for (int k = 0; k < 2; ++k) {
+      if (fds[k].fd < 0 || !fds[k].revents) continue;
+      char buf[4096];
+      ssize_t n = ::read(fds[k].fd, buf, sizeof buf);
+      if (n > 0) {
+        (k == 0 ? res.out : res.err).append(buf, static_cast<std::size_t>(n));
+      } else {
+        ::close(fds[k].fd);
+        fds[k].fd = -1;
+        --open_fds;
+      }
+    }
+    if (!acted && spec.action && spec.ready(res.out)) {
+      acted = true;
+      spec.action(pid);
+    }
+  }
+  for (auto& f : fds) {
+    if (f.fd >= 0) ::close(f.fd);
+  }
+  ::waitpid(pid, &res.status, 0);
+  res.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return res;
+}
+
+Result run_launcher(std::vector<std::string> args) {
+  RunSpec spec;
+  spec.args = std::move(args);
+  return run_launcher(spec);
+}
+
+std::vector<std::string> lines(const std::string& s) {
+  std::vector<std::string> v;
+  std::istringstream in(s);
+  for (std::string l; std::getline(in, l);) v.push_back(l);
+  return v;
+}
+
+int count_of(const std::string& hay, const std::string& needle) {
+  int n = 0;
+  for (auto p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) ++n;
+  return n;
+}
+
+// True once `pid` is gone or a zombie nobody reaps (a stopped rank's orphan is reparented).
+bool process_gone(pid_t pid) {
+  auto until = Clock::now() + std::chrono::seconds(10);
+  while (Clock::now() < until) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string all;
+    if (!std::getline(stat, all)) return true;
+    auto close = all.rfind(')');
+    if (close != std::string::npos && close + 2 < all.size() && all[close + 2] == 'Z') return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
+// Every "sleeper=PID" a rank printed.
+std::vector<pid_t> sleepers(const std::string& out) {
+  std::vector<pid_t> v;
+  const std::string key = "sleeper=";
+  for (auto p = out.find(key); p != std::string::npos; p = out.find(key, p + 1)) {
+    v.push_back(static_cast<pid_t>(std::atoi(out.c_str() + p + key.size())));
+  }
+  return v;
+}
+
+// The word after `key` in `line` (up to a space or the end).
+std::string value_after(const std::string& line, const std::string& key) {
+  auto p = line.find(key);
+  if (p == std::string::npos) return "";
+  p += key.size();
+  return line.substr(p, line.find(' ', p) - p);
+}
+
+// True if `err` holds the launcher's report "gradsync-run: rank R (pid <digits>) <how>".
+// (Parsed by hand: std::regex trips GCC 12's -Wmaybe-uninitialized in sanitizer builds.)
+bool reports(const std::string& err, int rank, const std::string& how) {
+  const std::string head = "gradsync-run: rank " + std::to_string(rank) + " (pid ";
+  auto p = err.find(head);
+  if (p == std::string::npos) return false;
+  p += head.size();
+  auto digits_end = err.find_first_not_of("0123456789", p);
+  if (digits_end == p || digits_end == std::string::npos) return false;
+  return err.compare(digits_end, 2 + how.size(), ") " + how) == 0;
+}
+
+TEST(Launcher, SetsEnvironmentAndPrefixesLines) {
+  Result r = run_launcher(
+      {"-n", "3", "--", "sh", "-c",
+       "echo RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK "
+       "LOCAL_WORLD_SIZE=$LOCAL_WORLD_SIZE MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT "
+       "GRADSYNC_TOKEN=$GRADSYNC_TOKEN; echo to-stderr >&2"});
+  ASSERT_FALSE(r.hung);
+  EXPECT_EQ(r.exit_code(), 0) << r.err;
+  auto out = lines(r.out);
+  ASSERT_EQ(out.size(), 3u) << r.out;
+  // Every rank sees the same port and token; the rest of each line follows from its rank.
+  const std::string port = value_after(out[0], "MASTER_PORT=");
+  const std::string token = value_after(out[0], "GRADSYNC_TOKEN=");
+  EXPECT_GT(std::atoi(port.c_str()), 0) << out[0];
+  EXPECT_EQ(token.size(), 32u) << out[0];
+  EXPECT_EQ(token.find_first_not_of("0123456789abcdef"), std::string::npos) << token;
+  std::set<std::string> got(out.begin(), out.end()), want;
+  for (int k = 0; k < 3; ++k) {
+    const std::string rk = std::to_string(k);
+    want.insert("[rank " + rk + "] RANK=" + rk + " WORLD_SIZE=3 LOCAL_RANK=" + rk +
+                " LOCAL_WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + port +
+                " GRADSYNC_TOKEN=" + token);
+  }
+  EXPECT_EQ(got, want);
+  // stderr stays stderr, prefixed too.
+  auto err = lines(r.err);
+  EXPECT_EQ(err.size(), 3u) << r.err;
+  for (int k = 0; k < 3; ++k)
+    EXPECT_EQ(count_of(r.err, "[rank " + std::to_string(k) + "] to-stderr\n"), 1);
+}
+
+TEST(Launcher, EachJobGetsItsOwnTokenUnlessOneIsGiven) {
+  RunSpec spec;
+  spec.args = {"-n", "1", "--", "sh", "-c", "echo $GRADSYNC_TOKEN"};
+  spec.env["GRADSYNC_TOKEN"] = "";
+  Result a = run_launcher(spec), b = run_launcher(spec);
+  EXPECT_NE(a.out, b.out);
+  spec.env["GRADSYNC_TOKEN"] = "sharedsecret42";
+  Result c = run_launcher(spec);
+  EXPECT_EQ(c.out, "[rank 0] sharedsecret42\n");
+}
+
+TEST(Launcher, MultiNodeRanksAndWarnsWithoutToken) {
+  RunSpec spec;
+  spec.args = {"--nnodes",
+               "2",
+               "--node-rank",
+               "1",
+               "-n",
+               "2",
+               "--master-addr",
+               "10.1.2.3",
+               "--",
+               "sh",
+               "-c",
+               "echo $RANK/$WORLD_SIZE/$LOCAL_RANK $MASTER_ADDR:$MASTER_PORT"};
+  spec.env["GRADSYNC_TOKEN"] = "";
+  Result r = run_launcher(spec);
+  EXPECT_EQ(r.exit_code(), 0) << r.err;
+  EXPECT_EQ(count_of(r.out, "[rank 2] 2/4/0 10.1.2.3:29500\n"), 1) << r.out;
+  EXPECT_EQ(count_of(r.out, "[rank 3] 3/4/1 10.1.2.3:29500\n"), 1) << r.out;
+  EXPECT_NE(r.err.find("warning: GRADSYNC_TOKEN is not set"), std::string::npos) << r.err;
+}
+
+TEST(Launcher, PartialLineIsFlushedAndNoPrefixPassesOutputThrough) {
+  Result r = run_launcher({"-n", "1", "--", "sh", "-c", "printf 'a\\nno newline'"});
+  EXPECT_EQ(r.out, "[rank 0] a\n[rank 0] no newline\n");
+  Result raw = run_launcher({"--no-prefix", "-n", "2", "--", "sh", "-c", "echo hi"});
+  EXPECT_EQ(raw.out, "hi\nhi\n");
+}
+
+TEST(Launcher, SuccessfulRunExitsZero) {
+  Result r = run_launcher({"-n", "4", "--", "true"});
+  EXPECT_EQ(r.exit_code(), 0);
+  EXPECT_EQ(r.err, "");
+}
+
+TEST(Launcher, FailingRankIsNamedAndOthersAreStopped) {
+  // Rank 2 fails; the others would sleep for 1000 s (through a child process, which must be
+  // stopped as well) unless the launcher stops them.
+  Result r = run_launcher(
+      {"-n", "4", "--", "sh", "-c",
+       "sleep 1000 & echo sleeper=$!; if [ $RANK = 2 ]; then sleep 0.2; exit 3; fi; wait"});
+  ASSERT_FALSE(r.hung) << "launcher did not stop the ranks";
+  EXPECT_LT(r.seconds, kDeadlineS);
+  EXPECT_EQ(r.exit_code(), 3);
+  EXPECT_TRUE(reports(r.err, 2, "exited with code 3")) << r.err;
+  auto pids = sleepers(r.out);
+  EXPECT_EQ(pids.size(), 4u) << r.out;
+  for (pid_t p : pids) EXPECT_TRUE(process_gone(p)) << "orphan " << p << " still running";
+}
+
+TEST(Launcher, RankIgnoringSigtermIsKilledAfterGrace) {
+  // Rank 0 fails only once rank 1 has armed its SIGTERM trap (it touches `armed`), so the
+  // SIGTERM is surely ignored and only the SIGKILL after the grace period can end rank 1.
+  std::string armed = "/tmp/gradsync-launcher-test-armed-" + std::to_string(::getpid());
+  std::filesystem::remove(armed);
+  Result r = run_launcher({"-n", "2", "--grace-s", "0.5", "--", "sh", "-c",
+                           "if [ $RANK = 0 ]; then while [ ! -e " + armed +
+                               " ]; do sleep 0.01; done; exit 5; fi; "
+                               "trap '' TERM; touch " +
+                               armed + "; while :; do sleep 1; done"});
+  std::filesystem::remove(armed);
+  ASSERT_FALSE(r.hung);
+  EXPECT_EQ(r.exit_code(), 5);
+  EXPECT_TRUE(reports(r.err, 0, "exited with code 5")) << r.err;
+  EXPECT_NE(r.err.find("stopped 1 other rank(s)"), std::string::npos) << r.err;
+  EXPECT_GE(r.seconds, 0.5);  // the grace period was granted before SIGKILL
+}
+
+TEST(Launcher, KillNineIsReportedAsSignal9) {
+  Result r = run_launcher(
+      {"-n", "3", "--", "sh", "-c", "if [ $RANK = 1 ]; then kill -9 $$; fi; sleep 1000"});
+  ASSERT_FALSE(r.hung);
+  EXPECT_EQ(r.exit_code(), 128 + 9);
+  EXPECT_TRUE(reports(r.err, 1, "was killed by signal 9 (Killed)")) << r.err;
+}
+
+TEST(Launcher, SigtermIsForwardedToEveryRank) {
+  RunSpec spec;
+  spec.args = {"-n", "3",  "--",
+               "sh", "-c", "trap 'echo got-term; exit 0' TERM; echo started; sleep 1000 & wait"};
+  spec.ready = [](const std::string& out) { return count_of(out, "started") == 3; };
+  spec.action = [](pid_t launcher) { ::kill(launcher, SIGTERM); };
+  Result r = run_launcher(spec);
+  ASSERT_FALSE(r.hung);
+  EXPECT_EQ(count_of(r.out, "got-term"), 3) << r.out;
+  EXPECT_NE(r.exit_code(), 0);
+  EXPECT_EQ(r.exit_code(), 128 + SIGTERM);
+  EXPECT_NE(r.err.find("received signal 15"), std::string::npos) << r.err;
+}
+
+TEST(Launcher, RanksDieWithAKilledLauncher) {
+  RunSpec spec;
+  spec.args = {"-n", "2", "--", "sh", "-c", "echo sleeper=$$; exec sleep 1000"};
+  spec.ready = [](const std::string& out) { return count_of(out, "sleeper=") == 2; };
+  spec.action = [](pid_t launcher) { ::kill(launcher, SIGKILL); };
+  Result r = run_launcher(spec);
+  ASSERT_FALSE(r.hung);
+  EXPECT_TRUE(WIFSIGNALED(r.status));
+  auto pids = sleepers(r.out);
+  EXPECT_EQ(pids.size(), 2u) << r.out;
+  for (pid_t p : pids) EXPECT_TRUE(process_gone(p)) << "rank " << p << " outlived the launcher";
+}
+
+TEST(Launcher, JobTimeoutStopsRanks) {
+  Result r = run_launcher({"-n", "2", "--timeout-s", "0.3", "--", "sleep", "1000"});
+  ASSERT_FALSE(r.hung);
+  EXPECT_EQ(r.exit_code(), 124);
+  EXPECT_NE(r.err.find("--timeout-s"), std::string::npos) << r.err;
+}
+
+TEST(Launcher, MissingProgramAndBadUsage) {
+  Result r = run_launcher({"-n", "2", "--", "/nonexistent/prog"});
+  EXPECT_EQ(r.exit_code(), 127);
+  EXPECT_NE(r.err.find("cannot execute '/nonexistent/prog'"), std::string::npos) << r.err;
+  EXPECT_EQ(run_launcher({"-n", "2"}).exit_code(), 2);
+  EXPECT_EQ(run_launcher({"-n", "0", "true"}).exit_code(), 2);
+  EXPECT_EQ(run_launcher({"--nnodes", "2", "--node-rank", "2", "true"}).exit_code(), 2);
+}
+
+TEST(Launcher, RemovesThisJobsShmSegmentsOnly) {
+  // The token is fixed so the test knows the prefix; ours (and the unrelated one) are named
+  // by the pid so parallel runs of this test do not collide.
+  std::string token = "c0ffee" + std::to_string(::getpid() % 100) + "0000000000000000000000";
+  token.resize(32, '0');
+  std::string ours = "/dev/shm/gradsync-" + token.substr(0, 8) + "-seg";
+  std::string other = "/dev/shm/gradsync-other" + std::to_string(::getpid());
+  { std::ofstream(other) << "x"; }
+  RunSpec spec;
+  spec.args = {"-n", "2",  "--",
+               "sh", "-c", "if [ $RANK = 0 ]; then touch " + ours + "; kill -9 $$; fi; sleep 1000"};
+  spec.env["GRADSYNC_TOKEN"] = token;
+  Result r = run_launcher(spec);
+  EXPECT_EQ(r.exit_code(), 137) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(ours));
+  EXPECT_TRUE(std::filesystem::exists(other));
+  std::filesystem::remove(other);
+}
+
+}  // namespace

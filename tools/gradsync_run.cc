@@ -1,0 +1,659 @@
+// gradsync-run: starts the ranks of a job on this host (like torchrun / mpirun), gives each
+// its rendezvous environment, prefixes its output, and tears the whole job down when a rank fails.
+//
+// Deliberately independent of the gradsync library: a launcher that cannot start because the
+// library is broken would hide the very failures it exists to report.
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kUsage =
+    "usage: gradsync-run [options] [--] prog [args...]\n"
+    "\n"
+    "Starts N ranks of `prog` on this host and sets in each: RANK, WORLD_SIZE, LOCAL_RANK,\n"
+    "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GRADSYNC_TOKEN.\n"
+    "\n"
+    "options:\n"
+    "  -n, --nproc-per-node N  ranks on this host (default 1)\n"
+    "  --nnodes M              hosts in the job (default 1)\n"
+    "  --node-rank K           index of this host, 0..M-1 (default 0);\n"
+    "                          RANK = K*N + LOCAL_RANK, WORLD_SIZE = M*N\n"
+    "  --master-addr A         host of rank 0's rendezvous store (default 127.0.0.1)\n"
+    "  --master-port P         its port (default: a free port on one host, 29500 on several)\n"
+    "  --timeout-s S           stop the job (exit 124) if it runs longer than S seconds\n"
+    "  --grace-s S             seconds between SIGTERM and SIGKILL when stopping (default 3)\n"
+    "  --no-prefix             do not prefix output lines with \"[rank R] \"\n"
+    "  -h, --help              this text\n"
+    "\n"
+    "GRADSYNC_TOKEN, the secret every connection of the job presents, is taken from the\n"
+    "environment if set, otherwise 128 random bits on one host. A job on several hosts needs\n"
+    "the same token on every host: export GRADSYNC_TOKEN=<same value> everywhere (for example\n"
+    "`openssl rand -hex 16`). Without it the token is derived from master addr and port, which\n"
+    "anyone who can guess them can reproduce; gradsync-run warns when it does that.\n"
+    "\n"
+    "When a rank exits non-zero or dies of a signal, the others get SIGTERM, then SIGKILL after\n"
+    "the grace period; gradsync-run names the first failed rank and exits with its code (or\n"
+    "128+signal). SIGINT/SIGTERM/SIGHUP are forwarded to every rank; the exit code is then\n"
+    "128+signal. Ranks read stdin from /dev/null. Afterwards /dev/shm/gradsync-<first 8 chars\n"
+    "of the token>* is removed in case a rank died before unlinking its shared memory.\n";
+
+struct Config {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = -1;  // -1: choose (see kUsage)
+  double timeout_s = 0;  // 0: no job timeout
+  double grace_s = 3;    // long enough for a rank to flush logs and unlink shm on SIGTERM
+  bool prefix = true;
+  std::vector<std::string> command;
+};
+
+[[noreturn]] void usage_error(const std::string& msg) {
+  std::fprintf(stderr, "gradsync-run: %s\n(run gradsync-run --help for usage)\n", msg.c_str());
+  std::exit(2);
+}
+
+long parse_int(const std::string& flag, const std::string& value, long lo, long hi) {
+  char* end = nullptr;
+  errno = 0;
+  long v = std::strtol(value.c_str(), &end, 10);
+  if (value.empty() || *end != '\0' || errno != 0 || v < lo || v > hi) {
+    usage_error(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                "], got '" + value + "'");
+  }
+  return v;
+}
+
+double parse_seconds(const std::string& flag, const std::string& value) {
+  char* end = nullptr;
+  double v = std::strtod(value.c_str(), &end);
+  if (value.empty() || *end != '\0' || !(v >= 0)) {
+    usage_error(flag + " expects a non-negative number of seconds, got '" + value + "'");
+  }
+  return v;
+}
+
+Config parse_args(int argc, char** argv) {
+  Config cfg;
+  int i = 1;
+  // Accepts "--flag value" and "--flag=value"; the first non-option word starts the command.
+  auto take_value = [&](const std::string& arg, const std::string& flag, std::string* out) -> bool {
+    if (arg == flag) {
+      if (i + 1 >= argc) usage_error(flag + " needs a value");
+      *out = argv[++i];
+      return true;
+    }
+    if (arg.size() > flag.size() && arg.compare(0, flag.size(), flag) == 0 &&
+        arg[flag.size()] == '=') {
+      *out = arg.substr(flag.size() + 1);
+      return true;
+    }
+    return false;
+  };
+  for (; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::string v;
+    if (arg == "--") {
+      ++i;
+      break;
+    }
+    if (arg == "-h" || arg == "--help") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (take_value(arg, "-n", &v) || take_value(arg, "--nproc-per-node", &v)) {
+      cfg.nproc_per_node = static_cast<int>(parse_int("--nproc-per-node", v, 1, 4096));
+    } else if (take_value(arg, "--nnodes", &v)) {
+      cfg.nnodes = static_cast<int>(parse_int("--nnodes", v, 1, 1 << 20));
+    } else if (take_value(arg, "--node-rank", &v)) {
+      cfg.node_rank = static_cast<int>(parse_int("--node-rank", v, 0, 1 << 20));
+    } else if (take_value(arg, "--master-addr", &v)) {
+      if (v.empty()) usage_error("--master-addr must not be empty");
+      cfg.master_addr = v;
+    } else if (take_value(arg, "--master-port", &v)) {
+      cfg.master_port = static_cast<int>(parse_int("--master-port", v, 1, 65535));
+    } else if (take_value(arg, "--timeout-s", &v)) {
+      cfg.timeout_s = parse_seconds("--timeout-s", v);
+    } else if (take_value(arg, "--grace-s", &v)) {
+      cfg.grace_s = parse_seconds("--grace-s", v);
+    } else if (arg == "--no-prefix") {
+      cfg.prefix = false;
+    } else if (!arg.empty() && arg[0] == '-') {
+      usage_error("unknown option '" + arg + "'");
+    } else {
+      break;
+    }
+  }
+  for (; i < argc; ++i) cfg.command.emplace_back(argv[i]);
+  if (cfg.command.empty()) usage_error("no program to run");
+  if (cfg.node_rank >= cfg.nnodes) {
+    usage_error("--node-rank " + std::to_string(cfg.node_rank) + " must be below --nnodes " +
+                std::to_string(cfg.nnodes));
+  }
+  return cfg;
+}
+
+// --- job identity ---------------------------------------------------------------------------
+
+std::string hex(const unsigned char* data, std::size_t n) {
+  static const char* digits = "0123456789abcdef";
+  std::string s;
+  for (std::size_t k = 0; k < n; ++k) {
+    s += digits[data[k] >> 4];
+    s += digits[data[k] & 15];
+  }
+  return s;
+}
+
+std::string random_token() {
+  unsigned char bytes[16];  // 128 bits: unguessable, and 32 hex chars stay readable in logs
+  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  ssize_t got = fd >= 0 ? ::read(fd, bytes, sizeof bytes) : -1;
+  if (fd >= 0) ::close(fd);
+  if (got != static_cast<ssize_t>(sizeof bytes)) {
+    std::fprintf(stderr, "gradsync-run: cannot read /dev/urandom: %s\n", std::strerror(errno));
+    std::exit(1);
+  }
+  return hex(bytes, sizeof bytes);
+}
+
+// The documented fallback for jobs on several hosts: every host computes the same value from
+// the same flags without talking to the others. Two FNV-1a 64-bit hashes with different
+// offsets make 128 bits; this is an identifier, not a secret.
+std::string derived_token(const std::string& addr, int port) {
+  std::string text = "gradsync:" + addr + ":" + std::to_string(port);
+  unsigned char bytes[16];
+  std::uint64_t seeds[2] = {0xcbf29ce484222325ull, 0x84222325cbf29ce4ull};
+  for (int h = 0; h < 2; ++h) {
+    std::uint64_t x = seeds[h];
+    for (unsigned char c : text) {
+      x ^= c;
+      x *= 0x100000001b3ull;
+    }
+    for (int b = 0; b < 8; ++b) bytes[h * 8 + b] = static_cast<unsigned char>(x >> (56 - 8 * b));
+  }
+  return hex(bytes, sizeof bytes);
+}
+
+// Asks the kernel for a free port. Another process could take it before rank 0 binds it, but
+// on a single host that race is rare and shows up as a clear bind error in rank 0.
+int pick_free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);  // free on every interface rank 0 might bind
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  int port = -1;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+// --- signals --------------------------------------------------------------------------------
+
+// Self-pipe: handlers only write the signal number, the poll loop does the work. This keeps
+// the handlers async-signal-safe and lets one poll() wait for output, exits and signals.
+int g_signal_pipe[2] = {-1, -1};
+
+void on_signal(int sig) {
+  int saved = errno;
+  unsigned char b = static_cast<unsigned char>(sig);
+  [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &b, 1);
+  errno = saved;
+}
+
+constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
+void install_handlers() {
+  if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    std::perror("gradsync-run: pipe2");
+    std::exit(1);
+  }
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  for (int sig : kForwardedSignals) ::sigaction(sig, &sa, nullptr);
+  sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+  ::sigaction(SIGCHLD, &sa, nullptr);
+  // A closed stdout (gradsync-run ... | head) must not kill the launcher and orphan the ranks.
+  ::signal(SIGPIPE, SIG_IGN);
+}
+
+std::string describe_signal(int sig) {
+  const char* name = ::strsignal(sig);
+  return "signal " + std::to_string(sig) + " (" + (name ? name : "unknown") + ")";
+}
+
+// --- ranks ----------------------------------------------------------------------------------
+
+// One output stream of one rank: bytes not yet ending in a newline wait in `partial`.
+struct Stream {
+  int fd = -1;   // read end of the rank's pipe; -1 once closed
+  int out = -1;  // 1 or 2: where the launcher writes the rank's lines
+  std::string partial;
+};
+
+struct Rank {
+  int rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;  // wait status once !running
+  Stream streams[2];
+};
+
+void write_all(int fd, std::string_view data) {
+  while (!data.empty()) {
+    ssize_t n = ::write(fd, data.data(), data.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // reader went away: drop output rather than stall the job
+    data.remove_prefix(static_cast<std::size_t>(n));
+  }
+}
+
+class OutputRelay {
+ public:
+  explicit OutputRelay(bool prefix) : prefix_(prefix) {}
+
+  // Emits every complete line of `s`; a line longer than kMaxLine is cut so that a rank
+  // printing without newlines (progress bars) cannot grow the launcher without bound.
+  void feed(const Rank& r, Stream& s, std::string_view data) {
+    s.partial.append(data);
+    std::size_t start = 0;
+    for (;;) {
+      std::size_t nl = s.partial.find('\n', start);
+      if (nl == std::string::npos) break;
+      emit(r, s, std::string_view(s.partial).substr(start, nl - start));
+      start = nl + 1;
+    }
+    s.partial.erase(0, start);
+    if (s.partial.size() >= kMaxLine) {
+      emit(r, s, s.partial);
+      s.partial.clear();
+    }
+  }
+
+  // At end of stream a last line without newline still gets its prefix and a newline, so
+  // the next rank's line does not run into it.
+  void flush(const Rank& r, Stream& s) {
+    if (!s.partial.empty()) emit(r, s, s.partial);
+    s.partial.clear();
+  }
+
+ private:
+  static constexpr std::size_t kMaxLine = 64 * 1024;
+
+  void emit(const Rank& r, const Stream& s, std::string_view line) {
+    // One write per line keeps lines whole even when stdout and stderr share a terminal.
+    line_.clear();
+    if (prefix_) line_ += "[rank " + std::to_string(r.rank) + "] ";
+    line_.append(line);
+    line_ += '\n';
+    write_all(s.out, line_);
+  }
+
+  bool prefix_;
+  std::string line_;
+};
+
+// Reads what `s` has now. Returns false at end of stream (then `s` is closed).
+bool pump(OutputRelay& relay, Rank& r, Stream& s) {
+  char buf[65536];
+  for (;;) {
+    ssize_t n = ::read(s.fd, buf, sizeof buf);
+    if (n > 0) {
+      relay.feed(r, s, std::string_view(buf, static_cast<std::size_t>(n)));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+    relay.flush(r, s);  // EOF, or an error that will not go away
+    ::close(s.fd);
+    s.fd = -1;
+    return false;
+  }
+}
+
+std::vector<std::string> child_environment(const Config& cfg, int local_rank,
+                                           const std::string& token) {
+  const std::pair<const char*, std::string> ours[] = {
+      {"RANK", std::to_string(cfg.node_rank * cfg.nproc_per_node + local_rank)},
+      {"WORLD_SIZE", std::to_string(cfg.nnodes * cfg.nproc_per_node)},
+      {"LOCAL_RANK", std::to_string(local_rank)},
+      {"LOCAL_WORLD_SIZE", std::to_string(cfg.nproc_per_node)},
+      {"MASTER_ADDR", cfg.master_addr},
+      {"MASTER_PORT", std::to_string(cfg.master_port)},
+      {"GRADSYNC_TOKEN", token},
+  };
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) {
+    std::string_view kv(*e);
+    bool replaced = false;
+    for (const auto& [key, value] : ours) {
+      std::size_t len = std::strlen(key);
+      if (kv.size() > len && kv.compare(0, len, key) == 0 && kv[len] == '=') replaced = true;
+    }
+    if (!replaced) env.emplace_back(kv);
+  }
+  for (const auto& [key, value] : ours) env.push_back(std::string(key) + "=" + value);
+  return env;
+}
+
+// fork + exec one rank. Its stdout/stderr go to pipes (or are inherited with --no-prefix);
+// it leads its own process group so that stopping it also stops whatever it spawned
+// (a shell script's children would otherwise keep running and hold the pipes open).
+void spawn(const Config& cfg, Rank& r, int local_rank, const std::string& token) {
+  int pipes[2][2] = {{-1, -1}, {-1, -1}};
+  if (cfg.prefix) {
+    for (auto& p : pipes) {
+      if (::pipe2(p, O_CLOEXEC) != 0) {
+        std::perror("gradsync-run: pipe2");
+        std::exit(1);
+      }
+    }
+  }
+  // Built before fork: the child must only call async-signal-safe functions before exec.
+  std::vector<std::string> env = child_environment(cfg, local_rank, token);
+  std::vector<char*> envp;
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<char*> argv;
+  for (const auto& a : cfg.command) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t launcher = ::getpid();
+  pid_t pid = ::fork();
+  if (pid < 0) {
+    std::perror("gradsync-run: fork");
+    std::exit(1);
+  }
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    // If the launcher itself is killed (kill -9, OOM), its ranks must not run on unsupervised.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != launcher) ::_exit(1);  // it died before prctl took effect
+    // Undo the launcher's signal setup: ignored dispositions and masks survive exec.
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    for (int sig : kForwardedSignals) ::sigaction(sig, &dfl, nullptr);
+    ::sigaction(SIGCHLD, &dfl, nullptr);
+    ::sigaction(SIGPIPE, &dfl, nullptr);
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    // Ranks are in a background process group: reading the terminal would stop them.
+    int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (devnull >= 0) ::dup2(devnull, 0);
+    if (cfg.prefix) {
+      ::dup2(pipes[0][1], 1);
+      ::dup2(pipes[1][1], 2);
+    }
+    ::execvpe(argv[0], argv.data(), envp.data());
+    const char* what = std::strerror(errno);
+    const char* pre = "gradsync-run: cannot execute '";
+    [[maybe_unused]] ssize_t n = ::write(2, pre, std::strlen(pre));
+    n = ::write(2, argv[0], std::strlen(argv[0]));
+    n = ::write(2, "': ", 3);
+    n = ::write(2, what, std::strlen(what));
+    n = ::write(2, "\n", 1);
+    ::_exit(127);  // the shell's "command not found" code
+  }
+  // Also set from the parent so a signal sent right after fork reaches the group.
+  ::setpgid(pid, pid);
+  r.pid = pid;
+  r.running = true;
+  if (cfg.prefix) {
+    for (int k = 0; k < 2; ++k) {
+      ::close(pipes[k][1]);
+      ::fcntl(pipes[k][0], F_SETFL, ::fcntl(pipes[k][0], F_GETFL) | O_NONBLOCK);
+      r.streams[k].fd = pipes[k][0];
+      r.streams[k].out = k + 1;
+    }
+  }
+}
+
+// Sends `sig` to the rank's process group, falling back to the rank alone if the group is
+// already gone.
+void signal_rank(const Rank& r, int sig) {
+  if (::kill(-r.pid, sig) != 0 && errno == ESRCH && r.running) ::kill(r.pid, sig);
+}
+
+bool failed(int status) {
+  return !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+std::string describe_exit(const Rank& r) {
+  std::string who = "rank " + std::to_string(r.rank) + " (pid " + std::to_string(r.pid) + ")";
+  if (WIFSIGNALED(r.status)) return who + " was killed by " + describe_signal(WTERMSIG(r.status));
+  return who + " exited with code " + std::to_string(WEXITSTATUS(r.status));
+}
+
+int exit_code_of(int status) {
+  return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+}
+
+// Removes shared-memory segments a killed rank could not unlink. The shm transport names its
+// segments "/gradsync-<first 8 chars of GRADSYNC_TOKEN>...", so only this job's are touched.
+void remove_stale_shm(const std::string& token) {
+  std::string prefix = "gradsync-" + token.substr(0, 8);
+  if (token.size() < 8 || token.substr(0, 8).find('/') != std::string::npos) return;
+  DIR* dir = ::opendir("/dev/shm");
+  if (!dir) return;
+  while (dirent* e = ::readdir(dir)) {
+    std::string name = e->d_name;
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    std::string path = "/dev/shm/" + name;
+    struct stat st {};
+    // Never another user's segment, even when the token prefix collides.
+    if (::lstat(path.c_str(), &st) == 0 && st.st_uid == ::geteuid()) ::unlink(path.c_str());
+  }
+  ::closedir(dir);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config cfg = parse_args(argc, argv);
+
+  const char* env_token = std::getenv("GRADSYNC_TOKEN");
+  if (cfg.master_port < 0) {
+    // One host: any free port avoids clashes between jobs. Several hosts: every host must
+    // agree without talking, so the conventional default.
+    cfg.master_port = cfg.nnodes == 1 ? pick_free_port() : 29500;
+    if (cfg.master_port < 0) {
+      std::fprintf(stderr, "gradsync-run: cannot find a free port: %s\n", std::strerror(errno));
+      return 1;
+    }
+  }
+  std::string token;
+  if (env_token && *env_token) {
+    token = env_token;
+  } else if (cfg.nnodes == 1) {
+    token = random_token();
+  } else {
+    token = derived_token(cfg.master_addr, cfg.master_port);
+    std::fprintf(stderr,
+                 "gradsync-run: warning: GRADSYNC_TOKEN is not set; using a token derived from "
+                 "%s:%d, which anyone who knows that address can reproduce. Export the same "
+                 "random GRADSYNC_TOKEN on every host.\n",
+                 cfg.master_addr.c_str(), cfg.master_port);
+  }
+
+  install_handlers();
+  std::vector<Rank> ranks(static_cast<std::size_t>(cfg.nproc_per_node));
+  for (int l = 0; l < cfg.nproc_per_node; ++l) {
+    Rank& r = ranks[static_cast<std::size_t>(l)];
+    r.rank = cfg.node_rank * cfg.nproc_per_node + l;
+    spawn(cfg, r, l, token);
+  }
+
+  OutputRelay relay(cfg.prefix);
+  const auto start = Clock::now();
+  std::optional<Clock::time_point> kill_at;  // set once stopping: when SIGKILL follows SIGTERM
+  const Rank* first_failure = nullptr;
+  int launcher_signal = 0;  // a signal that made the launcher stop the job
+  bool timed_out = false;
+  int running = cfg.nproc_per_node;
+  int stopped = 0;  // ranks still running when the job was first told to stop
+
+  auto stop_all = [&](int sig) {
+    for (const Rank& r : ranks) {
+      if (r.running) signal_rank(r, sig);
+    }
+    if (!kill_at) {
+      stopped = running;
+      kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(cfg.grace_s));
+    }
+  };
+
+  while (running > 0) {
+    std::vector<pollfd> fds{{g_signal_pipe[0], POLLIN, 0}};
+    std::vector<std::pair<Rank*, Stream*>> owners{{nullptr, nullptr}};
+    for (Rank& r : ranks) {
+      for (Stream& s : r.streams) {
+        if (s.fd >= 0) {
+          fds.push_back({s.fd, POLLIN, 0});
+          owners.emplace_back(&r, &s);
+        }
+      }
+    }
+    // SIGCHLD wakes the poll; the cap only bounds how late a deadline can be noticed.
+    int wait_ms = 1000;
+    auto now = Clock::now();
+    auto clamp_to = [&](Clock::time_point t) {
+      auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count() + 1;
+      wait_ms = static_cast<int>(std::max<long long>(0, std::min<long long>(wait_ms, ms)));
+    };
+    if (kill_at) clamp_to(*kill_at);
+    if (cfg.timeout_s > 0 && !kill_at) {
+      clamp_to(start + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(cfg.timeout_s)));
+    }
+    int n = ::poll(fds.data(), fds.size(), wait_ms);
+    if (n < 0 && errno != EINTR) {
+      std::perror("gradsync-run: poll");
+      stop_all(SIGKILL);
+    }
+
+    // Output first, so a rank's last words come out before the report of its exit.
+    for (std::size_t k = 1; n > 0 && k < fds.size(); ++k) {
+      if (fds[k].revents) pump(relay, *owners[k].first, *owners[k].second);
+    }
+
+    unsigned char sigs[64];
+    ssize_t got;
+    while ((got = ::read(g_signal_pipe[0], sigs, sizeof sigs)) > 0) {
+      for (ssize_t k = 0; k < got; ++k) {
+        int sig = sigs[k];
+        if (sig == SIGCHLD) continue;  // reaped below
+        if (launcher_signal || first_failure || timed_out) {
+          stop_all(SIGKILL);  // a second interrupt means "now"
+        } else {
+          launcher_signal = sig;
+          stop_all(sig);
+        }
+      }
+    }
+
+    // Among ranks reaped together, one killed by a signal is more likely the cause than one
+    // that exited with an error after seeing its peer vanish.
+    const Rank* batch_failure = nullptr;
+    int status = 0;
+    pid_t pid;
+    while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+      for (Rank& r : ranks) {
+        if (r.pid != pid || !r.running) continue;
+        r.running = false;
+        r.status = status;
+        --running;
+        if (failed(status) &&
+            (!batch_failure || (WIFSIGNALED(status) && !WIFSIGNALED(batch_failure->status)))) {
+          batch_failure = &r;
+        }
+      }
+    }
+    if (batch_failure && !first_failure && !launcher_signal && !timed_out) {
+      first_failure = batch_failure;
+      stop_all(SIGTERM);
+    }
+
+    now = Clock::now();
+    if (cfg.timeout_s > 0 && !kill_at &&
+        now - start >= std::chrono::duration<double>(cfg.timeout_s)) {
+      timed_out = true;
+      stop_all(SIGTERM);
+    }
+    if (kill_at && now >= *kill_at) stop_all(SIGKILL);
+  }
+
+  // Every rank has exited; take what is left in the pipes without waiting for writers that
+  // outlived their rank.
+  for (Rank& r : ranks) {
+    for (Stream& s : r.streams) {
+      if (s.fd >= 0 && pump(relay, r, s)) {
+        relay.flush(r, s);
+        ::close(s.fd);
+        s.fd = -1;
+      }
+    }
+  }
+  if (kill_at) {
+    // The job was stopped: processes the ranks spawned must not outlive it.
+    for (const Rank& r : ranks) ::kill(-r.pid, SIGKILL);
+  }
+  remove_stale_shm(token);
+
+  if (first_failure) {
+    std::fprintf(stderr, "gradsync-run: %s", describe_exit(*first_failure).c_str());
+    if (stopped > 0) std::fprintf(stderr, "; stopped %d other rank(s)", stopped);
+    std::fprintf(stderr, "\n");
+    return exit_code_of(first_failure->status);
+  }
+  if (launcher_signal) {
+    std::fprintf(stderr, "gradsync-run: received %s; stopped %d rank(s)\n",
+                 describe_signal(launcher_signal).c_str(), stopped);
+    return 128 + launcher_signal;
+  }
+  if (timed_out) {
+    std::fprintf(stderr, "gradsync-run: job exceeded --timeout-s %g; stopped %d rank(s)\n",
+                 cfg.timeout_s, stopped);
+    return 124;  // as timeout(1)
+  }
+  return 0;
+}
