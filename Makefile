@@ -27,5 +27,8 @@ sanitize-asan:
 sanitize-tsan:
 	$(MAKE) test BUILD=build-tsan CMAKE_FLAGS="-DGRADSYNC_SANITIZE=thread -DCMAKE_BUILD_TYPE=RelWithDebInfo"
 
+fuzz: deps
+	bash scripts/run-fuzz.sh
+
 clean:
 	rm -rf build build-asan build-tsan build-fuzz

@@ -18,8 +18,14 @@ struct TcpOptions {
 };
 
 // Collective call over the ranks in `group` (global ranks, sorted, including `rank`).
-// Publishes this rank's listening address in `store` under `key_prefix`, connects to
-// every peer (lower rank dials higher), checks the job token both ways.
+// Publishes this rank's listening address in `store` under `key_prefix` + "/tcp/<rank>",
+// connects to every peer (lower rank dials higher), checks the job token both ways; strays
+// on the listening port (wrong token, garbage) are refused without failing the setup.
+// The transport's rank()/size() are `rank`/`world_size` and peers are named by global
+// rank; a rank outside `group` is kInvalidArgument. traffic() counts payload bytes and
+// messages of data frames only (48-byte headers and handshake/abort frames excluded);
+// received traffic is counted when a message has fully arrived, even before it is matched.
+// Throws kTimeout naming the missing peers (and host:port) if setup exceeds `timeout`.
 std::unique_ptr<Transport> make_tcp_transport(Store& store, const std::string& key_prefix, int rank,
                                               int world_size, const std::vector<int>& group,
                                               const TransportOptions& options,

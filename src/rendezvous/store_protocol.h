@@ -1,0 +1,92 @@
+// Wire protocol of the TCP store: length-prefixed request/response messages. Pure encode,
+// parse and stream-splitting functions (no sockets), shared by server, client and fuzzer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::store_protocol {
+
+using Bytes = std::vector<std::uint8_t>;
+
+// Every message is `u32 body length (LE)` + body; body[0] is the request type or the
+// response status. Strings are `u32 length` + bytes; integers are little-endian.
+//
+// Limits bound what one message can make the server allocate: values up to 64 MiB are
+// plenty for rendezvous data (addresses, ids) and keep a hostile length harmless.
+constexpr std::size_t kMaxKeyBytes = 4096;
+constexpr std::size_t kMaxValueBytes = std::size_t{64} << 20;
+constexpr std::size_t kMaxWaitKeys = 65536;
+constexpr std::size_t kMaxMessageBytes = kMaxValueBytes + 2 * kMaxKeyBytes + 64;
+constexpr std::size_t kLengthPrefixBytes = 4;
+
+enum class RequestType : std::uint8_t {
+  kAuth = 1,   // key = token; must be the first request on a connection
+  kSet = 2,    // key, value
+  kGet = 3,    // key, timeout_ms: answered when the key exists or the timeout passes
+  kWait = 4,   // keys, timeout_ms: answered when every key exists or the timeout passes
+  kAdd = 5,    // key, delta: answers the new value
+  kCheck = 6,  // key: answers whether it exists
+};
+const char* to_string(RequestType t);
+
+struct Request {
+  RequestType type = RequestType::kCheck;
+  std::string key;                // kAuth (the token), kSet, kGet, kAdd, kCheck
+  std::vector<std::string> keys;  // kWait
+  Bytes value;                    // kSet
+  std::int64_t delta = 0;         // kAdd
+  std::uint64_t timeout_ms = 0;   // kGet, kWait
+  bool operator==(const Request&) const = default;
+};
+
+enum class Status : std::uint8_t {
+  kOk = 0,
+  kTimeout = 1,  // `missing` lists the keys that never appeared
+  kError = 2,    // `message` says why (e.g. add() on a value that is not an integer)
+};
+
+struct Response {
+  Status status = Status::kOk;
+  Bytes value;                       // kGet
+  std::int64_t number = 0;           // kAdd
+  bool exists = false;               // kCheck
+  std::vector<std::string> missing;  // kTimeout
+  std::string message;               // kError
+  bool operator==(const Response&) const = default;
+};
+
+// Encoders return the whole message, length prefix included. Inputs over the limits are
+// the caller's bug: the encoders do not check, the receiving parser rejects them.
+Bytes encode_request(const Request& r);
+Bytes encode_response(RequestType answered, const Response& r);
+
+// Parse one message body (without its length prefix). On failure returns nullopt and
+// puts the reason in `why` when given.
+std::optional<Request> parse_request(std::span<const std::uint8_t> body, std::string* why = nullptr);
+std::optional<Response> parse_response(RequestType answered, std::span<const std::uint8_t> body,
+                                       std::string* why = nullptr);
+
+// Splits a byte stream into message bodies. Feed bytes as they arrive with append(), then
+// call next() until it stops returning kMessage.
+class MessageReader {
+ public:
+  enum class Result { kNeedMore, kMessage, kTooLong };
+  explicit MessageReader(std::size_t max_body = kMaxMessageBytes) : max_body_(max_body) {}
+  void append(const std::uint8_t* data, std::size_t len);
+  // kMessage: `body` views the next message, valid until the next append()/next().
+  // kTooLong: the declared length is over the limit; the stream cannot be trusted further.
+  Result next(std::span<const std::uint8_t>& body);
+  std::size_t buffered() const { return buf_.size() - pos_; }
+
+ private:
+  std::size_t max_body_;
+  Bytes buf_;
+  std::size_t pos_ = 0;  // start of the unconsumed bytes in buf_
+};
+
+}  // namespace gradsync::store_protocol

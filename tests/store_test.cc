@@ -1,0 +1,344 @@
+// Rendezvous stores: one behavioural suite run on the inproc, file and TCP stores, plus
+// the TCP server's defences (tokens, garbage, oversized requests) and client reconnects.
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <set>
+#include <thread>
+
+#include "gradsync/error.h"
+#include "gradsync/store.h"
+#include "harness.h"
+#include "rendezvous/socket.h"
+#include "rendezvous/store_protocol.h"
+#include "rendezvous/store_util.h"
+
+namespace gradsync {
+namespace {
+
+using namespace std::chrono_literals;
+namespace sp = store_protocol;
+
+constexpr char kToken[] = "store-token";
+
+// One store instance as seen by several clients. `client()` returns a new handle on the
+// same data; for the file and TCP stores it also works in a forked child.
+class StoreUnderTest {
+ public:
+  virtual ~StoreUnderTest() = default;
+  virtual std::shared_ptr<Store> client() = 0;
+  virtual bool crosses_processes() const = 0;
+};
+
+class InprocUnderTest final : public StoreUnderTest {
+ public:
+  std::shared_ptr<Store> client() override { return store_; }
+  bool crosses_processes() const override { return false; }
+
+ private:
+  std::shared_ptr<Store> store_ = make_inproc_store();
+};
+
+class FileUnderTest final : public StoreUnderTest {
+ public:
+  std::shared_ptr<Store> client() override { return make_file_store(dir_.path()); }
+  bool crosses_processes() const override { return true; }
+
+ private:
+  testing::TempDir dir_;
+};
+
+class TcpUnderTest final : public StoreUnderTest {
+ public:
+  std::shared_ptr<Store> client() override { return make_tcp_store("127.0.0.1", server_->port(), kToken, 5s); }
+  bool crosses_processes() const override { return true; }
+
+ private:
+  std::unique_ptr<TcpStoreServer> server_ = make_tcp_store_server("127.0.0.1", 0, kToken);
+};
+
+struct StoreKind {
+  std::string name;
+  std::function<std::unique_ptr<StoreUnderTest>()> make;
+};
+void PrintTo(const StoreKind& k, std::ostream* os) { *os << k.name; }
+
+class StoreSuite : public ::testing::TestWithParam<StoreKind> {
+ protected:
+  void SetUp() override { under_test_ = GetParam().make(); }
+  std::shared_ptr<Store> client() { return under_test_->client(); }
+  std::unique_ptr<StoreUnderTest> under_test_;
+};
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+TEST_P(StoreSuite, SetGetCheckAndOverwrite) {
+  auto s = client();
+  EXPECT_FALSE(s->check("a"));
+  s->set("a", to_bytes("one"));
+  EXPECT_TRUE(s->check("a"));
+  EXPECT_EQ(to_string(s->get("a", 1s)), "one");
+  s->set("a", to_bytes("two"));
+  EXPECT_EQ(to_string(client()->get("a", 1s)), "two");  // visible to another client
+}
+
+TEST_P(StoreSuite, KeysAndValuesMayHoldAnyBytes) {
+  auto s = client();
+  Bytes binary = {0, 1, 2, 0, 255, '/', '\n'};
+  std::string odd_key = "job/rank 3/../%x\x01";
+  s->set(odd_key, binary);
+  EXPECT_EQ(s->get(odd_key, 1s), binary);
+  s->set("empty", {});
+  EXPECT_TRUE(s->check("empty"));
+  EXPECT_TRUE(s->get("empty", 1s).empty());
+  Bytes big(3 << 20);
+  for (std::size_t i = 0; i < big.size(); ++i) big[i] = static_cast<std::uint8_t>(i * 7);
+  s->set("big", big);
+  EXPECT_EQ(client()->get("big", 5s), big);
+}
+
+TEST_P(StoreSuite, GetBlocksUntilAnotherClientSets) {
+  auto reader = client();
+  auto writer = client();
+  std::thread t([&] {
+    std::this_thread::sleep_for(50ms);
+    writer->set("late", to_bytes("here"));
+  });
+  EXPECT_EQ(to_string(reader->get("late", 10s)), "here");
+  t.join();
+}
+
+TEST_P(StoreSuite, WaitReturnsOnceEveryKeyExists) {
+  auto waiter = client();
+  auto writer = client();
+  writer->set("k0", {});
+  std::thread t([&] {
+    std::this_thread::sleep_for(30ms);
+    writer->set("k1", {});
+    std::this_thread::sleep_for(30ms);
+    writer->add("k2", 5);
+  });
+  waiter->wait({"k0", "k1", "k2", "k1"}, 10s);
+  EXPECT_TRUE(waiter->check("k2"));
+  t.join();
+}
+
+TEST_P(StoreSuite, TimeoutsNameOnlyTheMissingKeys) {
+  auto s = client();
+  s->set("present", {});
+  try {
+    s->wait({"present", "absent-1", "absent-2"}, 100ms);
+    FAIL() << "no timeout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kTimeout);
+    EXPECT_TRUE(contains(e.what(), "absent-1")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "absent-2")) << e.what();
+    EXPECT_FALSE(contains(e.what(), "present")) << e.what();
+  }
+  try {
+    s->get("nowhere", 0ms);
+    FAIL() << "no timeout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kTimeout);
+    EXPECT_TRUE(contains(e.what(), "nowhere")) << e.what();
+  }
+  // The client is still usable after a timeout.
+  s->set("after", to_bytes("ok"));
+  EXPECT_EQ(to_string(s->get("after", 1s)), "ok");
+}
+
+TEST_P(StoreSuite, AddIsAtomicAcrossThreads) {
+  constexpr int kThreads = 8, kAdds = 150;
+  std::vector<std::shared_ptr<Store>> clients;
+  auto shared = client();  // half the threads share one client, half have their own
+  for (int i = 0; i < kThreads; ++i) clients.push_back(i % 2 ? client() : shared);
+  std::vector<std::vector<std::int64_t>> seen(kThreads);
+  testing::run_threads(kThreads, [&](int i) {
+    for (int k = 0; k < kAdds; ++k) seen[static_cast<std::size_t>(i)].push_back(clients[static_cast<std::size_t>(i)]->add("counter", 1));
+  });
+  std::set<std::int64_t> all;
+  for (auto& v : seen) all.insert(v.begin(), v.end());
+  // Every add returned a distinct value, and together they are exactly 1..N.
+  EXPECT_EQ(all.size(), static_cast<std::size_t>(kThreads * kAdds));
+  EXPECT_EQ(*all.begin(), 1);
+  EXPECT_EQ(*all.rbegin(), kThreads * kAdds);
+  EXPECT_EQ(client()->add("counter", 0), kThreads * kAdds);
+  EXPECT_EQ(client()->add("counter", -kThreads * kAdds - 5), -5);
+}
+
+TEST_P(StoreSuite, AddIsAtomicAcrossProcesses) {
+  if (!under_test_->crosses_processes()) GTEST_SKIP() << "store lives in one process";
+  constexpr int kProcs = 4, kAdds = 100;
+  auto status = testing::run_processes(kProcs, [&](int) {
+    auto s = client();  // a fresh connection/handle in the child
+    for (int k = 0; k < kAdds; ++k) s->add("shared", 1);
+    return 0;
+  });
+  for (int st : status) EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << st;
+  EXPECT_EQ(client()->add("shared", 0), kProcs * kAdds);
+}
+
+TEST_P(StoreSuite, AddOnANonIntegerValueIsAnError) {
+  auto s = client();
+  s->set("text", to_bytes("abc"));
+  try {
+    s->add("text", 1);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kProtocol) << e.what();
+  }
+  EXPECT_EQ(to_string(s->get("text", 1s)), "abc");  // left untouched
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllStores, StoreSuite,
+    ::testing::Values(StoreKind{"inproc", [] { return std::unique_ptr<StoreUnderTest>(new InprocUnderTest); }},
+                      StoreKind{"file", [] { return std::unique_ptr<StoreUnderTest>(new FileUnderTest); }},
+                      StoreKind{"tcp", [] { return std::unique_ptr<StoreUnderTest>(new TcpUnderTest); }}),
+    [](const ::testing::TestParamInfo<StoreKind>& p) { return p.param.name; });
+
+// --- TCP store specifics ------------------------------------------------------------------
+
+net::Fd raw(int port) {
+  return net::connect_tcp("127.0.0.1", port, std::chrono::steady_clock::now() + 5s, "test");
+}
+
+bool closed_within(int fd, std::chrono::milliseconds limit) {
+  auto end = std::chrono::steady_clock::now() + limit;
+  std::uint8_t buf[4096];
+  while (std::chrono::steady_clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 50) <= 0) continue;
+    if (::recv(fd, buf, sizeof buf, 0) <= 0) return true;
+  }
+  return false;
+}
+
+TEST(TcpStore, WrongTokenIsRefusedAndTheServerCarriesOn) {
+  auto server = make_tcp_store_server("127.0.0.1", 0, kToken);
+  try {
+    make_tcp_store("127.0.0.1", server->port(), "wrong", 2s);
+    FAIL() << "wrong token accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kProtocol) << e.what();
+    EXPECT_TRUE(contains(e.what(), "127.0.0.1:" + std::to_string(server->port()))) << e.what();
+  }
+  auto good = make_tcp_store("127.0.0.1", server->port(), kToken, 2s);
+  good->set("x", to_bytes("y"));
+  EXPECT_EQ(to_string(good->get("x", 1s)), "y");
+}
+
+TEST(TcpStore, GarbageUnauthenticatedAndOversizedRequestsAreDropped) {
+  auto server = make_tcp_store_server("127.0.0.1", 0, kToken);
+  int port = server->port();
+  auto good = make_tcp_store("127.0.0.1", port, kToken, 2s);
+  // A get parked on the server while the junk arrives must still be answered.
+  std::thread waiter([&] {
+    auto other = make_tcp_store("127.0.0.1", port, kToken, 2s);
+    EXPECT_EQ(to_string(other->get("go", 10s)), "now");
+  });
+
+  net::Fd junk = raw(port);
+  const char raw_text[] = "\x05\x00\x00\x00hello world, not a request";
+  std::string text(raw_text, sizeof raw_text - 1);  // NULs included
+  net::write_all(junk.get(), text.data(), text.size());
+
+  net::Fd oversized = raw(port);
+  std::uint8_t huge[4] = {0xff, 0xff, 0xff, 0xff};
+  net::write_all(oversized.get(), huge, 4);
+
+  net::Fd unauthenticated = raw(port);
+  sp::Request set;
+  set.type = sp::RequestType::kSet;
+  set.key = "sneaky";
+  auto msg = sp::encode_request(set);
+  net::write_all(unauthenticated.get(), msg.data(), msg.size());
+
+  net::Fd bad_after_auth = raw(port);
+  sp::Request auth;
+  auth.type = sp::RequestType::kAuth;
+  auth.key = kToken;
+  msg = sp::encode_request(auth);
+  net::write_all(bad_after_auth.get(), msg.data(), msg.size());
+  std::uint8_t bad_type[] = {1, 0, 0, 0, 99};
+  net::write_all(bad_after_auth.get(), bad_type, sizeof bad_type);
+
+  EXPECT_TRUE(closed_within(junk.get(), 5000ms));
+  EXPECT_TRUE(closed_within(oversized.get(), 5000ms));
+  EXPECT_TRUE(closed_within(unauthenticated.get(), 5000ms));
+  EXPECT_TRUE(closed_within(bad_after_auth.get(), 5000ms));
+  EXPECT_FALSE(good->check("sneaky"));
+  good->set("go", to_bytes("now"));
+  waiter.join();
+}
+
+TEST(TcpStore, ManyClientsParkedAtOnceDoNotBlockTheServer) {
+  auto server = make_tcp_store_server("127.0.0.1", 0, kToken);
+  constexpr int kClients = 32;
+  std::atomic<int> done{0};
+  std::thread setter([&] {
+    auto s = make_tcp_store("127.0.0.1", server->port(), kToken, 2s);
+    // While every other client is parked in wait(), this one's requests still go through.
+    for (int i = 0; i < 20; ++i) s->add("noise", 1);
+    s->set("go", {});
+  });
+  testing::run_threads(kClients, [&](int i) {
+    auto s = make_tcp_store("127.0.0.1", server->port(), kToken, 5s);
+    s->wait({"go"}, 20s);
+    s->set("done/" + std::to_string(i), {});
+    ++done;
+  });
+  setter.join();
+  EXPECT_EQ(done.load(), kClients);
+}
+
+TEST(TcpStore, ConnectTimeoutNamesHostAndPort) {
+  int port;
+  {
+    net::Fd l = net::listen_tcp("127.0.0.1", 0, false);
+    port = net::local_port(l.get());
+  }
+  try {
+    make_tcp_store("127.0.0.1", port, kToken, 200ms);
+    FAIL() << "connected to a closed port";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kTimeout) << e.what();
+    EXPECT_TRUE(contains(e.what(), "127.0.0.1:" + std::to_string(port))) << e.what();
+  }
+}
+
+TEST(TcpStore, ClientReconnectsToARestartedServer) {
+  auto server = make_tcp_store_server("127.0.0.1", 0, kToken);
+  int port = server->port();
+  auto s = make_tcp_store("127.0.0.1", port, kToken, 5s);
+  s->set("a", {});
+  server.reset();
+  server = make_tcp_store_server("127.0.0.1", port, kToken);  // same port, empty store
+  s->set("b", to_bytes("again"));  // idempotent: retried on a fresh connection
+  EXPECT_EQ(to_string(s->get("b", 1s)), "again");
+  EXPECT_FALSE(s->check("a"));
+}
+
+TEST(TcpStore, ServerDisappearingIsReportedNotHung) {
+  auto server = make_tcp_store_server("127.0.0.1", 0, kToken);
+  int port = server->port();
+  auto s = make_tcp_store("127.0.0.1", port, kToken, 300ms);
+  std::thread killer([&] {
+    std::this_thread::sleep_for(50ms);
+    server.reset();
+  });
+  try {
+    s->get("never", 30s);  // parked on the server when it goes away
+    FAIL() << "get returned";
+  } catch (const Error& e) {
+    // The retry finds nobody listening: the error names where the store was.
+    EXPECT_TRUE(contains(e.what(), "127.0.0.1:" + std::to_string(port))) << e.what();
+  }
+  killer.join();
+}
+
+}  // namespace
+}  // namespace gradsync
