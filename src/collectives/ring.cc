@@ -91,23 +91,41 @@ void reduce_scatter_phase(Comm& c, const unsigned char* send, unsigned char* wor
 
 // The all-gather phase: step t sends segment (owned - t) and receives segment
 // (owned - t - 1) into `recv`, forwarding each received piece at the next step. Step 0's
-// pieces were sent by the caller. `before_overwrite(seg, j)` runs before a piece of
-// `recv` is overwritten (all-reduce waits there for the send that last read it).
+// pieces were sent by the caller. Receives are posted a few pieces ahead so a transport
+// can land data straight in `recv` instead of buffering it. `before_overwrite(t, j)` runs
+// before a piece of `recv` is handed to a receive (all-reduce waits there for the send
+// that last read it).
 template <typename BeforeOverwrite>
 void allgather_phase(Comm& c, unsigned char* recv, const RingLayout& L, std::size_t owned,
                      std::vector<transport::RequestPtr>& sends, BeforeOverwrite before_overwrite) {
+  // Enough pieces in flight to cover a transport round trip, few enough that posted but
+  // unfilled receives pin little memory.
+  constexpr std::size_t kLookahead = 4;
   const long long n = c.size(), r = c.rank();
   const int right = static_cast<int>(mod(r + 1, n)), left = static_cast<int>(mod(r - 1, n));
   const std::size_t K = L.pieces, es = L.elem;
-  for (long long t = 0; t < n - 1; ++t) {
-    const std::size_t seg = mod(static_cast<long long>(owned) - t - 1, n);
-    for (std::size_t j = 0; j < K; ++j) {
+  const std::size_t total = static_cast<std::size_t>(n - 1) * K;
+  struct Posted {
+    std::size_t step;
+    unsigned char* dst;
+    std::size_t bytes;
+    transport::RequestPtr request;
+  };
+  std::deque<Posted> posted;
+  std::size_t next = 0;
+  for (std::size_t done = 0; done < total; ++done) {
+    for (; next < total && next < done + kLookahead; ++next) {
+      const std::size_t t = next / K, j = next % K;
+      const std::size_t seg = mod(static_cast<long long>(owned) - static_cast<long long>(t) - 1, n);
       unsigned char* dst = recv + L.piece_offset(seg, j) * es;
       const std::size_t bytes = L.piece_count(seg, j) * es;
-      before_overwrite(static_cast<std::size_t>(t), j);
-      c.wait(c.irecv(left, dst, bytes));
-      if (t < n - 2) sends.push_back(c.isend(right, dst, bytes));
+      before_overwrite(t, j);
+      posted.push_back({t, dst, bytes, c.irecv(left, dst, bytes)});
     }
+    Posted p = std::move(posted.front());
+    posted.pop_front();
+    c.wait(p.request);
+    if (static_cast<long long>(p.step) < n - 2) sends.push_back(c.isend(right, p.dst, p.bytes));
   }
 }
 
