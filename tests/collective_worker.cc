@@ -1,0 +1,147 @@
+// A rank of the multi-process tests, started by gradsync-run: builds its context from the
+// environment like a user program, then either checks every collective against the
+// reference (mode "check") or all-reduces until killed (mode "loop", for kill -9 tests).
+// Exit code 0 = every check passed.
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <string>
+
+#include "gradsync/gradsync.h"
+#include "reference.h"
+
+using namespace gradsync;
+
+namespace {
+
+int failures = 0;
+
+void check(bool ok, const std::string& what, int rank) {
+  if (!ok) {
+    ++failures;
+    std::fprintf(stderr, "rank %d: FAILED %s\n", rank, what.c_str());
+  }
+}
+
+// FNV-1a of a buffer: ranks exchange it to prove their outputs are bitwise identical.
+std::uint64_t fingerprint(const testing::Buffer& b) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (auto c : b) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+void expect_same_everywhere(Context& ctx, const testing::Buffer& b, const std::string& what) {
+  std::int64_t mine = static_cast<std::int64_t>(fingerprint(b));
+  std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
+  ctx.allgather(&mine, all.data(), 1, DataType::kInt64);
+  for (auto h : all) check(h == mine, what + ": output differs between ranks", ctx.rank());
+}
+
+void run_checks(Context& ctx) {
+  const int n = ctx.size(), r = ctx.rank();
+  const std::size_t counts[] = {0, 1, static_cast<std::size_t>(n > 1 ? n - 1 : 1), 99991,
+                                (std::size_t{1} << 20) + 3};
+  for (Algorithm algo : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kRecursiveDoubling,
+                         Algorithm::kHalvingDoubling, Algorithm::kParameterServer}) {
+    for (std::size_t count : counts) {
+      for (DataType t : testing::kAllDtypes) {
+        for (ReduceOp op : testing::kAllOps) {
+          if (count > 100000 && (t != DataType::kFloat32 || op != ReduceOp::kSum)) continue;
+          if (count > 2 && count < 100000 && op != ReduceOp::kSum && op != ReduceOp::kAvg &&
+              t != DataType::kFloat32) continue;
+          std::string what = std::string("allreduce ") + to_string(algo) + " " + to_string(t) +
+                             " " + to_string(op) + " count=" + std::to_string(count);
+          testing::Buffer in = testing::make_input(t, op, r, count), out(in.size());
+          ctx.allreduce(in.data(), out.data(), count, t, op, algo);
+          check(out == testing::reference_reduce(t, op, n, count), what, r);
+          expect_same_everywhere(ctx, out, what);
+        }
+      }
+    }
+  }
+  for (std::size_t block : {std::size_t{0}, std::size_t{1}, std::size_t{4099}, std::size_t{262147}}) {
+    const std::size_t total = block * static_cast<std::size_t>(n);
+    testing::Buffer in = testing::make_input(DataType::kFloat32, ReduceOp::kSum, r, total);
+    testing::Buffer out(block * 4);
+    ctx.reduce_scatter(in.data(), out.data(), block, DataType::kFloat32, ReduceOp::kSum);
+    check(out == testing::reference_reduce(DataType::kFloat32, ReduceOp::kSum, n, block,
+                                           block * static_cast<std::size_t>(r)),
+          "reduce_scatter block=" + std::to_string(block), r);
+
+    testing::Buffer mine = testing::make_input(DataType::kInt32, ReduceOp::kSum, r, block);
+    testing::Buffer gathered(total * 4);
+    ctx.allgather(mine.data(), gathered.data(), block, DataType::kInt32);
+    for (int src = 0; src < n; ++src) {
+      testing::Buffer want = testing::make_input(DataType::kInt32, ReduceOp::kSum, src, block);
+      check(std::memcmp(gathered.data() + static_cast<std::size_t>(src) * block * 4, want.data(),
+                        want.size()) == 0,
+            "allgather block=" + std::to_string(block), r);
+    }
+    for (int root = 0; root < n; ++root) {
+      testing::Buffer want = testing::make_input(DataType::kFloat64, ReduceOp::kSum, root, block);
+      testing::Buffer buf = r == root ? want : testing::Buffer(want.size(), 0);
+      ctx.broadcast(buf.data(), block, DataType::kFloat64, root);
+      check(buf == want, "broadcast root=" + std::to_string(root), r);
+      testing::Buffer red(block * 8);
+      testing::Buffer in64 = testing::make_input(DataType::kFloat64, ReduceOp::kMax, r, block);
+      ctx.reduce(in64.data(), red.data(), block, DataType::kFloat64, ReduceOp::kMax, root);
+      if (r == root) {
+        check(red == testing::reference_reduce(DataType::kFloat64, ReduceOp::kMax, n, block),
+              "reduce root=" + std::to_string(root), r);
+      }
+    }
+  }
+  std::vector<std::size_t> vcounts(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) vcounts[static_cast<std::size_t>(i)] = static_cast<std::size_t>(i % 2 ? 0 : 1000 + i);
+  const std::size_t vtotal = std::accumulate(vcounts.begin(), vcounts.end(), std::size_t{0});
+  testing::Buffer vin = testing::make_input(DataType::kUInt8, ReduceOp::kSum, r, vcounts[static_cast<std::size_t>(r)]);
+  testing::Buffer vout(vtotal);
+  ctx.allgatherv(vin.data(), vout.data(), vcounts, DataType::kUInt8);
+  std::size_t off = 0;
+  for (int src = 0; src < n; ++src) {
+    testing::Buffer want = testing::make_input(DataType::kUInt8, ReduceOp::kSum, src, vcounts[static_cast<std::size_t>(src)]);
+    check(std::memcmp(vout.data() + off, want.data(), want.size()) == 0, "allgatherv", r);
+    off += want.size();
+  }
+  ctx.barrier();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "check";
+  try {
+    auto ctx = init();
+    if (mode == "check") {
+      run_checks(*ctx);
+      std::printf("rank %d: %s, transport to rank %d: %s\n", ctx->rank(),
+                  failures ? "FAILED" : "all checks passed", (ctx->rank() + 1) % ctx->size(),
+                  ctx->transport_name((ctx->rank() + 1) % ctx->size()).c_str());
+      return failures ? 1 : 0;
+    }
+    if (mode == "loop") {  // all-reduce until a peer dies; report how long detection took
+      std::vector<float> buf(1 << 22, 1.0f);
+      std::printf("rank %d: looping\n", ctx->rank());
+      std::fflush(stdout);
+      auto last_ok = std::chrono::steady_clock::now();
+      try {
+        for (;;) {
+          ctx->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kMax);
+          last_ok = std::chrono::steady_clock::now();
+        }
+      } catch (const Error& e) {
+        auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                      std::chrono::steady_clock::now() - last_ok).count();
+        std::fprintf(stderr, "rank %d: detected after %lld ms: %s\n", ctx->rank(),
+                     static_cast<long long>(ms), e.what());
+        return 4;
+      }
+    }
+    std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 3;
+  }
+}
