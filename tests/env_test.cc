@@ -118,6 +118,9 @@ TEST(CostModel, LatencyOptimalForSmallRingForLarge) {
     EXPECT_EQ(m.choose_allreduce(n, 4096), Algorithm::kRecursiveDoubling) << n;
     EXPECT_NE(m.choose_allreduce(n, 256 << 20), Algorithm::kRecursiveDoubling) << n;
   }
+  // Large messages: the pipelined ring, also where halving-doubling moves as few bytes.
+  EXPECT_EQ(m.choose_allreduce(4, 64 << 20), Algorithm::kRing);
+  EXPECT_EQ(m.choose_allreduce(8, 64 << 20), Algorithm::kRing);
   // Non-power-of-two worlds pay for folding; the ring does not.
   EXPECT_EQ(m.choose_allreduce(5, 64 << 20), Algorithm::kRing);
   EXPECT_EQ(m.choose_allreduce(3, 64 << 20), Algorithm::kRing);

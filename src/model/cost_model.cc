@@ -31,16 +31,21 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes) const {
   // Non-power-of-two: fold the extra ranks in (one full message + reduction) and the
   // result back out (one full message).
   const double fold = (n != p) ? 2 * (alpha + S * beta) + S * gamma : 0.0;
+  // Recursive doubling and halving-doubling receive each step whole into a scratch buffer
+  // and only then reduce it: one more pass over the received bytes, at transfer speed,
+  // that the ring avoids by reducing each piece straight out of the transport's buffer
+  // while the next one is in flight.
+  const double staged = beta;
   switch (a) {
     case Algorithm::kRing: {
       const double frac = static_cast<double>(n - 1) / n;
       return 2 * (n - 1) * alpha + 2 * frac * S * beta + frac * S * gamma;
     }
     case Algorithm::kRecursiveDoubling:
-      return steps * (alpha + S * beta + S * gamma) + fold;
+      return steps * (alpha + S * (beta + staged) + S * gamma) + fold;
     case Algorithm::kHalvingDoubling: {
       const double frac = static_cast<double>(p - 1) / p;
-      return 2 * steps * alpha + 2 * frac * S * beta + frac * S * gamma + fold;
+      return 2 * steps * alpha + 2 * frac * S * beta + frac * S * (gamma + staged) + fold;
     }
     case Algorithm::kParameterServer:
       // The server receives and then sends N-1 full copies, one after another.
