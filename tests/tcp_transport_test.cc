@@ -446,6 +446,139 @@ TEST(TcpTransport, ConsumingReceiveReadsWhereTheBytesLanded) {
   });
 }
 
+// A socket a waiting caller has read stays with callers between waits (the loop thread
+// does not read it), so bytes that arrive early wait in the kernel for the next wait. A rank
+// that then stays out of the transport must still let a peer's large send complete.
+TEST(TcpTransport, SendCompletesWhileTheReceiverStaysOutOfTheTransport) {
+  constexpr std::size_t kBytes = std::size_t{48} << 20;  // far beyond the socket buffers
+  std::atomic<bool> sent{false};
+  run_tcp_group(2, {}, [&](int rank, Transport& t) {
+    int v = 0;
+    if (rank == 0) {
+      t.isend(1, tag_of(1), &v, sizeof v)->wait(soon());
+      auto big = pattern(3, kBytes);
+      t.isend(1, tag_of(2), big.data(), kBytes)->wait(soon());
+      sent = true;
+    } else {
+      t.irecv(0, tag_of(1), &v, sizeof v)->wait(soon());  // this thread read the socket
+      auto end = Clock::now() + 30s;
+      while (!sent && Clock::now() < end) std::this_thread::sleep_for(1ms);  // busy elsewhere
+      EXPECT_TRUE(sent) << "the send completed only once its receiver came back";
+      std::vector<unsigned char> got(kBytes);
+      t.irecv(0, tag_of(2), got.data(), kBytes)->wait(soon());
+      EXPECT_EQ(first_pattern_error(got, 3), kBytes);
+    }
+  });
+}
+
+// Rank 1 waits on rank 2, whose message depends on rank 0's large send to rank 1 completing
+// first. That send can only complete if rank 1's wait on rank 2 also reads rank 0's socket,
+// which rank 1's own earlier wait left with callers.
+TEST(TcpTransport, WaitOnOnePeerKeepsReadingTheOthers) {
+  constexpr std::size_t kBytes = std::size_t{32} << 20;
+  run_tcp_group(3, {}, [&](int rank, Transport& t) {
+    int v = 7;
+    if (rank == 0) {
+      t.isend(1, tag_of(1), &v, sizeof v)->wait(soon());
+      auto big = pattern(4, kBytes);
+      t.isend(1, tag_of(2), big.data(), kBytes)->wait(soon());
+      t.isend(2, tag_of(3), &v, sizeof v)->wait(soon());
+    } else if (rank == 1) {
+      t.irecv(0, tag_of(1), &v, sizeof v)->wait(soon());
+      int from2 = 0;
+      t.irecv(2, tag_of(4), &from2, sizeof from2)->wait(soon());
+      EXPECT_EQ(from2, 9);
+      std::vector<unsigned char> got(kBytes);
+      t.irecv(0, tag_of(2), got.data(), kBytes)->wait(soon());
+      EXPECT_EQ(first_pattern_error(got, 4), kBytes);
+    } else {
+      t.irecv(0, tag_of(3), &v, sizeof v)->wait(soon());
+      int nine = 9;
+      t.isend(1, tag_of(4), &nine, sizeof nine)->wait(soon());
+    }
+  });
+}
+
+// Two threads of one rank exchange with two different peers at once, each waiting on its
+// own requests: each may be the one doing the other's socket I/O at times.
+TEST(TcpTransport, ConcurrentCallersOnOneTransport) {
+  constexpr int kRounds = 150;
+  auto size_of = [](int i) -> std::size_t { return i % 10 == 9 ? 300000 + i : (i * 131) % 5000; };
+  run_tcp_group(3, {}, [&](int rank, Transport& t) {
+    auto exchange = [&](int peer) {
+      for (int i = 0; i < kRounds; ++i) {
+        std::vector<unsigned char> got(size_of(i));
+        auto out = pattern(static_cast<std::uint64_t>(rank * 1000 + i), size_of(i));
+        auto r = t.irecv(peer, tag_of(static_cast<std::uint64_t>(i)), got.data(), got.size());
+        auto s = t.isend(peer, tag_of(static_cast<std::uint64_t>(i)), out.data(), out.size());
+        if (i % 2) {
+          s->wait(soon());
+          r->wait(soon());
+        } else {
+          r->wait(soon());
+          s->wait(soon());
+        }
+        ASSERT_EQ(first_pattern_error(got, static_cast<std::uint64_t>(peer * 1000 + i)), got.size())
+            << "rank " << rank << " from " << peer << " round " << i;
+      }
+    };
+    if (rank == 0) {
+      std::thread other([&] { exchange(2); });
+      exchange(1);
+      other.join();
+    } else {
+      exchange(0);
+    }
+  });
+}
+
+// Buffers of messages that arrive before their receive are recycled; many messages of many
+// sizes, received late by plain and consuming receives, must each keep their own bytes.
+TEST(TcpTransport, EarlyMessagesOfManySizesKeepTheirBytes) {
+  constexpr int kMessages = 40;
+  auto size_of = [](int i) -> std::size_t {
+    return 40000 + static_cast<std::size_t>(i % 7) * 150001 + i;
+  };
+  run_tcp_group(2, {}, [&](int rank, Transport& t) {
+    for (int round = 0; round < 3; ++round) {
+      if (rank == 0) {
+        std::vector<std::vector<unsigned char>> out;
+        std::vector<RequestPtr> sends;
+        for (int i = 0; i < kMessages; ++i)
+          out.push_back(pattern(static_cast<std::uint64_t>(round * 100 + i), size_of(i)));
+        for (int i = 0; i < kMessages; ++i)
+          sends.push_back(
+              t.isend(1, tag_of(static_cast<std::uint64_t>(i)), out[i].data(), out[i].size()));
+        for (auto& s : sends) s->wait(soon());
+        char go = 0;
+        t.irecv(1, tag_of(99), &go, 1)->wait(soon());  // keep `out` alive until all arrived
+      } else {
+        std::this_thread::sleep_for(30ms);  // most messages arrive before their receive
+        for (int i = 0; i < kMessages; ++i) {
+          std::vector<unsigned char> got;
+          if (i % 2) {
+            got.resize(size_of(i));
+            t.irecv(0, tag_of(static_cast<std::uint64_t>(i)), got.data(), got.size())->wait(soon());
+          } else {
+            t.irecv_consume(0, tag_of(static_cast<std::uint64_t>(i)), size_of(i),
+                            [&](const void* data, std::size_t offset, std::size_t len) {
+                              if (got.size() < offset + len) got.resize(offset + len);
+                              std::memcpy(got.data() + offset, data, len);
+                            })
+                ->wait(soon());
+          }
+          ASSERT_EQ(got.size(), size_of(i));
+          ASSERT_EQ(first_pattern_error(got, static_cast<std::uint64_t>(round * 100 + i)),
+                    got.size())
+              << "round " << round << " message " << i;
+        }
+        char go = 1;
+        t.isend(0, tag_of(99), &go, 1)->wait(soon());
+      }
+    }
+  });
+}
+
 // Peer death across real processes: rank 2 is SIGKILLed after the group formed; the other
 // ranks' pending and later operations with it fail as kPeerLost naming it and its address,
 // while they can still talk to each other.

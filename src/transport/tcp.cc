@@ -1,24 +1,35 @@
-// TCP transport: one connection per peer pair, non-blocking sockets progressed by one
-// epoll thread per transport, token handshake, sticky per-peer errors and abort frames.
+// TCP transport: one connection per peer pair, non-blocking sockets progressed by the
+// threads that wait on them and by one epoll thread per transport, token handshake, sticky
+// per-peer errors and abort frames.
 //
 // Data path. A send is queued on its peer and written with sendmsg (header and payload in
 // one iovec list, several queued messages per call); the calling thread writes at once
-// when nothing is queued, the loop thread continues on EPOLLOUT. Only the loop thread
-// reads. A message whose receive is already posted is read straight into the user buffer;
-// one that arrives first ("unexpected") is buffered and copied out when its receive is
-// posted, and a receive posted while such a message is still arriving takes it over
-// mid-stream (copying only the prefix). Headers and small payloads go through a staging
-// buffer so a burst of small messages costs one recv().
+// when nothing is queued. A message whose receive is already posted is read straight into
+// the user buffer; one that arrives first ("unexpected") lands in a recycled buffer and is
+// copied out when its receive is posted (a consuming receive reads it in place), and a
+// receive posted while such a message is still arriving takes it over mid-stream (copying
+// only the prefix). Headers and small payloads go through a staging buffer so a burst of
+// small messages costs one recv().
+//
+// Progress. A thread waiting on a request does the socket I/O itself (Core::drive_locked):
+// it reads the socket of the receive it waits for and writes whatever the send sockets did
+// not take, polling briefly and then sleeping in poll(). The kernel then wakes the thread
+// that needs the bytes, not the loop thread that would hand them over: one wake-up per
+// message instead of two. The loop thread does everything no caller waits for (setup,
+// strays, sends and receives while nobody waits, sockets callers left idle).
 //
 // Locking. One mutex (Core::mu) guards all state; syscalls run without it. A thread doing
 // I/O on a peer sets that peer's `writing`/`reading` flag first: whoever sets the flag is
-// the only one touching the buffers of the operations in flight, and must, after the
-// syscall, settle any failure or abort that arrived meanwhile. That rule is what lets an
-// abort or a dropped request never free a buffer the kernel is still copying into.
+// the only one touching the buffers of the operations in flight (and the only one in a
+// syscall on that direction of the socket), and must, after the syscall, settle any
+// failure or abort that arrived meanwhile. That rule is what lets an abort or a dropped
+// request never free a buffer the kernel is still copying into.
 #include "transport/tcp.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -36,6 +47,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <type_traits>
 
 #include "rendezvous/socket.h"
 #include "transport/frame.h"
@@ -59,6 +71,9 @@ constexpr auto kHelloTimeout = std::chrono::seconds(10);
 constexpr std::size_t kMaxPendingConnections = 256;
 // Reads per readiness event on one peer before serving the others (fairness).
 constexpr int kReadsPerEvent = 32;
+// A socket a caller read stays with callers this long after its last wait before the
+// loop reads it again (see Core::drive_locked); also the loop's tick while any is parked.
+constexpr auto kParkedReclaim = std::chrono::milliseconds(10);
 // How long destruction waits for queued frames to drain (see Core::shutdown).
 constexpr auto kShutdownLinger = std::chrono::seconds(1);
 
@@ -81,6 +96,38 @@ int socket_buffer_bytes() {
   return value;
 }
 
+// GRADSYNC_TCP_SPIN_US: how long a waiting caller keeps polling its sockets before it
+// sleeps in poll(). Polling sees bytes without a wake-up, and a wake-up costs more than a
+// small message (2-core VM, 4 KiB all-reduce: 2 ranks 29 us without polling, 11 us with
+// it). When this host has a core for every local rank of the transport, it polls for
+// kBusySpin; when ranks share cores, for kYieldSpin with sched_yield() between tries, so
+// the ranks sharing the core run meanwhile (as Open MPI does when oversubscribed; 4 ranks
+// on 2 cores: 69 -> 35 us). The variable overrides the duration; 0 turns polling off.
+constexpr auto kBusySpin = std::chrono::microseconds(50);
+constexpr auto kYieldSpin = std::chrono::microseconds(100);
+long spin_us_setting() {
+  static const long value = [] {
+    const char* s = std::getenv("GRADSYNC_TCP_SPIN_US");
+    if (!s || !*s) return -1L;
+    long v = std::atol(s);
+    std::fprintf(stderr,
+                 "gradsync: GRADSYNC_TCP_SPIN_US=%ld (default: %lld, or %lld yielding when ranks "
+                 "share cores)\n",
+                 v, static_cast<long long>(kBusySpin.count()),
+                 static_cast<long long>(kYieldSpin.count()));
+    return std::max(v, 0L);
+  }();
+  return value;
+}
+
+// Cores this process may run on (its affinity mask, which cpusets and taskset narrow).
+unsigned usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) == 0) return static_cast<unsigned>(CPU_COUNT(&set));
+  return std::thread::hardware_concurrency();
+}
+
 void tune_socket(int fd) {
   net::set_nodelay(fd);
   if (int b = socket_buffer_bytes(); b > 0) {
@@ -89,7 +136,117 @@ void tune_socket(int fd) {
   }
 }
 
+// Buffers for messages that arrive before their receive is posted, and for consuming
+// receives, are recycled. A fresh large allocation is fresh memory: one page fault and one
+// zeroed page per 4 KiB when recv() first writes it, and an unmap when it is freed. In a
+// 4-rank 64 MiB ring (every reduce-scatter piece lands in such a buffer) that tripled the
+// page faults of the whole run and cost more CPU than the reductions.
+class BufferPool {
+ public:
+  // Returns a buffer to its pool (or the heap) when the owning pointer dies.
+  struct Release {
+    BufferPool* pool = nullptr;  // null: plain delete[]
+    std::size_t capacity = 0;
+    void operator()(std::uint8_t* p) const noexcept {
+      if (pool) {
+        pool->put(p, capacity);
+      } else {
+        delete[] p;
+      }
+    }
+  };
+  using Buffer = std::unique_ptr<std::uint8_t[], Release>;
+
+  // A buffer of at least `bytes` bytes, contents undefined; empty when out of memory.
+  // Any thread.
+  Buffer get(std::size_t bytes) {
+    if (bytes < kMinPooledBytes) return Buffer(new (std::nothrow) std::uint8_t[bytes], Release{});
+    {
+      std::lock_guard lk(mu_);
+      // Best fit among cached buffers, but never one much larger than asked for, so a
+      // burst of small messages cannot pin the big buffers a large message needs.
+      std::size_t best = free_.size();
+      for (std::size_t i = 0; i < free_.size(); ++i) {
+        std::size_t c = free_[i].capacity;
+        if (c >= bytes && c <= bytes + bytes / 4 + kRoundBytes &&
+            (best == free_.size() || c < free_[best].capacity)) {
+          best = i;
+        }
+      }
+      if (best != free_.size()) {
+        Cached c = std::move(free_[best]);
+        free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(best));
+        cached_bytes_ -= c.capacity;
+        return Buffer(c.data.release(), Release{this, c.capacity});
+      }
+    }
+    // Rounded up so the slightly different sizes of one collective's pieces share buffers.
+    std::size_t capacity = (bytes + kRoundBytes - 1) / kRoundBytes * kRoundBytes;
+    return Buffer(new (std::nothrow) std::uint8_t[capacity], Release{this, capacity});
+  }
+
+ private:
+  // Below this, malloc serves from its own caches without touching fresh pages.
+  static constexpr std::size_t kMinPooledBytes = 32 * 1024;
+  static constexpr std::size_t kRoundBytes = 4096;
+  // Cached memory per transport: a few dozen ring pieces in flight at the default 256 KiB
+  // chunk, or one 32 MiB message; beyond that the oldest cached buffers are freed.
+  static constexpr std::size_t kMaxCachedBytes = 32 * 1024 * 1024;
+
+  struct Cached {
+    std::unique_ptr<std::uint8_t[]> data;
+    std::size_t capacity = 0;
+  };
+
+  void put(std::uint8_t* p, std::size_t capacity) noexcept {
+    Cached released{std::unique_ptr<std::uint8_t[]>(p), capacity};
+    if (capacity > kMaxCachedBytes) return;
+    std::lock_guard lk(mu_);
+    try {
+      free_.push_back(std::move(released));
+    } catch (...) {
+      return;  // no memory for the list entry: the buffer is simply freed
+    }
+    cached_bytes_ += capacity;
+    while (cached_bytes_ > kMaxCachedBytes) {  // oldest first
+      cached_bytes_ -= free_.front().capacity;
+      free_.erase(free_.begin());
+    }
+  }
+
+  std::mutex mu_;             // leaf lock: taken under Core::mu_ or alone
+  std::vector<Cached> free_;  // oldest first
+  std::size_t cached_bytes_ = 0;
+};
+using Buffer = BufferPool::Buffer;
+
+// Each thread that waits in Core::drive_locked sleeps in poll() on its own eventfd as well,
+// so that another thread settling the operation it waits for can wake it.
+struct ThreadWaker {
+  int fd = -1;
+  ~ThreadWaker() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+thread_local ThreadWaker t_waker;
+int thread_waker() {  // -1 if no eventfd could be made (drive_locked then polls in slices)
+  if (t_waker.fd < 0) t_waker.fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  return t_waker.fd;
+}
+int current_thread_waker() {
+  return t_waker.fd;
+}
+// True on a transport's loop thread (each serves one Core).
+thread_local bool t_in_loop_thread = false;
+
 enum class OpStatus { kPending, kDone, kFailed };
+
+// Who reads a peer's socket (see Core::drive_locked).
+enum class ReadSide : std::uint8_t {
+  kLoop,    // the loop thread, on EPOLLIN
+  kDriven,  // a caller waiting in drive_locked; EPOLLIN off
+  kParked,  // nobody until the next wait; EPOLLIN off; the loop takes it back when idle
+};
 
 struct Failure {
   ErrorKind kind;
@@ -108,6 +265,7 @@ struct SendOp {
   std::vector<std::uint8_t> owned;
   OpStatus status = OpStatus::kPending;
   Failure failure;
+  int waker = -1;  // eventfd of the thread sleeping in poll() until this op settles
   std::size_t total() const { return frame::kHeaderBytes + bytes; }
 };
 
@@ -118,10 +276,11 @@ struct RecvOp {
   // A consuming receive (irecv_consume) has no user buffer: it takes over the buffer the
   // message is arriving in, so the consumer reads the bytes where recv() put them.
   bool consume = false;
-  std::unique_ptr<std::uint8_t[]> owned;
+  Buffer owned;
   std::size_t received = 0;
   OpStatus status = OpStatus::kPending;
   Failure failure;
+  int waker = -1;          // eventfd of the thread sleeping in poll() until this op settles
   bool abandoned = false;  // its request was destroyed: the matching message is discarded
   bool claimed = false;    // it is the destination of the message now arriving
 };
@@ -134,13 +293,13 @@ struct Incoming {
   frame::Header h;
   std::size_t got = 0;                     // payload bytes read so far
   std::shared_ptr<RecvOp> claimed;         // destination: a posted receive's buffer
-  std::unique_ptr<std::uint8_t[]> buffer;  // destination: our own (unexpected or control)
+  Buffer buffer;                           // destination: our own (unexpected or control)
   bool drain = false;                      // destination: nowhere
 };
 
 struct Unexpected {
   Tag tag;
-  std::unique_ptr<std::uint8_t[]> data;
+  Buffer data;
   std::size_t bytes = 0;
 };
 
@@ -154,13 +313,19 @@ struct Peer {
 
   std::deque<std::shared_ptr<SendOp>> sendq;
   bool writing = false;    // a thread is in sendmsg() for this peer without the lock
-  bool out_armed = false;  // EPOLLOUT registered
+  bool out_armed = false;  // EPOLLOUT registered with the loop
+  bool in_armed = true;    // EPOLLIN registered with the loop (off unless read_side is kLoop)
+  int out_watchers = 0;    // waiting callers that write this socket's backlog (loop keeps off)
+  bool in_backlog = false;  // listed in Core::backlog_
   bool abort_settled = false;
 
   std::deque<std::shared_ptr<RecvOp>> posted;  // never non-empty together with `unexpected`
   std::deque<Unexpected> unexpected;
   Incoming in;
-  bool reading = false;  // the loop thread is in recv() into in's destination without the lock
+  bool reading = false;  // a thread is in recv() on this connection without the lock
+  ReadSide read_side = ReadSide::kLoop;
+  Clock::time_point parked_since;  // when read_side became kParked
+  bool in_unloaded = false;        // listed in Core::unloaded_
 
   PeerTraffic traffic;  // payload bytes of data frames only; headers and control frames excluded
 };
@@ -274,7 +439,32 @@ class Core {
                   rank_, Error::kNoPeer, "tcp connect");
     }
     setup_over_ = true;  // the loop closes the listener and strays at its next wake-up
+    choose_spin_locked();
     wake();
+  }
+
+  // Sets spin_ and spin_yield_ (see spin_us_setting). The ranks on this host are the peers
+  // that advertise our host name.
+  void choose_spin_locked() {
+    auto host_of = [](const std::string& address) {
+      try {
+        return net::split_host_port(address).first;
+      } catch (const Error&) {
+        return std::string();
+      }
+    };
+    const std::string mine = host_of(address_);
+    unsigned local = 1;
+    for (auto& p : peers_) {
+      if (p && host_of(p->address) == mine) ++local;
+    }
+    spin_yield_ = local > usable_cores();
+    long us = spin_us_setting();
+    if (us >= 0) {
+      spin_ = std::chrono::microseconds(us);
+    } else {
+      spin_ = spin_yield_ ? kYieldSpin : kBusySpin;
+    }
   }
 
   // Stops the loop thread, then fails whatever is still pending. Idempotent.
@@ -384,15 +574,17 @@ class Core {
   template <typename Op>
   bool test(Op& op, int peer, const char* what) {
     std::lock_guard lk(mu_);
+    // Not done: whatever it waits for must progress without a waiting caller.
+    if (op.status == OpStatus::kPending && !unloaded_.empty()) reclaim_locked(/*all=*/true);
     return check_locked(op, peer, what);
   }
 
   template <typename Op>
   void wait(Op& op, int peer, const char* what, std::chrono::steady_clock::time_point deadline) {
     std::unique_lock lk(mu_);
-    cv_.wait_until(lk, deadline, [&] { return op.status != OpStatus::kPending; });
-    if (check_locked(op, peer, what)) return;
     Peer& p = *peers_[static_cast<std::size_t>(peer)];
+    if (op.status == OpStatus::kPending) drive_locked(op, p, lk, deadline);
+    if (check_locked(op, peer, what)) return;
     std::size_t done = progress(op);
     throw Error(ErrorKind::kTimeout,
                 std::string(what) + " of " + describe(op.tag) + (std::strcmp(what, "send") == 0 ? " to" : " from") +
@@ -503,6 +695,257 @@ class Core {
   }
   static std::size_t progress(const RecvOp& op) { return op.received; }
 
+  // Waits for `op` by doing the socket I/O it depends on on this thread, instead of
+  // sleeping until the loop thread has done it: a receive reads its peer's socket, and
+  // every wait writes the frames queued for any peer whose socket was full. That saves a
+  // wake-up and a thread hand-off per message (and per socket-buffer refill of a large
+  // send), the largest part of small-message latency on a loaded host. Polls without
+  // sleeping for spin_ first.
+  //
+  // A socket this thread read stays with callers afterwards (kParked): bytes that arrive
+  // before the next wait wait in the kernel for that wait to read them, rather than waking
+  // the loop to buffer them, and no epoll_ctl is paid per wait. So that no rank ever waits
+  // on a peer whose bytes nobody reads, every wait also reads every parked socket, test()
+  // hands them back to the loop, and the loop takes back those parked longer than
+  // kParkedReclaim (a rank busy elsewhere still makes progress).
+  //
+  // Caller holds mu_. Returns once `op` settled or `deadline` passed.
+  template <typename Op>
+  void drive_locked(Op& op, Peer& target, std::unique_lock<std::mutex>& lk,
+                    Clock::time_point deadline) {
+    if constexpr (std::is_same_v<Op, RecvOp>) {
+      // Another thread reads `target` for its own receive: it completes ours on the way,
+      // or hands the socket over when it is done.
+      if (!cv_.wait_until(lk, deadline, [&] {
+            return op.status != OpStatus::kPending || target.read_side != ReadSide::kDriven;
+          })) {
+        return;
+      }
+      if (op.status != OpStatus::kPending) return;
+    }
+    std::vector<Peer*> driven;  // read sides this thread reads
+    auto take = [&](Peer& q) {
+      const bool from_loop = q.read_side == ReadSide::kLoop;
+      q.read_side = ReadSide::kDriven;
+      driven.push_back(&q);
+      if (from_loop) {
+        set_events_locked(q, false, q.out_armed);
+        if (!q.in_unloaded) {
+          q.in_unloaded = true;
+          unloaded_.push_back(&q);
+        }
+        io_wait_locked(lk, [&] { return !q.reading; });  // the loop may be in recv()
+      }
+    };
+    bool reads_target = false;
+    if constexpr (std::is_same_v<Op, RecvOp>) {
+      if (!target.failure) {
+        take(target);
+        reads_target = true;
+      }
+    }
+    for (std::size_t i = 0; i < unloaded_.size(); ++i) {  // take() may append; none erases
+      Peer& q = *unloaded_[i];
+      if (q.read_side == ReadSide::kParked && !q.failure) take(q);
+    }
+
+    std::vector<Peer*> watched;  // write sides this thread writes (see write_backlog_locked)
+    std::vector<pollfd> fds;
+    std::vector<Peer*> polled;  // polled[i] owns fds[i]
+    std::uint8_t* stage = caller_stage();
+    const int waker = thread_waker();
+    const auto spin_end = spin_.count() > 0 ? Clock::now() + spin_ : Clock::time_point::min();
+    while (op.status == OpStatus::kPending) {
+      bool progress = false;
+      if (reads_target) {
+        ReadStep step = read_once_locked(target, lk, stage);
+        if (step == ReadStep::kClosed) reads_target = false;  // `op` failed with the socket
+        progress = step == ReadStep::kMore;
+        if (op.status != OpStatus::kPending) break;
+      } else {
+        // A send has no socket of its own to read: read the parked ones as they come, as
+        // the loop would, so frames keep their arrival order across sockets (an abort
+        // that came before a peer's hang-up is seen before it).
+        for (Peer* q : driven) {
+          if (!q->failure && read_once_locked(*q, lk, stage) == ReadStep::kMore) progress = true;
+        }
+      }
+      progress |= write_backlog_locked(lk, watched);
+      if (op.status != OpStatus::kPending) break;
+      if (progress) continue;
+      auto now = Clock::now();
+      if (now >= deadline) break;
+      if (now < spin_end) {
+        if (spin_yield_) {  // let the ranks that share this core run between tries
+          lk.unlock();
+          ::sched_yield();
+          lk.lock();
+        }
+        continue;
+      }
+
+      fds.clear();
+      polled.clear();
+      for (Peer* q : driven) {
+        if (q->failure) continue;
+        fds.push_back({q->fd, POLLIN, 0});
+        polled.push_back(q);
+      }
+      for (Peer* q : watched) {
+        if (q->sendq.empty() || q->failure || q->writing) continue;
+        auto it = std::find(polled.begin(), polled.end(), q);
+        if (it != polled.end()) {
+          fds[static_cast<std::size_t>(it - polled.begin())].events |= POLLOUT;
+        } else {
+          fds.push_back({q->fd, POLLOUT, 0});
+          polled.push_back(q);
+        }
+      }
+      if (fds.empty()) {
+        // Nothing here for this thread to drive: another thread is writing the frame we
+        // wait for, or the loop is. Whoever finishes it notifies cv_.
+        cv_.wait_until(lk, deadline, [&] { return op.status != OpStatus::kPending; });
+        continue;
+      }
+      // Sleep until a socket is ready, or another thread settles `op` (an abort, a failed
+      // connection, a writer that flushed our frame with its own) and raises our waker.
+      fds.push_back({waker, POLLIN, 0});  // a negative fd is ignored by poll()
+      op.waker = waker;
+      auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now);
+      if (waker < 0) left = std::min<std::chrono::nanoseconds>(left, std::chrono::milliseconds(1));
+      timespec ts{static_cast<time_t>(left.count() / 1000000000),
+                  static_cast<long>(left.count() % 1000000000)};
+      lk.unlock();
+      ::ppoll(fds.data(), fds.size(), &ts, nullptr);
+      if (fds.back().revents & POLLIN) {
+        std::uint64_t v;
+        [[maybe_unused]] ssize_t n = ::read(waker, &v, sizeof v);
+      }
+      lk.lock();
+      op.waker = -1;
+      // Other parked sockets with bytes (or a hang-up): read them now. `target` is read at
+      // the top of the loop; writable sockets are written there too.
+      for (std::size_t i = 0; i + 1 < fds.size(); ++i) {
+        Peer* q = polled[i];
+        if ((reads_target && q == &target) || !(fds[i].revents & (POLLIN | POLLHUP | POLLERR)))
+          continue;
+        if (q->read_side != ReadSide::kDriven || q->failure) continue;
+        for (int k = 0; k < kReadsPerEvent; ++k) {
+          if (read_once_locked(*q, lk, stage) != ReadStep::kMore) break;
+        }
+      }
+    }
+    if (op.status == OpStatus::kFailed && op.failure.kind == ErrorKind::kPeerLost && !abort_) {
+      // A lost connection is often the consequence of an abort already waiting in another
+      // socket (its sender's peer exited after it), and the abort names the root cause,
+      // which is what every later operation reports too (see failure_for).
+      sweep_locked(lk, stage);
+      if (abort_) op.failure = *abort_;
+    }
+    if (!driven.empty()) {
+      const auto now = Clock::now();
+      for (Peer* q : driven) {
+        q->read_side = ReadSide::kParked;
+        q->parked_since = now;
+      }
+      cv_.notify_all();    // a thread waiting on another receive from `target` may read now
+      if (loop_sleeps_) {  // it must tick to take parked sockets back (see reclaim_locked)
+        loop_sleeps_ = false;
+        wake();
+      }
+    }
+    for (Peer* q : watched) {
+      // The last caller to stop watching a socket with frames still queued hands it back.
+      if (--q->out_watchers == 0 && !q->sendq.empty()) arm_out_locked(*q, true);
+    }
+  }
+
+  // Reads what has arrived on `p`'s socket, unless another thread is reading it. Any
+  // thread; caller holds mu_ (dropped around the syscalls).
+  void drain_locked(Peer& p, std::unique_lock<std::mutex>& lk) {
+    std::uint8_t* stage = t_in_loop_thread ? stage_.data() : caller_stage();
+    while (read_once_locked(p, lk, stage) == ReadStep::kMore) {
+    }
+  }
+
+  // Reads whatever has already arrived on every socket nobody is reading at this moment.
+  // Caller holds mu_ (dropped around the syscalls). Rare: only after a connection loss.
+  void sweep_locked(std::unique_lock<std::mutex>& lk, std::uint8_t* stage) {
+    std::vector<pollfd> fds;
+    std::vector<Peer*> ps;
+    for (auto& q : peers_) {
+      if (!q || q->failure || q->fd < 0 || q->reading || !q->ready) continue;
+      fds.push_back({q->fd, POLLIN, 0});
+      ps.push_back(q.get());
+    }
+    lk.unlock();
+    ::poll(fds.data(), fds.size(), 0);
+    lk.lock();
+    for (std::size_t i = 0; i < fds.size(); ++i) {
+      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      while (read_once_locked(*ps[i], lk, stage) == ReadStep::kMore) {
+      }
+    }
+  }
+
+  // Hands parked read sides back to the loop: all of them (`all`), or those parked for
+  // kParkedReclaim. Caller holds mu_.
+  void reclaim_locked(bool all) {
+    const auto now = Clock::now();
+    std::erase_if(unloaded_, [&](Peer* q) {
+      if (q->read_side == ReadSide::kParked && !q->failure &&
+          (all || now - q->parked_since >= kParkedReclaim)) {
+        q->read_side = ReadSide::kLoop;
+        set_events_locked(*q, true, q->out_armed);
+      }
+      bool keep = q->read_side != ReadSide::kLoop && !q->failure;
+      if (!keep) q->in_unloaded = false;
+      return !keep;
+    });
+  }
+
+  // Writes the frames queued on every backlogged peer nobody is writing to now, and adds
+  // each such peer to `watched`: this thread then polls its socket for space and the
+  // loop stops watching it (out_watchers > 0). True if any bytes left. Caller holds mu_;
+  // flush_locked drops it.
+  bool write_backlog_locked(std::unique_lock<std::mutex>& lk, std::vector<Peer*>& watched) {
+    if (backlog_.empty()) return false;
+    std::erase_if(backlog_, [](Peer* q) {
+      bool keep = !q->sendq.empty() && !q->failure;
+      if (!keep) q->in_backlog = false;
+      return !keep;
+    });
+    bool progress = false;
+    std::vector<Peer*> now = backlog_;  // flush_locked drops the lock: backlog_ may change
+    for (Peer* q : now) {
+      if (q->sendq.empty() || q->failure) continue;
+      if (std::find(watched.begin(), watched.end(), q) == watched.end()) {
+        watched.push_back(q);
+        ++q->out_watchers;
+        arm_out_locked(*q, false);
+      }
+      if (!q->writing) progress |= flush_locked(*q, lk, /*watching=*/true) > 0;
+    }
+    return progress;
+  }
+
+  // Raises the waker of whoever sleeps in drive_locked's poll() on behalf of `op`, unless
+  // that is this very thread.
+  template <typename Op>
+  void wake_waiter_locked(Op& op) {
+    if (op.waker >= 0 && op.waker != current_thread_waker()) {
+      std::uint64_t one = 1;
+      [[maybe_unused]] ssize_t n = ::write(op.waker, &one, sizeof one);
+    }
+  }
+
+  // A caller's staging buffer, like the loop's stage_: only used within one
+  // read_once_locked, so one per thread serves every transport.
+  static std::uint8_t* caller_stage() {
+    thread_local std::unique_ptr<std::uint8_t[]> stage(new std::uint8_t[kStageBytes]);
+    return stage.get();
+  }
+
   // Waits for an I/O flag to clear. The loop notifies io_cv_ only while someone waits,
   // so the data path pays nothing for this rare case.
   template <typename Pred>
@@ -518,6 +961,7 @@ class Core {
   template <typename Op>
   void complete_locked(Op& op) {
     op.status = OpStatus::kDone;
+    wake_waiter_locked(op);
     cv_.notify_all();
   }
   template <typename Op>
@@ -525,6 +969,7 @@ class Core {
     if (op.status != OpStatus::kPending) return;
     op.status = OpStatus::kFailed;
     op.failure = f;
+    wake_waiter_locked(op);
     cv_.notify_all();
   }
 
@@ -539,23 +984,33 @@ class Core {
     p.sendq.push_back(std::move(op));
   }
 
-  void arm_out_locked(Peer& p, bool on) {
-    if (p.out_armed == on || p.failure) return;
+  // What the loop watches on `p`'s socket. A failed peer is no longer registered.
+  void set_events_locked(Peer& p, bool in, bool out) {
+    if ((p.in_armed == in && p.out_armed == out) || p.failure) return;
     epoll_event ev{};
-    ev.events = EPOLLIN | (on ? EPOLLOUT : 0u);
+    ev.events = (in ? EPOLLIN : 0u) | (out ? EPOLLOUT : 0u);
+    // With nothing armed, epoll still reports a hang-up or error, level-triggered: report
+    // it once, or the loop would spin while a caller reads the socket.
+    if (!in && !out) ev.events = EPOLLET;
     ev.data.u64 = kPeerIdBase + static_cast<std::uint64_t>(p.rank);
     ::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, p.fd, &ev);
-    p.out_armed = on;
+    p.in_armed = in;
+    p.out_armed = out;
   }
+  void arm_out_locked(Peer& p, bool on) { set_events_locked(p, p.in_armed, on); }
 
-  // Writes queued frames until the socket is full or the queue is empty. Any thread; may
-  // drop and retake the lock around sendmsg().
-  void flush_locked(Peer& p, std::unique_lock<std::mutex>& lk) {
+  // Writes queued frames until the socket is full or the queue is empty, and returns the
+  // bytes written. Any thread; may drop and retake the lock around sendmsg(). Frames left
+  // over put `p` on backlog_ and, unless `watching` (a caller in drive_locked that polls
+  // the socket itself), arm EPOLLOUT so the loop finishes them.
+  std::size_t flush_locked(Peer& p, std::unique_lock<std::mutex>& lk, bool watching = false) {
+    std::size_t total = 0;
     if (p.writing) {
-      // Another thread is writing; it re-arms EPOLLOUT itself if the socket fills up.
-      // Disarming here stops a level-triggered EPOLLOUT from spinning the loop meanwhile.
+      // Another thread is writing; it re-arms EPOLLOUT itself if the socket fills up (or
+      // watches it from drive_locked). Disarming here stops a level-triggered EPOLLOUT
+      // from spinning the loop meanwhile.
       arm_out_locked(p, false);
-      return;
+      return total;
     }
     while (!p.writing && p.fd >= 0 && !p.failure && !p.sendq.empty()) {
       iovec iov[kMaxIov];
@@ -588,29 +1043,38 @@ class Core {
       io_done_locked();
       // Account for what left first: frames fully written count as sent even if the peer
       // failed meanwhile. The rest we owned while writing, so we fail them here.
-      if (n > 0) advance_sends_locked(p, static_cast<std::size_t>(n));
+      if (n > 0) {
+        advance_sends_locked(p, static_cast<std::size_t>(n));
+        total += static_cast<std::size_t>(n);
+      }
       if (p.failure) {
         fail_sends_locked(p, abort_ ? *abort_ : *p.failure);
-        return;
+        return total;
       }
       if (n < 0) {
         if (err == EINTR) continue;
-        if (err == EAGAIN || err == EWOULDBLOCK) {
-          arm_out_locked(p, true);
-          break;
-        }
+        if (err == EAGAIN || err == EWOULDBLOCK) break;
+        // The peer is gone. What it sent before it went (an abort naming the cause) may
+        // still wait in our receive queue: read that first, so it is what gets reported.
+        if (err == EPIPE || err == ECONNRESET) drain_locked(p, lk);
         fail_peer_locked(p, Failure{ErrorKind::kPeerLost, "sending to rank " + std::to_string(p.rank) +
                                                               " at " + p.address + " failed: " +
                                                               std::strerror(err)});
-        return;
+        return total;
       }
       if (abort_ && !p.abort_settled) settle_sends_after_abort_locked(p, abort_send_frames_);
-      if (static_cast<std::size_t>(n) < want) {  // socket buffer full: wait for EPOLLOUT
-        arm_out_locked(p, true);
-        break;
+      if (static_cast<std::size_t>(n) < want) break;  // socket buffer full
+    }
+    if (p.sendq.empty()) {
+      arm_out_locked(p, false);
+    } else if (!p.writing && !p.failure) {  // socket full: wait for space
+      if (!watching) arm_out_locked(p, true);
+      if (!p.in_backlog) {
+        p.in_backlog = true;
+        backlog_.push_back(&p);
       }
     }
-    if (p.sendq.empty()) arm_out_locked(p, false);
+    return total;
   }
 
   void advance_sends_locked(Peer& p, std::size_t n) {
@@ -656,7 +1120,8 @@ class Core {
     }
     fail_sends_locked(p, *abort_);
     if (partial) p.sendq.push_back(std::move(partial));
-    if (send_frame) queue_control_locked(p, frame::Type::kAbort, abort_payload_);
+    if (send_frame && p.rank != abort_origin_)
+      queue_control_locked(p, frame::Type::kAbort, abort_payload_);
   }
 
   void fail_recvs_locked(Peer& p, const Failure& f) {
@@ -704,6 +1169,7 @@ class Core {
   // --- loop thread ----------------------------------------------------------------------
 
   void loop() {
+    t_in_loop_thread = true;
     try {
       run_loop();
     } catch (const std::exception& e) {
@@ -720,6 +1186,15 @@ class Core {
     epoll_event events[64];
     for (;;) {
       int timeout = pending_.empty() ? -1 : 100;  // strays' hello deadlines need a tick
+      {
+        std::lock_guard lk(mu_);
+        if (!unloaded_.empty()) {
+          reclaim_locked(/*all=*/false);
+          constexpr int kTick = static_cast<int>(kParkedReclaim.count());
+          if (!unloaded_.empty()) timeout = timeout < 0 ? kTick : std::min(timeout, kTick);
+        }
+        loop_sleeps_ = timeout < 0;
+      }
       int n = ::epoll_wait(epoll_.get(), events, 64, timeout);
       if (n < 0 && errno != EINTR) {
         std::unique_lock lk(mu_);
@@ -746,7 +1221,7 @@ class Core {
           on_pending(id);
         } else {
           Peer& p = *peers_[static_cast<std::size_t>(id - kPeerIdBase)];
-          if (events[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) on_readable(p);
+          if (events[i].events & (EPOLLIN | EPOLLERR | EPOLLHUP)) on_readable(p, events[i].events);
           if (events[i].events & EPOLLOUT) {
             std::unique_lock lk(mu_);
             flush_locked(p, lk);
@@ -870,10 +1345,34 @@ class Core {
     return {};
   }
 
-  void on_readable(Peer& p) {
+  void on_readable(Peer& p, std::uint32_t events) {
+    std::unique_lock lk(mu_);
+    if (p.read_side == ReadSide::kParked && (events & (EPOLLERR | EPOLLHUP))) {
+      p.read_side = ReadSide::kLoop;  // hung up while parked: read the end now
+      set_events_locked(p, true, p.out_armed);
+    }
     for (int iter = 0; iter < kReadsPerEvent; ++iter) {
-      std::unique_lock lk(mu_);
-      if (p.failure || p.fd < 0) return;
+      // A caller waiting on a receive from `p` reads it itself (see drive_locked).
+      if (p.read_side != ReadSide::kLoop || p.reading) return;
+      if (read_once_locked(p, lk, stage_.data()) != ReadStep::kMore) return;
+    }
+  }
+
+  enum class ReadStep {
+    kMore,     // the read filled what it asked for: there may be more
+    kDrained,  // the socket has nothing more for now
+    kClosed,   // the connection failed (sticky error set)
+  };
+
+  // One recv() from `p`, straight into the arriving message's destination when much of it
+  // is left, else into `stage` (headers, small messages), then the processing of what
+  // arrived. Only the thread that reads `p` calls this: the loop, or the caller that set
+  // read_side kDriven. Caller holds mu_; it is dropped around the syscall, with p.reading set
+  // so nobody frees or fails the destination meanwhile.
+  ReadStep read_once_locked(Peer& p, std::unique_lock<std::mutex>& lk, std::uint8_t* stage) {
+    for (;;) {
+      if (p.failure || p.fd < 0) return ReadStep::kClosed;
+      if (p.reading) return ReadStep::kDrained;  // another thread is reading it (a sweep)
       Incoming& in = p.in;
       if (!in.in_header) claim_locked(p);
       std::size_t remaining = in.in_header ? 0 : in.h.length - in.got;
@@ -881,52 +1380,51 @@ class Core {
       if (remaining >= kDirectReadMin && !in.drain) {
         dest = in.claimed ? in.claimed->data + in.got : in.buffer.get() + in.got;
       }
-      int fd = p.fd;
-      std::size_t len = dest ? remaining : kStageBytes;
-      if (!dest) dest = stage_.data();
-      p.reading = dest != stage_.data();  // the stage is ours alone; user buffers are not
+      const bool direct = dest != nullptr;
+      const std::size_t len = direct ? remaining : kStageBytes;
+      if (!direct) dest = stage;
+      const int fd = p.fd;
+      p.reading = true;
       lk.unlock();
-      ssize_t n = ::recv(fd, dest, len, 0);
+      ssize_t n = ::recv(fd, dest, len, MSG_DONTWAIT);
       int err = errno;
       lk.lock();
-      const bool direct = dest != stage_.data();
       if (direct && n > 0) {  // bytes that arrived count, whatever happened meanwhile
         in.got += static_cast<std::size_t>(n);
         if (in.claimed) in.claimed->received = in.got;
         if (in.got == in.h.length) finish_message_locked(p);
       }
-      if (p.reading) {
-        p.reading = false;
-        io_done_locked();
-        // A failure or abort set by another thread during recv() (possibly why it returned
-        // 0) skipped the receive we owned; settle it now.
-        settle_claimed_locked(p);
-      }
-      if (p.failure) return;
+      p.reading = false;
+      io_done_locked();
+      // A failure or abort set by another thread during recv() (possibly why it returned
+      // 0) skipped the receive we owned; settle it now.
+      settle_claimed_locked(p);
+      if (p.failure) return ReadStep::kClosed;
       if (n == 0) {
         if (!p.ready) {  // the acceptor refused our hello: the likely causes are configuration
           fail_peer_locked(p, Failure{ErrorKind::kProtocol,
                                       "rank " + std::to_string(p.rank) + " at " + p.address +
                                           " closed the connection during the handshake (different "
                                           "job token or world size? see its log)"});
-          return;
+          return ReadStep::kClosed;
         }
         fail_peer_locked(p, Failure{ErrorKind::kPeerLost, "connection to rank " + std::to_string(p.rank) +
                                                               " at " + p.address +
                                                               " closed by the peer (EOF)"});
-        return;
+        return ReadStep::kClosed;
       }
       if (n < 0) {
-        if (err == EAGAIN || err == EWOULDBLOCK) return;
+        if (err == EAGAIN || err == EWOULDBLOCK) return ReadStep::kDrained;
         if (err == EINTR) continue;
         fail_peer_locked(p, Failure{ErrorKind::kPeerLost, "connection to rank " + std::to_string(p.rank) +
                                                               " at " + p.address + " lost: " +
                                                               std::strerror(err)});
-        return;
+        return ReadStep::kClosed;
       }
       auto got = static_cast<std::size_t>(n);
-      if (!direct) consume_locked(p, stage_.data(), got);
-      if (got < len) return;  // socket drained: wait for the next readiness event
+      if (!direct) consume_locked(p, stage, got);
+      if (p.failure) return ReadStep::kClosed;
+      return got < len ? ReadStep::kDrained : ReadStep::kMore;
     }
   }
 
@@ -998,7 +1496,7 @@ class Core {
         break;
     }
     if (!in.claimed && !in.drain && in.h.length > 0) {
-      in.buffer.reset(new (std::nothrow) std::uint8_t[in.h.length]);
+      in.buffer = pool_.get(in.h.length);
       if (!in.buffer) {
         fail_peer_locked(p, Failure{ErrorKind::kSystem, "cannot buffer a " + std::to_string(in.h.length) +
                                                             "-byte message from rank " +
@@ -1026,7 +1524,7 @@ class Core {
     } else {
       if (op->consume) {
         // Take over the arriving message's buffer (or make one if nothing has arrived).
-        if (!in.buffer && in.h.length > 0) in.buffer.reset(new (std::nothrow) std::uint8_t[in.h.length]);
+        if (!in.buffer && in.h.length > 0) in.buffer = pool_.get(in.h.length);
         if (!in.buffer && in.h.length > 0) {
           fail_locked(*op, Failure{ErrorKind::kSystem, "cannot allocate " + std::to_string(in.h.length) +
                                                            " bytes for a consuming receive"});
@@ -1090,8 +1588,17 @@ class Core {
         if (!abort_) {
           abort_ = Failure{ErrorKind::kAborted,
                            "rank " + std::to_string(p.rank) + " aborted: " + reason};
-          // Only the aborting rank tells the others; relaying would just add traffic.
-          apply_abort_locked(/*send_frames=*/false);
+          // Passed on to every other peer. The aborter's own frame to some rank may wait
+          // behind data in a full socket; a rank that exits after this abort would then
+          // show that rank a lost connection (EOF) before the cause arrives. Relayed, the
+          // cause travels ahead of the exit on the same stream.
+          abort_payload_ =
+              frame::encode_abort(frame::Abort{static_cast<std::uint32_t>(rank_), abort_->detail});
+          abort_origin_ = p.rank;
+          apply_abort_locked(/*send_frames=*/true);
+          for (auto& q : peers_) {  // the loop writes them (we may be deep in a read here)
+            if (q && !q->failure && !q->sendq.empty()) arm_out_locked(*q, true);
+          }
         }
         break;
       }
@@ -1109,6 +1616,9 @@ class Core {
   const TransportOptions options_;
   std::string address_;  // written before the loop starts, then read-only
 
+  // Declared before everything that holds its buffers (peers_, and the receive ops the
+  // peers hold), so it is destroyed after them.
+  BufferPool pool_;
   mutable std::mutex mu_;
   std::condition_variable cv_;     // an operation completed or failed; a peer became ready
   std::condition_variable io_cv_;  // a reading/writing flag cleared (abandon waits for it)
@@ -1117,8 +1627,15 @@ class Core {
   std::optional<Failure> abort_;              // sticky, transport-wide
   std::vector<std::uint8_t> abort_payload_;
   bool abort_send_frames_ = false;
+  int abort_origin_ = -1;  // the peer whose abort frame we relay (it gets none back)
   bool stopping_ = false;
   bool setup_over_ = false;
+
+  std::chrono::nanoseconds spin_{0};  // see spin_us_setting; set before any operation
+  bool spin_yield_ = false;
+  std::vector<Peer*> backlog_;   // peers with queued frames the socket did not take
+  std::vector<Peer*> unloaded_;  // peers whose read_side is not kLoop
+  bool loop_sleeps_ = false;     // the loop is in epoll_wait without a timeout
 
   // Loop thread only (after start()).
   net::Fd listener_, epoll_, wake_;

@@ -1,5 +1,6 @@
 // TCP transport for ranks on any host: one connection per peer, non-blocking sockets
-// driven by one epoll thread, TCP_NODELAY, token handshake, framed messages.
+// progressed by waiting callers and one epoll thread, TCP_NODELAY, token handshake, framed
+// messages.
 #pragma once
 
 #include <chrono>
@@ -24,7 +25,8 @@ struct TcpOptions {
 // The transport's rank()/size() are `rank`/`world_size` and peers are named by global
 // rank; a rank outside `group` is kInvalidArgument. traffic() counts payload bytes and
 // messages of data frames only (48-byte headers and handshake/abort frames excluded);
-// received traffic is counted when a message has fully arrived, even before it is matched.
+// received traffic is counted when a waiting caller or the epoll thread has read a whole
+// message, even before it is matched.
 // Throws kTimeout naming the missing peers (and host:port) if setup exceeds `timeout`.
 std::unique_ptr<Transport> make_tcp_transport(Store& store, const std::string& key_prefix, int rank,
                                               int world_size, const std::vector<int>& group,
