@@ -3,6 +3,7 @@
 // ranks on the inproc transport. Outputs must also be bitwise identical on every rank.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <mutex>
 #include <numeric>
 #include <sstream>
@@ -269,6 +270,287 @@ TEST_P(CollectivesByWorld, BarrierAndAsyncKeepIssueOrder) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesByWorld, ::testing::Values(1, 2, 3, 4, 5, 8),
                          [](const auto& p) { return "n" + std::to_string(p.param); });
+
+// ---- The shared-memory all-reduce, over thread ranks on the shm transport: the inproc
+// transport offers no shared arena (there kSharedMemory runs the ring). ----
+
+// Large inputs repeat the first kInputPeriod elements of make_input, so exact references of a
+// million elements cost milliseconds. The period is prime: no chunk or sub-block boundary of
+// the algorithm lines up with it, so a misplaced block still shows.
+constexpr std::size_t kInputPeriod = 99991;
+
+Buffer repeat_to(const Buffer& period, std::size_t bytes) {
+  Buffer out(bytes);
+  for (std::size_t at = 0; at < bytes; at += period.size()) {
+    std::memcpy(out.data() + at, period.data(), std::min(period.size(), bytes - at));
+  }
+  return out;
+}
+Buffer periodic_input(DataType t, ReduceOp op, int rank, std::size_t count) {
+  return repeat_to(testing::make_input(t, op, rank, std::min(count, kInputPeriod)),
+                   count * dtype_size(t));
+}
+Buffer periodic_reference(DataType t, ReduceOp op, int n, std::size_t count) {
+  return repeat_to(testing::reference_reduce(t, op, n, std::min(count, kInputPeriod)),
+                   count * dtype_size(t));
+}
+
+// FNV-1a: ranks compare fingerprints of their outputs instead of keeping every output.
+std::uint64_t fingerprint(const Buffer& b) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (auto c : b) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+class SharedMemoryGrid : public ::testing::TestWithParam<int> {
+ protected:
+  // Every dtype x op x count, in place and out of place: each output must equal the
+  // reference and carry the same bits on every rank.
+  void run_grid(const std::vector<std::size_t>& counts) {
+    const int n = GetParam();
+    const Algorithm algo = Algorithm::kSharedMemory;
+    struct Call {
+      DataType t;
+      ReduceOp op;
+      std::size_t count;
+      bool in_place;
+      Buffer want;
+      std::vector<std::uint64_t> fingerprints;
+    };
+    std::vector<Call> calls;
+    for (DataType t : testing::kAllDtypes)
+      for (ReduceOp op : testing::kAllOps)
+        for (std::size_t count : counts) {
+          Buffer want = periodic_reference(t, op, n, count);
+          for (bool in_place : {false, true}) {
+            calls.push_back({t, op, count, in_place, want,
+                             std::vector<std::uint64_t>(static_cast<std::size_t>(n))});
+          }
+        }
+    testing::run_shm_contexts(n, [&](Context& ctx) {
+      for (Call& call : calls) {
+        const std::string what = label(n, algo, call.t, call.op, call.count, call.in_place);
+        Buffer in = periodic_input(call.t, call.op, ctx.rank(), call.count);
+        Buffer out(in.size(), 0xAB);
+        if (call.in_place) {
+          out = in;
+          ctx.allreduce(out.data(), out.data(), call.count, call.t, call.op, algo);
+        } else {
+          const Buffer before = in;
+          ctx.allreduce(in.data(), out.data(), call.count, call.t, call.op, algo);
+          EXPECT_TRUE(in == before) << "input modified: " << what;
+        }
+        EXPECT_TRUE(out == call.want) << what;
+        call.fingerprints[static_cast<std::size_t>(ctx.rank())] = fingerprint(out);
+      }
+    });
+    for (const Call& call : calls) {
+      for (std::size_t r = 1; r < call.fingerprints.size(); ++r) {
+        EXPECT_EQ(call.fingerprints[r], call.fingerprints[0])
+            << label(n, algo, call.t, call.op, call.count, call.in_place) << ": rank " << r
+            << " differs from rank 0";
+      }
+    }
+  }
+};
+
+TEST_P(SharedMemoryGrid, SmallCountsMatchReference) {
+  const int n = GetParam();
+  run_grid({0, 1, static_cast<std::size_t>(n > 1 ? n - 1 : 1), 1031});
+}
+
+TEST_P(SharedMemoryGrid, LargeAndPrimeCountsMatchReference) {
+  run_grid({99991, (std::size_t{1} << 20) + 3});
+}
+
+// Non-integer inputs make the result depend on the order of additions: the fixed member order
+// must give the same bits on every rank and in every run.
+TEST_P(SharedMemoryGrid, RoundedResultsAreIdenticalAcrossRanksAndRuns) {
+  const int n = GetParam();
+  const std::size_t count = 300007;
+  auto run_once = [&] {
+    std::vector<std::uint64_t> fingerprints(static_cast<std::size_t>(n));
+    testing::run_shm_contexts(n, [&](Context& ctx) {
+      std::vector<float> v(count);
+      std::uint32_t x = 12345u + static_cast<std::uint32_t>(ctx.rank()) * 7919u;
+      for (auto& e : v) {
+        x = x * 1664525u + 1013904223u;
+        e = static_cast<float>(x >> 8) / 16777216.0f - 0.5f;  // uniform in [-0.5, 0.5)
+      }
+      ctx.allreduce(v.data(), v.data(), count, DataType::kFloat32, ReduceOp::kAvg,
+                    Algorithm::kSharedMemory);
+      Buffer bytes(count * 4);
+      std::memcpy(bytes.data(), v.data(), bytes.size());
+      fingerprints[static_cast<std::size_t>(ctx.rank())] = fingerprint(bytes);
+    });
+    for (int r = 1; r < n; ++r) {
+      EXPECT_EQ(fingerprints[static_cast<std::size_t>(r)], fingerprints[0]) << "rank " << r;
+    }
+    return fingerprints[0];
+  };
+  EXPECT_EQ(run_once(), run_once()) << "run-to-run difference, n=" << n;
+}
+
+// The arena's counters carry over from call to call: calls of changing sizes (more and fewer
+// chunks than staging slots, empty ones), async ones, and message-based collectives in
+// between must all line up.
+TEST_P(SharedMemoryGrid, ConsecutiveCallsOfChangingSizesAndOtherCollectives) {
+  const int n = GetParam();
+  const std::size_t counts[] = {(std::size_t{1} << 20) + 3,  0, 7, 3 * 65536 + 1, 1, 1031,
+                                (std::size_t{1} << 21) + 17, 2};
+  testing::run_shm_contexts(n, [&](Context& ctx) {
+    for (int round = 0; round < 2; ++round) {
+      std::vector<Buffer> bufs;
+      std::vector<Work> works;
+      for (std::size_t count : counts) {
+        bufs.push_back(periodic_input(DataType::kFloat32, ReduceOp::kSum, ctx.rank(), count));
+      }
+      for (std::size_t i = 0; i < std::size(counts); ++i) {
+        Buffer& b = bufs[i];
+        if (round == 1) {  // the second round issues them asynchronously
+          works.push_back(ctx.allreduce_async(b.data(), b.data(), counts[i], DataType::kFloat32,
+                                              ReduceOp::kSum, Algorithm::kSharedMemory));
+        } else {
+          ctx.allreduce(b.data(), b.data(), counts[i], DataType::kFloat32, ReduceOp::kSum,
+                        Algorithm::kSharedMemory);
+          if (i % 3 == 2) ctx.barrier();
+          if (i % 4 == 1) {
+            Buffer ring = testing::make_input(DataType::kInt32, ReduceOp::kSum, ctx.rank(), 999);
+            ctx.allreduce(ring.data(), ring.data(), 999, DataType::kInt32, ReduceOp::kSum,
+                          Algorithm::kRing);
+            EXPECT_TRUE(ring ==
+                        testing::reference_reduce(DataType::kInt32, ReduceOp::kSum, n, 999));
+          }
+        }
+      }
+      for (auto& w : works) w.wait();
+      for (std::size_t i = 0; i < std::size(counts); ++i) {
+        EXPECT_TRUE(bufs[i] == periodic_reference(DataType::kFloat32, ReduceOp::kSum, n, counts[i]))
+            << "round " << round << " call " << i << " count=" << counts[i] << " n=" << n;
+      }
+    }
+  });
+}
+
+// Large enough that the result is copied out with non-temporal stores, and with user buffers
+// that start off any vector boundary: the copies' unaligned heads and tails.
+TEST_P(SharedMemoryGrid, MisalignedBuffersOfStreamedResults) {
+  const int n = GetParam();
+  const std::size_t count = (std::size_t{9} << 20) + 5;  // uint8: 9 MiB per rank
+  const Buffer want = periodic_reference(DataType::kUInt8, ReduceOp::kSum, n, count);
+  testing::run_shm_contexts(n, [&](Context& ctx) {
+    const Buffer input = periodic_input(DataType::kUInt8, ReduceOp::kSum, ctx.rank(), count);
+    Buffer send(count + 1), recv(count + 3, 0xEE);
+    std::memcpy(send.data() + 1, input.data(), count);
+    ctx.allreduce(send.data() + 1, recv.data() + 3, count, DataType::kUInt8, ReduceOp::kSum,
+                  Algorithm::kSharedMemory);
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), recv.begin() + 3)) << "n=" << n;
+    EXPECT_EQ(recv[0], 0xEE);  // nothing written before the output
+    // In place, at yet another offset.
+    Buffer both(count + 7);
+    std::memcpy(both.data() + 7, input.data(), count);
+    ctx.allreduce(both.data() + 7, both.data() + 7, count, DataType::kUInt8, ReduceOp::kSum,
+                  Algorithm::kSharedMemory);
+    EXPECT_TRUE(std::equal(want.begin(), want.end(), both.begin() + 7)) << "in place, n=" << n;
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, SharedMemoryGrid, ::testing::Values(1, 2, 3, 4, 5, 8),
+                         [](const auto& p) { return "n" + std::to_string(p.param); });
+
+// kAuto picks the shared-memory algorithm for large messages where the ranks share an arena,
+// keeps recursive doubling for small ones, and never picks it without an arena.
+TEST(SharedMemoryAuto, ChosenForLargeMessagesOnlyWhereMemoryIsShared) {
+  for (int n : {2, 4}) {
+    testing::run_shm_contexts(n, [&](Context& ctx) {
+      EXPECT_EQ(ctx.choose_allreduce_algorithm(4096), Algorithm::kRecursiveDoubling) << n;
+      EXPECT_EQ(ctx.choose_allreduce_algorithm(16 << 20), Algorithm::kSharedMemory) << n;
+      EXPECT_EQ(ctx.choose_allreduce_algorithm(256 << 20), Algorithm::kSharedMemory) << n;
+      const std::size_t count = (std::size_t{4} << 20) + 5;
+      Buffer b = periodic_input(DataType::kFloat32, ReduceOp::kMax, ctx.rank(), count);
+      ctx.allreduce(b.data(), b.data(), count, DataType::kFloat32, ReduceOp::kMax);
+      EXPECT_TRUE(b == periodic_reference(DataType::kFloat32, ReduceOp::kMax, n, count));
+    });
+    testing::run_inproc_contexts(n, [&](Context& ctx) {
+      EXPECT_NE(ctx.choose_allreduce_algorithm(256 << 20), Algorithm::kSharedMemory) << n;
+      // Forced without an arena it runs the ring.
+      Buffer b = testing::make_input(DataType::kInt64, ReduceOp::kSum, ctx.rank(), 5000);
+      ctx.allreduce(b.data(), b.data(), 5000, DataType::kInt64, ReduceOp::kSum,
+                    Algorithm::kSharedMemory);
+      EXPECT_TRUE(b == testing::reference_reduce(DataType::kInt64, ReduceOp::kSum, n, 5000));
+    });
+  }
+}
+
+// A mismatched call must fail on every rank within a second, naming both sides, never hang
+// or produce a silently wrong result: differing counts (also 0 against many chunks), and one
+// rank in the shared-memory algorithm while another runs a message-based one.
+TEST(SharedMemoryMismatch, EveryRankFailsFastNamingBothSides) {
+  using namespace std::chrono_literals;
+  struct Case {
+    const char* name;
+    int n;
+    std::function<void(Context&, std::vector<float>&)> call;
+    std::vector<std::string> named;  // every rank's message names all of these
+  };
+  const auto shm = Algorithm::kSharedMemory;
+  const Case cases[] = {
+      {"counts",
+       2,
+       [&](Context& ctx, std::vector<float>& buf) {
+         ctx.allreduce(buf.data(), buf.data(), ctx.rank() == 0 ? 100 : 200, DataType::kFloat32,
+                       ReduceOp::kSum, shm);
+       },
+       {"allreduce #3 (count=100", "allreduce #3 (count=200"}},
+      {"empty against many chunks",
+       3,
+       [&](Context& ctx, std::vector<float>& buf) {
+         ctx.allreduce(buf.data(), buf.data(), ctx.rank() == 1 ? 0 : buf.size(), DataType::kFloat32,
+                       ReduceOp::kSum, shm);
+       },
+       {"allreduce #3 (count=0", "allreduce #3 (count=" + std::to_string(3 << 20)}},
+      {"shm against ring",
+       2,
+       [&](Context& ctx, std::vector<float>& buf) {
+         ctx.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum,
+                       ctx.rank() == 0 ? shm : Algorithm::kRing);
+       },
+       {"algo=shm", "algo=ring"}},
+      {"shm against recursive doubling, 4 ranks",
+       4,
+       [&](Context& ctx, std::vector<float>& buf) {
+         ctx.allreduce(buf.data(), buf.data(), 64, DataType::kFloat32, ReduceOp::kSum,
+                       ctx.rank() == 3 ? shm : Algorithm::kRecursiveDoubling);
+       },
+       {"algo=shm", "algo=rd"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::vector<std::string> messages(static_cast<std::size_t>(c.n));
+    testing::run_shm_contexts(c.n, [&](Context& ctx) {
+      std::vector<float> buf(std::size_t{3} << 20, 1.0f);
+      // Two matching calls first, so the mismatch meets counters that have moved.
+      ctx.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum, shm);
+      ctx.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        c.call(ctx, buf);
+        ADD_FAILURE() << "rank " << ctx.rank() << " did not fail";
+      } catch (const Error& e) {
+        EXPECT_TRUE(e.kind() == ErrorKind::kMismatch || e.kind() == ErrorKind::kAborted)
+            << e.what();
+        messages[static_cast<std::size_t>(ctx.rank())] = e.what();
+      }
+      EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s) << "rank " << ctx.rank();
+      // Sticky: the communicator stays failed.
+      EXPECT_THROW(
+          ctx.allreduce(buf.data(), buf.data(), 1, DataType::kFloat32, ReduceOp::kSum, shm), Error);
+    });
+    for (const auto& m : messages) {
+      for (const auto& part : c.named) EXPECT_NE(m.find(part), std::string::npos) << m;
+    }
+  }
+}
 
 }  // namespace
 }  // namespace gradsync

@@ -145,5 +145,62 @@ TEST(CostModel, ParsesAndRejectsSpecs) {
   EXPECT_FALSE(model::CostModel::parse("alpha_us=3x"));
 }
 
+// The shared-memory all-reduce competes only where the ranks share an arena: there it takes
+// large messages (it moves each byte through memory once in, once out), while recursive
+// doubling keeps small ones in power-of-two worlds (the shared-memory algorithm waits on
+// every rank three times, log2(N) exchanges are no more).
+TEST(CostModel, SharedMemoryForLargeMessagesWhereRanksShareMemory) {
+  const model::LinkParams defaults{5.0, 5.0, 10.0};
+  // Constants measured at start-up on the 2-core EPYC VM (shm transport, 2 ranks).
+  const model::LinkParams measured{0.13, 18.6, 37.0};
+  for (const auto& params : {defaults, measured}) {
+    model::CostModel m(params);
+    for (int n : {2, 3, 4, 5, 8}) {
+      if ((n & (n - 1)) == 0) {
+        EXPECT_EQ(m.choose_allreduce(n, 1024, true), Algorithm::kRecursiveDoubling) << n;
+      }
+      EXPECT_EQ(m.choose_allreduce(n, 64 << 20, true), Algorithm::kSharedMemory) << n;
+      EXPECT_EQ(m.choose_allreduce(n, 256 << 20, true), Algorithm::kSharedMemory) << n;
+      for (std::size_t bytes : {std::size_t{1024}, std::size_t{1} << 20, std::size_t{256} << 20}) {
+        const Algorithm without = m.choose_allreduce(n, bytes),
+                        with = m.choose_allreduce(n, bytes, true);
+        EXPECT_NE(without, Algorithm::kSharedMemory) << n << " " << bytes;
+        // The flag only adds a candidate.
+        if (with != Algorithm::kSharedMemory) {
+          EXPECT_EQ(with, without) << n << " " << bytes;
+        }
+      }
+    }
+  }
+}
+
+// Main-memory traffic counts only for what the cache cannot hold, so small messages cost what
+// they always did, and the slower memory is, the more the bytes an algorithm moves matter.
+TEST(CostModel, MemoryTrafficChargesOnlyMessagesBeyondTheCache) {
+  model::LinkParams fast_memory{5.0, 5.0, 10.0}, slow_memory = fast_memory;
+  slow_memory.copy_gbps = fast_memory.copy_gbps / 4;
+  model::CostModel fast(fast_memory), slow(slow_memory);
+  for (Algorithm a : {Algorithm::kRing, Algorithm::kRecursiveDoubling, Algorithm::kSharedMemory}) {
+    EXPECT_DOUBLE_EQ(fast.allreduce_us(a, 4, 1 << 20), slow.allreduce_us(a, 4, 1 << 20));
+    EXPECT_GT(slow.allreduce_us(a, 4, 256 << 20), fast.allreduce_us(a, 4, 256 << 20));
+  }
+  // The ring writes 2(N-1)/N of the message through the cache, the shared-memory algorithm
+  // streams it out once: slower memory widens the gap.
+  const auto gap = [](const model::CostModel& m) {
+    return m.allreduce_us(Algorithm::kRing, 4, 256 << 20) -
+           m.allreduce_us(Algorithm::kSharedMemory, 4, 256 << 20);
+  };
+  EXPECT_GT(gap(slow), gap(fast));
+}
+
+TEST(CostModel, ParsesMemoryParameters) {
+  auto p = model::CostModel::parse("copy_gbps=7.5,cache_mib=64");
+  ASSERT_TRUE(p.has_value());
+  EXPECT_DOUBLE_EQ(p->copy_gbps, 7.5);
+  EXPECT_DOUBLE_EQ(p->cache_mib, 64);
+  EXPECT_NE(model::CostModel(*p).to_string().find("copy_gbps=7.5,cache_mib=64"), std::string::npos);
+  EXPECT_FALSE(model::CostModel::parse("copy_gbps=0"));
+}
+
 }  // namespace
 }  // namespace gradsync

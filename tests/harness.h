@@ -25,6 +25,11 @@ void run_inproc_transports(int n, const std::function<void(int, transport::Trans
 void run_inproc_contexts(int n, const std::function<void(Context&)>& fn,
                          Options options = {});
 
+// Builds `n` contexts over the shared-memory transport (threads of this process meeting
+// through an in-process store) and runs fn(ctx) on n threads: what the inproc contexts do,
+// plus the shared arena that shared-memory algorithms need.
+void run_shm_contexts(int n, const std::function<void(Context&)>& fn, Options options = {});
+
 // Forks `n` processes; child `rank` runs fn(rank) and exits with its return value (an
 // uncaught exception prints its message and exits 3). Returns each child's wait status,
 // killing any child still alive after `timeout_s`.

@@ -32,7 +32,7 @@ constexpr const char* kUsage =
     "  --factor F        size multiplier between steps, integer >= 2 (default 2)\n"
     "  --dtype T         float32 float64 float16 bfloat16 int32 int64 uint8 (default float32)\n"
     "  --op OP           sum avg min max prod (default sum; ignored by allgather/broadcast)\n"
-    "  --algo A          auto ring rd hd ps, per allreduce call (default auto)\n"
+    "  --algo A          auto ring rd hd ps shm, per allreduce call (default auto)\n"
     "  --transport T     shm | tcp | \"\" for automatic (sets Options.transport)\n"
     "  --root R          broadcast root (default 0)\n"
     "  --iters N         timed calls per size (default 20)\n"

@@ -18,6 +18,8 @@ enum class Algorithm : std::uint8_t {
   kRecursiveDoubling,  // log2(N) full-size exchanges: latency-optimal for small messages
   kHalvingDoubling,    // Rabenseifner: recursive-halving reduce-scatter + doubling all-gather
   kParameterServer,    // reduce to rank 0 then broadcast: a baseline, never chosen by kAuto
+  kSharedMemory,       // ranks on one host reduce straight out of each other's shared staging
+                       // buffers; where the ranks share no memory it runs the ring instead
 };
 
 std::size_t dtype_size(DataType t);
@@ -26,6 +28,7 @@ const char* to_string(ReduceOp op);
 const char* to_string(Algorithm a);
 std::optional<DataType> parse_dtype(std::string_view s);  // "float32"/"f32"/"float", ...
 std::optional<ReduceOp> parse_op(std::string_view s);     // "sum", "avg", "min", "max", "prod"
-std::optional<Algorithm> parse_algorithm(std::string_view s);  // "auto", "ring", "rd", "hd", "ps"
+// "auto", "ring", "rd", "hd", "ps", "shm"
+std::optional<Algorithm> parse_algorithm(std::string_view s);
 
 }  // namespace gradsync

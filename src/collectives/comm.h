@@ -20,6 +20,10 @@ class Comm {
   int rank() const { return transport_.rank(); }
   int size() const { return transport_.size(); }
   const CallSignature& signature() const { return sig_; }
+  // The call's signature as carried in message tags; algorithms that bypass messages (shared
+  // memory) exchange it themselves to detect mismatched calls.
+  const transport::Tag& tag() const { return tag_; }
+  transport::Clock::time_point deadline() const { return deadline_; }
 
   transport::RequestPtr isend(int peer, const void* data, std::size_t bytes) {
     return transport_.isend(peer, tag_, data, bytes);

@@ -7,6 +7,7 @@
 #include "core/context_impl.h"
 #include "core/env.h"
 #include "kernels/kernels.h"
+#include "transport/shared_arena.h"
 
 namespace gradsync {
 
@@ -43,7 +44,7 @@ Context::Impl::~Impl() {
 Algorithm Context::Impl::pick_allreduce(std::size_t bytes, Algorithm requested) const {
   if (requested != Algorithm::kAuto) return requested;
   if (forced_algorithm != Algorithm::kAuto) return forced_algorithm;
-  return cost.choose_allreduce(size, bytes);
+  return cost.choose_allreduce(size, bytes, transport->shared_arena() != nullptr);
 }
 
 void Context::Impl::execute(Task& task) {
@@ -150,10 +151,20 @@ Work allreduce_impl(Context::Impl& impl, const void* send, void* recv, std::size
   const Algorithm chosen = impl.pick_allreduce(count * dtype_size(dtype), algo);
   CallSignature sig{0, CollectiveKind::kAllreduce, dtype, op, chosen, -1, count};
   const auto cfg = impl.config;
+  transport::SharedArena* arena = impl.transport->shared_arena();  // lives as the transport
   return impl.submit(
       sig,
       [=](Comm& c) {
         switch (chosen) {
+          case Algorithm::kSharedMemory:
+            // Where the ranks share no memory (several hosts, inproc) it is the ring; every
+            // rank sees the same, as the arena spans the whole world or no rank has one.
+            if (arena) {
+              collectives::shm_direct_allreduce(c, *arena, send, recv, count, dtype, op, cfg);
+            } else {
+              collectives::ring_allreduce(c, send, recv, count, dtype, op, cfg);
+            }
+            break;
           case Algorithm::kRecursiveDoubling:
             collectives::recursive_doubling_allreduce(c, send, recv, count, dtype, op);
             break;

@@ -71,7 +71,7 @@ Options resolve(const Options& in) {
       auto parsed = parse_algorithm(*a);
       if (!parsed) {
         throw Error(ErrorKind::kInvalidArgument,
-                    "GRADSYNC_ALGO='" + *a + "' is not one of auto, ring, rd, hd, ps");
+                    "GRADSYNC_ALGO='" + *a + "' is not one of auto, ring, rd, hd, ps, shm");
       }
       o.algorithm = *parsed;
       log_override("GRADSYNC_ALGO", *a);

@@ -73,6 +73,8 @@ const char* to_string(Algorithm a) {
       return "hd";
     case Algorithm::kParameterServer:
       return "ps";
+    case Algorithm::kSharedMemory:
+      return "shm";
   }
   return "?";
 }
@@ -104,6 +106,7 @@ std::optional<Algorithm> parse_algorithm(std::string_view s) {
     return Algorithm::kHalvingDoubling;
   }
   if (s == "ps" || s == "parameter_server") return Algorithm::kParameterServer;
+  if (s == "shm" || s == "shared_memory") return Algorithm::kSharedMemory;
   return std::nullopt;
 }
 

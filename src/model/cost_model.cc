@@ -1,7 +1,9 @@
 // Alpha-beta-gamma formulas of each all-reduce algorithm (Thakur, Rabenseifner & Gropp,
-// "Optimization of Collective Communication Operations in MPICH", 2005).
+// "Optimization of Collective Communication Operations in MPICH", 2005), plus the main-memory
+// traffic of messages too large for the cache.
 #include "model/cost_model.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <sstream>
@@ -20,6 +22,44 @@ int log2_int(int p) {
   while ((1 << k) < p) ++k;
   return k;
 }
+// The shared-memory all-reduce's chunk (AlgorithmConfig::shared_memory_chunk_bytes).
+constexpr double kSharedMemoryChunkBytes = 512 * 1024;
+// Reading a cache line another core has just written: ~0.1 us on current x86 (a zero-byte
+// message over the shm transport, one such transfer plus bookkeeping, measures ~0.13 us).
+constexpr double kCacheLineTransferUs = 0.1;
+
+// Bytes of main-memory traffic (reads, writes, and the read-for-ownership of every line
+// written through the cache) one rank causes in its user and scratch buffers when they do not
+// fit in cache. The transports' own buffers stay in cache and are charged by beta.
+double memory_traffic_bytes(Algorithm a, int n, double S) {
+  const int p = floor_pow2(n);
+  const double frac = static_cast<double>(n - 1) / n, pfrac = static_cast<double>(p - 1) / p;
+  // Folding the extra ranks costs about one more exchange-and-reduce step, and writing the
+  // result back a full buffer with its read-for-ownership.
+  const double fold = (n != p) ? 8 * S : 0.0;
+  switch (a) {
+    case Algorithm::kRing:
+      // Reads its input once; writes partial sums and the gathered result, 2(N-1)/N of S.
+      return S + 2 * (2 * frac * S);
+    case Algorithm::kRecursiveDoubling:
+      // Per step: read S to send, write S of scratch (x2), read both and write the result.
+      return log2_int(p) * 6 * S + fold;
+    case Algorithm::kHalvingDoubling:
+      // Reduce-scatter steps as one recursive-doubling step over halving sizes (6x), then the
+      // all-gather reads what it sends and writes what it receives (3x), both (P-1)/P of S.
+      return 9 * pfrac * S + fold;
+    case Algorithm::kParameterServer:
+      // The root receives N-1 full buffers (x2), reduces each (3x) and sends N-1 copies.
+      return 6 * (n - 1) * S;
+    case Algorithm::kSharedMemory:
+      // Reads its input once; writes the result once with non-temporal stores (no
+      // read-for-ownership) when the messages are large enough for this term to matter.
+      return 2 * S;
+    case Algorithm::kAuto:
+      break;
+  }
+  return 0.0;
+}
 }  // namespace
 
 double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes) const {
@@ -36,30 +76,52 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes) const {
   // that the ring avoids by reducing each piece straight out of the transport's buffer
   // while the next one is in flight.
   const double staged = beta;
+  // Large messages are bound by main memory as much as by the transfers: beta and gamma are
+  // measured on buffers that fit in cache. The share of the ranks' send and receive buffers
+  // that the shared last-level cache cannot hold goes to memory, whose traffic a rank moves
+  // at twice its copy rate (a copy reads and writes each byte).
+  const double working_set = 2.0 * n * S;
+  const double spill = std::max(0.0, 1.0 - p_.cache_mib * 1048576.0 / std::max(working_set, 1.0));
+  const double memory = spill * memory_traffic_bytes(a, n, S) * p_.copy_us_per_byte() / 2;
   switch (a) {
     case Algorithm::kRing: {
       const double frac = static_cast<double>(n - 1) / n;
-      return 2 * (n - 1) * alpha + 2 * frac * S * beta + frac * S * gamma;
+      return 2 * (n - 1) * alpha + 2 * frac * S * beta + frac * S * gamma + memory;
     }
     case Algorithm::kRecursiveDoubling:
-      return steps * (alpha + S * (beta + staged) + S * gamma) + fold;
+      return steps * (alpha + S * (beta + staged) + S * gamma) + fold + memory;
     case Algorithm::kHalvingDoubling: {
       const double frac = static_cast<double>(p - 1) / p;
-      return 2 * steps * alpha + 2 * frac * S * beta + frac * S * (gamma + staged) + fold;
+      return 2 * steps * alpha + 2 * frac * S * beta + frac * S * (gamma + staged) + fold + memory;
     }
     case Algorithm::kParameterServer:
       // The server receives and then sends N-1 full copies, one after another.
-      return 2 * (n - 1) * (alpha + S * beta) + (n - 1) * S * gamma;
+      return 2 * (n - 1) * (alpha + S * beta) + (n - 1) * S * gamma + memory;
+    case Algorithm::kSharedMemory: {
+      // No messages: each rank copies its input into shared memory and the result out of it,
+      // once each, as a transport does for a message of S bytes (beta), and reduces its 1/N
+      // of every chunk over N inputs (the ring's reduction work). Each chunk passes three
+      // steps (stage, reduce, copy out), each ending in a wait for every other rank. The first
+      // chunk's three steps depend on each other: three latencies, as the ring pays one per
+      // step. Later chunks find the others mostly done (a spare staging slot gives each rank
+      // a chunk of slack), so their waits cost the reads of the N-1 counters.
+      const double frac = static_cast<double>(n - 1) / n;
+      const double chunks = std::max(1.0, std::ceil(S / kSharedMemoryChunkBytes));
+      const double sync = 3 * alpha + 3 * chunks * (n - 1) * kCacheLineTransferUs;
+      return sync + S * beta + frac * S * gamma + memory;
+    }
     case Algorithm::kAuto:
       return allreduce_us(choose_allreduce(n, bytes), n, bytes);
   }
   return 0.0;
 }
 
-Algorithm CostModel::choose_allreduce(int n, std::size_t bytes) const {
+Algorithm CostModel::choose_allreduce(int n, std::size_t bytes, bool shared_memory) const {
   Algorithm best = Algorithm::kRing;
   double best_us = allreduce_us(best, n, bytes);
-  for (Algorithm a : {Algorithm::kRecursiveDoubling, Algorithm::kHalvingDoubling}) {
+  for (Algorithm a :
+       {Algorithm::kRecursiveDoubling, Algorithm::kHalvingDoubling, Algorithm::kSharedMemory}) {
+    if (a == Algorithm::kSharedMemory && !shared_memory) continue;
     double t = allreduce_us(a, n, bytes);
     if (t < best_us) {
       best = a;
@@ -89,6 +151,10 @@ std::optional<LinkParams> CostModel::parse(std::string_view spec, LinkParams bas
       p.bandwidth_gbps = v;
     } else if (key == "reduce_gbps") {
       p.reduce_gbps = v;
+    } else if (key == "copy_gbps") {
+      p.copy_gbps = v;
+    } else if (key == "cache_mib") {
+      p.cache_mib = v;
     } else {
       return std::nullopt;
     }
@@ -99,7 +165,8 @@ std::optional<LinkParams> CostModel::parse(std::string_view spec, LinkParams bas
 std::string CostModel::to_string() const {
   std::ostringstream o;
   o << "alpha_us=" << p_.alpha_us << ",bandwidth_gbps=" << p_.bandwidth_gbps
-    << ",reduce_gbps=" << p_.reduce_gbps;
+    << ",reduce_gbps=" << p_.reduce_gbps << ",copy_gbps=" << p_.copy_gbps
+    << ",cache_mib=" << p_.cache_mib;
   return o.str();
 }
 

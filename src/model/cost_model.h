@@ -1,7 +1,7 @@
 // The alpha-beta-gamma cost model of the collectives: predicts each all-reduce algorithm's
-// time from per-message latency (alpha), per-byte transfer time (beta) and per-byte
-// reduction time (gamma), and picks the fastest. Pure arithmetic, so the advisor tool can
-// reuse it on constants measured elsewhere.
+// time from per-message latency (alpha), per-byte transfer time (beta), per-byte reduction
+// time (gamma) and, for messages beyond the cache, main-memory traffic, and picks the
+// fastest. Pure arithmetic, so the advisor tool can reuse it on constants measured elsewhere.
 #pragma once
 
 #include <cstddef>
@@ -17,9 +17,17 @@ struct LinkParams {
   double alpha_us = 5.0;        // one message's fixed cost
   double bandwidth_gbps = 5.0;  // point-to-point payload bandwidth, 1e9 B/s
   double reduce_gbps = 10.0;    // reduction throughput over the input bytes, 1e9 B/s
+  // One rank's memcpy of buffers that do not fit in cache, payload bytes per second (half
+  // the STREAM copy figure, which counts bytes read plus written: 20.6 GB/s on the 2-core
+  // EPYC VM we measure on). Not calibrated at start-up: copying enough to miss the cache
+  // takes longer than a context should spend starting.
+  double copy_gbps = 10.0;
+  // Last-level cache the ranks of a host share, MiB: buffers beyond it go to main memory.
+  double cache_mib = 32.0;
 
   double beta_us_per_byte() const { return 1e-3 / bandwidth_gbps; }
   double gamma_us_per_byte() const { return 1e-3 / reduce_gbps; }
+  double copy_us_per_byte() const { return 1e-3 / copy_gbps; }
 };
 
 class CostModel {
@@ -31,10 +39,12 @@ class CostModel {
 
   // Predicted time of one all-reduce of `bytes` over `ranks` ranks.
   double allreduce_us(Algorithm a, int ranks, std::size_t bytes) const;
-  // The fastest of ring, recursive doubling and halving-doubling (never the baseline).
-  Algorithm choose_allreduce(int ranks, std::size_t bytes) const;
+  // The fastest of ring, recursive doubling and halving-doubling (never the baseline), and of
+  // the shared-memory algorithm when `shared_memory` says the ranks can use it.
+  Algorithm choose_allreduce(int ranks, std::size_t bytes, bool shared_memory = false) const;
 
-  // "alpha_us=3,bandwidth_gbps=8,reduce_gbps=20" (any subset); nullopt if malformed.
+  // "alpha_us=3,bandwidth_gbps=8,reduce_gbps=20,copy_gbps=10,cache_mib=32" (any subset);
+  // nullopt if malformed.
   static std::optional<LinkParams> parse(std::string_view spec, LinkParams base = {});
   std::string to_string() const;
 

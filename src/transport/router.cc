@@ -1,12 +1,33 @@
 // Per-peer dispatch to the underlying transports.
 #include "transport/router.h"
 
+#include "transport/shared_arena.h"
+
 namespace gradsync::transport {
 
 RouterTransport::RouterTransport(int rank, int size,
                                  std::vector<std::unique_ptr<Transport>> transports,
                                  std::vector<int> route)
-    : rank_(rank), size_(size), transports_(std::move(transports)), route_(std::move(route)) {}
+    : rank_(rank), size_(size), transports_(std::move(transports)), route_(std::move(route)) {
+  arena_ = whole_world_arena();
+}
+
+// An arena is only usable by a collective if every rank of the world is a member, which holds
+// when one transport reaches every peer and its arena's members are exactly the world.
+SharedArena* RouterTransport::whole_world_arena() const {
+  if (size_ < 2) return nullptr;
+  const int first_peer = rank_ == 0 ? 1 : 0;
+  const int shared = route_[static_cast<std::size_t>(first_peer)];
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer != rank_ && route_[static_cast<std::size_t>(peer)] != shared) return nullptr;
+  }
+  if (shared < 0) return nullptr;
+  SharedArena* arena = transports_[static_cast<std::size_t>(shared)]->shared_arena();
+  if (!arena || arena->members() != size_ || arena->member_rank(arena->member_index()) != rank_) {
+    return nullptr;
+  }
+  return arena;
+}
 
 Transport& RouterTransport::to(int peer) const {
   if (peer < 0 || peer >= size_ || peer == rank_ || route_[static_cast<std::size_t>(peer)] < 0) {

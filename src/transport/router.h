@@ -25,13 +25,17 @@ class RouterTransport final : public Transport {
   RequestPtr irecv_consume(int peer, const Tag& tag, std::size_t bytes, Consumer consume) override;
   void abort(const std::string& reason) override;
   PeerTraffic traffic(int peer) const override;
+  // The arena of the one transport every peer routes to, if it offers one for the whole world.
+  SharedArena* shared_arena() override { return arena_; }
 
  private:
   Transport& to(int peer) const;
+  SharedArena* whole_world_arena() const;
   int rank_;
   int size_;
   std::vector<std::unique_ptr<Transport>> transports_;
   std::vector<int> route_;
+  SharedArena* arena_ = nullptr;  // decided once: routes never change
 };
 
 }  // namespace gradsync::transport

@@ -9,6 +9,9 @@
 // A message of B bytes occupies max(1, ceil(B / slot_bytes)) consecutive slots; every slot's
 // descriptor repeats the message's tag and length and gives the piece's offset, so the
 // receiver checks tag and length on the first piece and a zero-length message is one empty slot.
+// After the rings comes the member's shared-arena region (see SharedArena): raw memory for
+// collectives that reduce straight out of each other's buffers, guarded by a progress counter
+// in the header. The arena and the rings share the doorbell, abort and liveness machinery.
 //
 // Progress: every wait()/test() moves all pending operations of the transport (sends into
 // free slots, posted receives out of full ones), so ranks that send to each other before they
@@ -48,6 +51,7 @@
 #include <vector>
 
 #include "rendezvous/store_util.h"
+#include "transport/shared_arena.h"
 
 namespace gradsync::transport {
 
@@ -81,13 +85,24 @@ constexpr auto kSpinBeforeSleep = 20us;
 // A sleeping waiter wakes at least this often to look for dead peers, so a peer killed with
 // SIGKILL (which cannot ring a doorbell) is noticed well within a second.
 constexpr auto kLivenessInterval = 50ms;
+// SharedArena::wait_for spins this long instead when the group has more ranks than the machine
+// has CPUs: then the member waited for is often descheduled, and every microsecond spun is
+// taken from it. Measured with the shared-memory all-reduce, 4 ranks on 2 cores, 64 MiB:
+// 3 us 3.7-4.1 GB/s busbw, 20 us 2.6-3.7, no spin 3.0-3.9. With 2 ranks on 2 cores the
+// longer spin stays: a 3 us spin costs 10-30% at 256 KiB-4 MiB (waits there last 5-20 us).
+constexpr auto kOversubscribedSpin = 3us;
+// Each member's arena region. The shared-memory all-reduce stages a few chunks of a few hundred
+// KiB per member there (collectives/shared_memory.cc); 4 MiB leaves it room to try larger
+// chunks without making /dev/shm use grow much next to the inbox rings (up to 32 MiB a rank).
+constexpr std::size_t kArenaRegionBytes = std::size_t{4} << 20;
 
 // ---- Shared-memory layout ----------------------------------------------------------------
 
 constexpr std::size_t kCacheLine = 64;
 constexpr std::size_t kPageBytes = 4096;
 constexpr std::uint64_t kSegmentMagic = 0x31636e7973647267;  // "grdsync1" little-endian
-constexpr std::uint32_t kLayoutVersion = 1;
+constexpr std::uint32_t kLayoutVersion = 2;                  // 2: arena region and counter
+constexpr std::int32_t kNoMember = -1;
 constexpr std::size_t kAbortReasonBytes = 1024;
 
 // Futex words must be plain 32-bit integers in memory.
@@ -127,6 +142,7 @@ struct SegmentHeader {
   std::uint32_t layout_version = 0;
   std::uint32_t group_size = 0;
   std::uint64_t slot_bytes = 0;
+  std::uint64_t arena_bytes = 0;
   std::uint64_t segment_bytes = 0;
   std::int32_t owner_rank = -1;
   std::int32_t owner_pid = 0;
@@ -136,6 +152,16 @@ struct SegmentHeader {
   // Non-zero while the owner is (about to be) asleep on the doorbell: only then do others
   // pay for a FUTEX_WAKE system call.
   alignas(kCacheLine) FutexWord owner_sleeping{0};
+  // While the owner sleeps in SharedArena::wait_for: the member whose progress it waits for,
+  // so only that member's publishes ring the doorbell (kNoMember for message waits). Read by
+  // publishers after they see owner_sleeping set (same cache line: one miss for both).
+  std::atomic<std::int32_t> sleeping_for_member{kNoMember};
+  // The owner's arena progress counter (SharedArena::publish). seq_cst like the ring
+  // counters, for the same sleep/wake handshake (wake_if_sleeping).
+  alignas(kCacheLine) std::atomic<std::uint64_t> arena_progress{0};
+  // The call the owner last waited in (SharedArena::wait_for's `call`): written before the
+  // owner publishes in that call, so whoever sees the progress can name the call.
+  std::atomic<std::uint64_t> arena_call[4] = {};
   // Set when the owner destroys its transport: what it published is still delivered, but
   // nothing more will come.
   alignas(kCacheLine) FutexWord owner_closed{0};
@@ -157,7 +183,9 @@ struct Layout {
     header_bytes = round_up(sizeof(SegmentHeader), kPageBytes);
     control_bytes = round_up(sizeof(RingControl), kPageBytes);
     ring_bytes = control_bytes + kSlotCount * slot_bytes;
-    segment_bytes = header_bytes + static_cast<std::size_t>(members - 1) * ring_bytes;
+    arena_offset = header_bytes + static_cast<std::size_t>(members - 1) * ring_bytes;
+    arena_bytes = kArenaRegionBytes;
+    segment_bytes = arena_offset + arena_bytes;
   }
   // The ring in the segment of group member `receiver` that carries messages from `sender`.
   std::size_t ring_offset(int sender, int receiver) const {
@@ -169,6 +197,8 @@ struct Layout {
   std::size_t header_bytes;
   std::size_t control_bytes;
   std::size_t ring_bytes;
+  std::size_t arena_offset;  // page aligned: every part before it is a whole number of pages
+  std::size_t arena_bytes;
   std::size_t segment_bytes;
 };
 
@@ -362,7 +392,9 @@ class ShmRequest final : public Request {
   OperationPtr op_;
 };
 
-class ShmTransport final : public Transport {
+// The transport is also the group's shared arena: both live in the same segments and share
+// the doorbells, the abort state and the liveness checks.
+class ShmTransport final : public Transport, public SharedArena {
  public:
   ShmTransport(int rank, int world_size, std::vector<int> group, TransportOptions options)
       : rank_(rank),
@@ -384,6 +416,7 @@ class ShmTransport final : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return world_size_; }
   const char* name() const override { return "shm"; }
+  SharedArena* shared_arena() override { return this; }
 
   RequestPtr isend(int peer, const Tag& tag, const void* data, std::size_t bytes) override {
     PeerLink& link = link_for(peer, "isend", bytes);
@@ -457,6 +490,70 @@ class ShmTransport final : public Transport {
                        link->messages_received.load(std::memory_order_relaxed)};
   }
 
+  // ---- SharedArena ----
+
+  int members() const override { return static_cast<int>(group_.size()); }
+  int member_index() const override { return my_index_; }
+  int member_rank(int member) const override { return group_[checked_member(member)]; }
+  unsigned char* region(int member) override { return regions_[checked_member(member)]; }
+  std::size_t region_bytes() const override { return layout_.arena_bytes; }
+  std::uint64_t progress(int member) const override {
+    return headers_[checked_member(member)]->arena_progress.load(std::memory_order_acquire);
+  }
+
+  void publish(std::uint64_t value) override {
+    if (value < published_) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "arena progress may not go back from " + std::to_string(published_) + " to " +
+                      std::to_string(value),
+                  rank_, Error::kNoPeer, "shm arena publish");
+    }
+    published_ = value;
+    own_->arena_progress.store(value, std::memory_order_seq_cst);  // see sleep_on_doorbell
+    for (std::size_t m = 0; m < headers_.size(); ++m) {
+      SegmentHeader& member = *headers_[m];
+      if (static_cast<int>(m) != my_index_ &&
+          member.owner_sleeping.load(std::memory_order_seq_cst) != 0 &&
+          member.sleeping_for_member.load(std::memory_order_relaxed) == my_index_) {
+        ring_doorbell(member);
+      }
+    }
+  }
+
+  void wait_for(int member, std::uint64_t value, const Tag& call,
+                Clock::time_point deadline) override {
+    if (!(call == arena_call_)) {
+      arena_call_ = call;
+      for (int w = 0; w < 4; ++w) {
+        own_->arena_call[w].store(call.words[w], std::memory_order_relaxed);
+      }
+    }
+    const auto& counter = headers_[checked_member(member)]->arena_progress;
+    if (counter.load(std::memory_order_acquire) >= value) return;
+    throw_if_failed();
+    PeerLink* link = link_by_member_[static_cast<std::size_t>(member)];
+    if (!link) {
+      throw Error(ErrorKind::kInvalidArgument, "waits for its own arena progress", rank_, rank_,
+                  "shm arena wait");
+    }
+    std::uint32_t rounds = 0;
+    Clock::time_point spin_start;
+    for (;;) {
+      if (counter.load(std::memory_order_acquire) >= value) return;
+      // As in wait(): the clock and the abort state every 32nd round, then sleep.
+      if (rounds++ == 0) spin_start = Clock::now();
+      if (rounds % 32 != 0) {
+        _mm_pause();
+        continue;
+      }
+      check_abort(link->rank);
+      if (Clock::now() - spin_start < arena_spin_) continue;
+      sleep_on_doorbell(deadline, member,
+                        [&] { return arena_wait_over(*link, member, value, call, deadline); });
+      rounds = 0;
+    }
+  }
+
   bool test(Operation& op) {
     if (op.complete) return true;
     throw_if_failed();
@@ -490,7 +587,7 @@ class ShmTransport final : public Transport {
         _mm_pause();
         continue;
       }
-      sleep_until_doorbell(op, deadline);
+      sleep_on_doorbell(deadline, kNoMember, [&] { return message_wait_over(op, deadline); });
       idle_rounds = 0;
     }
   }
@@ -506,6 +603,16 @@ class ShmTransport final : public Transport {
     op->bytes = bytes;
     link.receives.push_back(op);
     return op;
+  }
+
+  std::size_t checked_member(int member) const {
+    if (member < 0 || member >= members()) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "arena member " + std::to_string(member) + " outside group of " +
+                      std::to_string(members()),
+                  rank_, Error::kNoPeer, "shm arena");
+    }
+    return static_cast<std::size_t>(member);
   }
 
   PeerLink& link_for(int peer, const char* what, std::size_t bytes) const {
@@ -687,24 +794,126 @@ class ShmTransport final : public Transport {
 
   // ---- Sleeping and liveness ----
 
-  // One futex sleep, bounded by the deadline and the liveness interval. Announces the sleep,
-  // re-checks everything (a peer may have published just before the announcement), sleeps.
-  void sleep_until_doorbell(Operation& op, Clock::time_point deadline) {
+  // One futex sleep, bounded by the deadline and the liveness interval. Announces the sleep
+  // (for an arena wait also whose publish should end it), lets `wait_over` look once more (a
+  // peer may have published just before the announcement; it throws to end the wait with an
+  // error), then sleeps unless it returned true.
+  template <class WaitOver>
+  void sleep_on_doorbell(Clock::time_point deadline, int waits_for_member, WaitOver wait_over) {
     SegmentHeader& me = *own_;
     std::uint32_t seen = me.doorbell.load(std::memory_order_acquire);
-    me.owner_sleeping.store(1, std::memory_order_seq_cst);  // see wake_if_sleeping
+    me.sleeping_for_member.store(waits_for_member, std::memory_order_relaxed);
+    // seq_cst, as the counters publishers store before they look at it: see wake_if_sleeping.
+    me.owner_sleeping.store(1, std::memory_order_seq_cst);
     struct ClearSleeping {
       FutexWord& flag;
       ~ClearSleeping() { flag.store(0, std::memory_order_relaxed); }
     } clear_sleeping{me.owner_sleeping};
 
-    if (progress_all() || op.complete) return;
+    if (wait_over()) return;
+    auto now = Clock::now();
+    futex_wait(&me.doorbell, seen, std::min(deadline, now + kLivenessInterval) - now);
+  }
+
+  // wait()'s last look before sleeping: true if `op` completed or anything moved.
+  bool message_wait_over(Operation& op, Clock::time_point deadline) {
+    if (progress_all() || op.complete) return true;
     check_abort(op.peer);
     auto now = Clock::now();
     check_peers_alive(now);
-    if (op.complete) return;  // the liveness check delivers what a departed peer left behind
+    if (op.complete) return true;  // the liveness check delivers what a departed peer left behind
+    check_peers_in_arena();
+    if (op.complete) return true;
     if (now >= deadline) throw_timeout(op);
-    futex_wait(&me.doorbell, seen, std::min(deadline, now + kLivenessInterval) - now);
+    return false;
+  }
+
+  // SharedArena::wait_for's last look before sleeping: true once `member` reached `value`.
+  bool arena_wait_over(const PeerLink& link, int member, std::uint64_t value, const Tag& call,
+                       Clock::time_point deadline) {
+    const auto& counter = headers_[static_cast<std::size_t>(member)]->arena_progress;
+    auto reached = [&] { return counter.load(std::memory_order_seq_cst) >= value; };
+    if (reached()) return true;
+    check_abort(link.rank);
+    // While every member runs the same arena collective, no messages flow: the collective
+    // sends none, and every earlier collective consumed all of its own. So a message in our
+    // inbox means its sender runs a message-based collective instead. Unless it finished this
+    // one first: a member leaves an arena collective only after seeing every value any member
+    // waits for in it, and publishes before it sends, so once its message shows, so does the
+    // value we wait for.
+    for (auto& sender : links_) {
+      if (sender->in_ring->head.load(std::memory_order_seq_cst) == sender->in_tail) continue;
+      if (reached()) return true;
+      const SlotDescriptor d = sender->in_ring->slots[sender->in_tail % kSlotCount];
+      fail(std::make_exception_ptr(
+          Error(ErrorKind::kMismatch,
+                "rank " + std::to_string(sender->rank) + " sent " + describe(d.tag) + " (" +
+                    std::to_string(d.message_bytes) +
+                    " bytes) over the message path while this rank waits in shared memory for " +
+                    describe(call),
+                rank_, sender->rank, "shm arena wait")));
+    }
+    auto now = Clock::now();
+    bool check_process = now >= next_process_check_;
+    if (check_process) next_process_check_ = now + kLivenessInterval;
+    std::string gone = departure(link, check_process);
+    if (!gone.empty()) {
+      if (reached()) return true;  // it published what we wait for before it left
+      fail(std::make_exception_ptr(
+          Error(ErrorKind::kPeerLost,
+                "peer process " + std::to_string(link.pid) + " (rank " + std::to_string(link.rank) +
+                    ") " + gone + " with its shared-memory progress at " +
+                    std::to_string(counter.load(std::memory_order_relaxed)) + ", short of the " +
+                    std::to_string(value) + " this rank waits for in " + describe(call),
+                rank_, link.rank, "shm arena wait")));
+    }
+    if (now >= deadline) {
+      throw Error(ErrorKind::kTimeout,
+                  describe(call) + ": rank " + std::to_string(link.rank) +
+                      "'s shared-memory progress is still " +
+                      std::to_string(counter.load(std::memory_order_relaxed)) +
+                      ", this rank waits for " + std::to_string(value),
+                  rank_, link.rank, "shm arena wait");
+    }
+    return false;
+  }
+
+  // The mirror image of the stray-message check in arena_wait_over: a peer whose arena counter
+  // is past ours has entered an arena collective this rank is not in (every member ends each
+  // one at the same count), so what we wait for from it will never come. It published after
+  // sending all it sent before, so a last pass delivers that first.
+  void check_peers_in_arena() {
+    const std::uint64_t mine = own_->arena_progress.load(std::memory_order_relaxed);
+    for (auto& link : links_) {
+      if (link->idle()) continue;
+      const std::uint64_t theirs = link->segment->arena_progress.load(std::memory_order_seq_cst);
+      if (theirs <= mine) continue;
+      progress_all();
+      if (link->idle()) continue;
+      const Operation& op = link->receives.empty() ? *link->sends.front() : *link->receives.front();
+      Tag their_call;
+      for (int w = 0; w < 4; ++w) {
+        their_call.words[w] = link->segment->arena_call[w].load(std::memory_order_relaxed);
+      }
+      fail(std::make_exception_ptr(
+          Error(ErrorKind::kMismatch,
+                "rank " + std::to_string(link->rank) + " runs " + describe(their_call) +
+                    " in shared memory (its arena progress " + std::to_string(theirs) +
+                    " is past this rank's " + std::to_string(mine) + ") while this rank " +
+                    (op.is_send ? "sends it " : "waits for ") + describe(op.tag) + " (" +
+                    std::to_string(op.bytes) + " bytes)",
+                rank_, link->rank, op.is_send ? "shm send" : "shm recv", op.bytes)));
+    }
+  }
+
+  // Why `link`'s peer will publish and send nothing more, or "" while it still may: its
+  // closed flag (a plain load) always, its process (a system call) only if `check_process`.
+  std::string departure(const PeerLink& link, bool check_process) const {
+    if (link.segment->owner_closed.load(std::memory_order_acquire) != 0) {
+      return "closed its transport";
+    }
+    if (check_process && !process_alive(link)) return "exited";
+    return {};
   }
 
   bool process_alive(const PeerLink& link) const {
@@ -724,14 +933,8 @@ class ShmTransport final : public Transport {
     if (check_processes) next_process_check_ = now + kLivenessInterval;
     for (auto& link : links_) {
       if (link->idle()) continue;
-      std::string what;
-      if (link->segment->owner_closed.load(std::memory_order_acquire) != 0) {
-        what = "closed its transport";
-      } else if (check_processes && !process_alive(*link)) {
-        what = "exited";
-      } else {
-        continue;
-      }
+      std::string what = departure(*link, check_processes);
+      if (what.empty()) continue;
       // A departed peer writes nothing more, so one more pass delivers all it left behind.
       progress_all();
       if (link->idle()) continue;
@@ -751,11 +954,18 @@ class ShmTransport final : public Transport {
   const std::vector<int> group_;
   const TransportOptions options_;
   const Layout layout_;
+  int my_index_ = -1;                             // our position in group_ (arena member)
   std::vector<MappingPtr> mappings_;              // one per group member, own included
   SegmentHeader* own_ = nullptr;                  // our inbox's header
   GroupControl* group_control_ = nullptr;         // in the group's first rank's segment
   std::vector<std::unique_ptr<PeerLink>> links_;  // one per peer in the group
   std::vector<PeerLink*> link_by_rank_;           // indexed by global rank; null if no link
+  std::vector<PeerLink*> link_by_member_;         // indexed by member; null for ourselves
+  std::vector<SegmentHeader*> headers_;           // every member's header, by member
+  std::vector<unsigned char*> regions_;           // every member's arena region, by member
+  std::uint64_t published_ = 0;                   // our arena counter, as last published
+  Tag arena_call_;                                // as last written to own_->arena_call
+  Clock::duration arena_spin_ = kSpinBeforeSleep;  // wait_for's spin before sleeping
   std::exception_ptr failure_;                    // the first fatal error, rethrown forever
   bool progressing_ = false;                      // inside progress_guarded
   Clock::time_point next_process_check_{};        // epoch: check on the first sleep
@@ -839,7 +1049,7 @@ void ShmTransport::connect(Store& store, const std::string& key_prefix,
                     0ms);
   };
   const int group_size = static_cast<int>(group_.size());
-  const int my_index =
+  const int my_index = my_index_ =
       static_cast<int>(std::find(group_.begin(), group_.end(), rank_) - group_.begin());
   const std::uint64_t my_pid_namespace = pid_namespace_id();
   auto segment_key = [&](int r) { return key_prefix + "/shm/segment/" + std::to_string(r); };
@@ -856,6 +1066,7 @@ void ShmTransport::connect(Store& store, const std::string& key_prefix,
   own_->layout_version = kLayoutVersion;
   own_->group_size = static_cast<std::uint32_t>(group_size);
   own_->slot_bytes = layout_.slot_bytes;
+  own_->arena_bytes = layout_.arena_bytes;
   own_->segment_bytes = layout_.segment_bytes;
   own_->owner_rank = rank_;
   own_->owner_pid = static_cast<std::int32_t>(::getpid());
@@ -883,7 +1094,8 @@ void ShmTransport::connect(Store& store, const std::string& key_prefix,
     const SegmentHeader& h = m.header();
     if (h.magic != kSegmentMagic || h.layout_version != kLayoutVersion ||
         h.group_size != static_cast<std::uint32_t>(group_size) ||
-        h.slot_bytes != layout_.slot_bytes || h.owner_rank != peer) {
+        h.slot_bytes != layout_.slot_bytes || h.arena_bytes != layout_.arena_bytes ||
+        h.owner_rank != peer) {
       throw Error(ErrorKind::kProtocol,
                   "segment " + name + " does not hold rank " + std::to_string(peer) +
                       "'s inbox for this group (different gradsync builds or key prefixes?)",
@@ -903,8 +1115,15 @@ void ShmTransport::connect(Store& store, const std::string& key_prefix,
   }
   unlinker.unlink_all();
 
-  // 4. Wire up the links.
+  // 4. Wire up the arena and the links.
+  const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
+  if (cpus > 0 && group_size > cpus) arena_spin_ = kOversubscribedSpin;
   group_control_ = &mappings_[0]->header().group;
+  link_by_member_.assign(static_cast<std::size_t>(group_size), nullptr);
+  for (const MappingPtr& m : mappings_) {
+    headers_.push_back(&m->header());
+    regions_.push_back(m->bytes() + layout_.arena_offset);
+  }
   for (int index = 0; index < group_size; ++index) {
     if (index == my_index) continue;
     auto link = std::make_unique<PeerLink>();
@@ -929,6 +1148,7 @@ void ShmTransport::connect(Store& store, const std::string& key_prefix,
       }
     }
     link_by_rank_[static_cast<std::size_t>(link->rank)] = link.get();
+    link_by_member_[static_cast<std::size_t>(index)] = link.get();
     links_.push_back(std::move(link));
   }
 }

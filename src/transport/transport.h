@@ -43,6 +43,8 @@ using RequestPtr = std::unique_ptr<Request>;
 // Called with consecutive pieces of an arriving message: (data, offset in message, length).
 using Consumer = std::function<void(const void* data, std::size_t offset, std::size_t len)>;
 
+class SharedArena;  // transport/shared_arena.h
+
 // Matching rule: messages between an ordered pair of ranks are FIFO. The k-th receive
 // posted for peer p matches the k-th message p sent to this rank. A receive whose tag or
 // length differs from the arriving message fails with kMismatch and names both tags.
@@ -67,6 +69,11 @@ class Transport {
   virtual void abort(const std::string& reason) = 0;
 
   virtual PeerTraffic traffic(int peer) const = 0;
+
+  // Optional capability: memory every rank of the whole world has mapped, for collectives
+  // that reduce straight out of each other's buffers. Null unless all ranks share this host
+  // through one transport that offers it. Lives as long as the transport.
+  virtual SharedArena* shared_arena() { return nullptr; }
 };
 
 // Options every transport takes.

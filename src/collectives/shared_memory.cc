@@ -1,0 +1,263 @@
+// All-reduce for ranks that share memory (SharedArena): each rank stages its input chunk by
+// chunk in its arena region, reduces one sub-block of every chunk straight out of all ranks'
+// staging buffers, and copies each finished chunk out of the reducers' buffers. User memory is
+// read once and written once; the staged bytes are read back while still in cache.
+//
+// Protocol. Chunk k of the message is cut into one sub-block per member; member j reduces
+// sub-block j. A call's chunks go through three steps, each ending in a publish of this rank's
+// arena counter (values relative to the counter at the call's start, `base`):
+//   stage(k):  copy input chunk k, but for own sub-block, into own
+//              slot k % kSlots                                    -> staged(k)  = base + 3k + 1
+//   reduce(k): own sub-block of chunk k over every member's slot
+//              (own input read from `send`), in member order,
+//              into own slot (kAvg finished)                      -> reduced(k) = base + 3k + 5
+//   copy(k):   every member's sub-block of chunk k into `recv`    -> copied(k)  = base + 3k + 9
+// Iteration t runs stage(t), reduce(t - 1), copy(t - 2), so while the slowest rank catches up
+// the others already work on the next chunk. reduce(k) waits for every member's staged(k),
+// copy(k) for every reduced(k), and stage(k) for every copied(k - kSlots) before it overwrites
+// the slot. Values encode (iteration, step), so "member m is at least this far" is one compare.
+// A call starts once every member finished the previous one (counter >= base), so slots and
+// headers are free and the counters of every call line up however the call sizes vary. Its
+// last step, copy(K-1), waits for every member's reduced(K-1), the highest value any member
+// waits for in the call: the contract SharedArena states for mismatch detection.
+//
+// Mismatch safety: before its first publish a rank writes its call's tag into its region
+// header; a rank compares every member's tag before it reads any of that member's data.
+#include <emmintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "collectives/algorithms.h"
+#include "kernels/kernels.h"
+#include "transport/shared_arena.h"
+
+namespace gradsync::collectives {
+
+namespace {
+
+// Staging slots per rank. Four, not three: with three, stage(t) would wait for every member to
+// finish iteration t - 1 entirely, a barrier per chunk; the fourth slot gives each rank an
+// iteration of slack.
+constexpr std::size_t kSlots = 4;
+// Region layout: a page for the header (keeps the slots page aligned), then the slots.
+constexpr std::size_t kHeaderBytes = 4096;
+// Sub-blocks start on cache lines: no reducer writes a line another reducer's sub-block shares,
+// and the vector kernels run on aligned data. Every dtype size divides it.
+constexpr std::size_t kLineBytes = 64;
+// Beyond two ranks, each sub-block is reduced tile by tile through a private accumulator that
+// stays in L1 (32 KiB on the machines we measured) along with the tiles of all inputs.
+constexpr std::size_t kTileBytes = 8 * 1024;
+
+struct RegionHeader {
+  transport::Tag signature;  // of the call this member's slots currently belong to
+};
+
+// Non-temporal copy: the destination is written straight to memory, without first being
+// read into cache (a read-for-ownership is a third of a cached copy's memory traffic) and
+// without evicting the staging slots that the next chunks reuse. Only for messages whose
+// outputs would not stay in cache anyway (AlgorithmConfig::shared_memory_streaming_bytes).
+void copy_streaming(unsigned char* dst, const unsigned char* src, std::size_t bytes) {
+  std::size_t head = (0 - reinterpret_cast<std::uintptr_t>(dst)) & 15;  // to a 16-byte boundary
+  head = std::min(head, bytes);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  bytes -= head;
+  const std::size_t body = bytes & ~std::size_t{63};
+  for (std::size_t i = 0; i < body; i += 64) {
+    const auto* s = reinterpret_cast<const __m128i*>(src + i);
+    auto* d = reinterpret_cast<__m128i*>(dst + i);
+    __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
+    __m128i c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
+    _mm_stream_si128(d, a);
+    _mm_stream_si128(d + 1, b);
+    _mm_stream_si128(d + 2, c);
+    _mm_stream_si128(d + 3, e);
+  }
+  std::memcpy(dst + body, src + body, bytes - body);
+}
+
+class SharedMemoryAllreduce {
+ public:
+  SharedMemoryAllreduce(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
+                        std::size_t count, DataType dtype, ReduceOp op, const AlgorithmConfig& cfg)
+      : c_(c),
+        arena_(arena),
+        send_(static_cast<const unsigned char*>(send)),
+        recv_(static_cast<unsigned char*>(recv)),
+        dtype_(dtype),
+        op_(op),
+        es_(dtype_size(dtype)),
+        bytes_(count * es_),
+        n_(arena.members()),
+        me_(arena.member_index()),
+        chunk_bytes_(chunk_size(cfg.shared_memory_chunk_bytes, arena.region_bytes())),
+        chunks_(std::max<std::size_t>(1, (bytes_ + chunk_bytes_ - 1) / chunk_bytes_)),
+        streaming_(bytes_ * static_cast<std::size_t>(n_) >= cfg.shared_memory_streaming_bytes) {
+    if (n_ != c.size() || me_ != c.rank()) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "shared arena of " + std::to_string(n_) + " members (this rank member " +
+                      std::to_string(me_) + ") does not span the world of " +
+                      std::to_string(c.size()),
+                  c.rank(), Error::kNoPeer, "shm allreduce");
+    }
+  }
+
+  void run() {
+    base_ = arena_.progress(me_);
+    wait_all(base_);  // every member left the previous call: our slots and header are free
+    header(me_).signature = c_.tag();
+    for (std::size_t t = 0; t < chunks_ + 2; ++t) {
+      if (t < chunks_) {
+        if (t >= kSlots) wait_all(copied(t - kSlots));
+        stage(t);
+        arena_.publish(staged(t));
+      }
+      if (t >= 1 && t - 1 < chunks_) {
+        const std::size_t k = t - 1;
+        wait_all(staged(k));
+        if (k == 0) check_signatures();
+        reduce(k);
+        arena_.publish(reduced(k));
+      }
+      if (t >= 2) {
+        const std::size_t k = t - 2;
+        wait_all(reduced(k));
+        copy_out(k);
+        arena_.publish(copied(k));
+      }
+    }
+    // Non-temporal stores are weakly ordered: make them visible before the caller (or a thread
+    // it signals) reads the result.
+    if (streaming_) _mm_sfence();
+  }
+
+ private:
+  static std::size_t chunk_size(std::size_t wanted, std::size_t region_bytes) {
+    const std::size_t fits = (region_bytes - kHeaderBytes) / kSlots;
+    return std::max<std::size_t>(4096, std::min(wanted, fits) / 4096 * 4096);
+  }
+
+  std::uint64_t staged(std::size_t k) const { return base_ + 3 * k + 1; }
+  std::uint64_t reduced(std::size_t k) const { return base_ + 3 * (k + 1) + 2; }
+  std::uint64_t copied(std::size_t k) const { return base_ + 3 * (k + 2) + 3; }
+
+  void wait_all(std::uint64_t value) {
+    for (int m = 0; m < n_; ++m) {
+      if (m != me_) arena_.wait_for(m, value, c_.tag(), c_.deadline());
+    }
+  }
+
+  RegionHeader& header(int member) {
+    return *reinterpret_cast<RegionHeader*>(arena_.region(member));
+  }
+  unsigned char* slot(int member, std::size_t k) {
+    return arena_.region(member) + kHeaderBytes + (k % kSlots) * chunk_bytes_;
+  }
+  std::size_t chunk_offset(std::size_t k) const { return k * chunk_bytes_; }
+  std::size_t chunk_length(std::size_t k) const {
+    return std::min(chunk_bytes_, bytes_ - std::min(bytes_, chunk_offset(k)));
+  }
+  // Byte range [first, second) of member j's sub-block within chunk k.
+  std::pair<std::size_t, std::size_t> sub_block(std::size_t k, int j) const {
+    const std::size_t length = chunk_length(k);
+    const Partition lines{(length + kLineBytes - 1) / kLineBytes, static_cast<std::size_t>(n_)};
+    const auto index = static_cast<std::size_t>(j);
+    const std::size_t first = std::min(length, lines.offset(index) * kLineBytes);
+    const std::size_t last =
+        std::min(length, (lines.offset(index) + lines.size(index)) * kLineBytes);
+    return {first, last};
+  }
+
+  void check_signatures() {
+    for (int m = 0; m < n_; ++m) {
+      const transport::Tag theirs = header(m).signature;
+      if (m == me_ || theirs == c_.tag()) continue;
+      throw Error(ErrorKind::kMismatch,
+                  "expected " + describe_tag(c_.tag()) + " but rank " +
+                      std::to_string(arena_.member_rank(m)) + " called " + describe_tag(theirs),
+                  c_.rank(), arena_.member_rank(m), "shm allreduce", bytes_);
+    }
+  }
+
+  // Only the sub-blocks other members reduce: this rank reads its own straight from `send`.
+  void stage(std::size_t k) {
+    const auto [first, last] = sub_block(k, me_);
+    const unsigned char* in = send_ + chunk_offset(k);
+    unsigned char* out = slot(me_, k);
+    if (first > 0) std::memcpy(out, in, first);
+    if (const std::size_t length = chunk_length(k); last < length) {
+      std::memcpy(out + last, in + last, length - last);
+    }
+  }
+
+  // Reduces this rank's sub-block of chunk k in member order 0, 1, ..., n-1 (the same order on
+  // every rank and run, so results are bitwise reproducible) into its own slot, where the
+  // other members copy it from.
+  void reduce(std::size_t k) {
+    const auto [first, last] = sub_block(k, me_);
+    unsigned char* dst = slot(me_, k) + first;
+    const unsigned char* own_input = send_ + chunk_offset(k) + first;
+    auto input = [&](int m, std::size_t offset) {
+      return (m == me_ ? own_input : slot(m, k) + first) + offset;
+    };
+    alignas(64) unsigned char accumulator[kTileBytes];
+    for (std::size_t offset = 0; offset < last - first; offset += kTileBytes) {
+      const std::size_t count = std::min(kTileBytes, last - first - offset) / es_;
+      if (n_ == 2) {
+        kernels::reduce(dst + offset, input(0, offset), input(1, offset), count, dtype_, op_);
+      } else {
+        kernels::reduce(accumulator, input(0, offset), input(1, offset), count, dtype_, op_);
+        for (int m = 2; m < n_ - 1; ++m) {
+          kernels::reduce_into(accumulator, input(m, offset), count, dtype_, op_);
+        }
+        kernels::reduce(dst + offset, accumulator, input(n_ - 1, offset), count, dtype_, op_);
+      }
+      if (op_ == ReduceOp::kAvg) kernels::scale_for_average(dst + offset, count, dtype_, n_);
+    }
+  }
+
+  void copy_out(std::size_t k) {
+    if (chunk_length(k) == 0) return;  // an empty call: `recv` may be null
+    unsigned char* out = recv_ + chunk_offset(k);
+    for (int j = 0; j < n_; ++j) {
+      const auto [first, last] = sub_block(k, j);
+      if (streaming_) {
+        copy_streaming(out + first, slot(j, k) + first, last - first);
+      } else {
+        std::memcpy(out + first, slot(j, k) + first, last - first);
+      }
+    }
+  }
+
+  Comm& c_;
+  transport::SharedArena& arena_;
+  const unsigned char* send_;
+  unsigned char* recv_;
+  const DataType dtype_;
+  const ReduceOp op_;
+  const std::size_t es_;
+  const std::size_t bytes_;
+  const int n_;
+  const int me_;
+  const std::size_t chunk_bytes_;
+  const std::size_t chunks_;  // at least one, so an empty call still checks signatures
+  const bool streaming_;
+  std::uint64_t base_ = 0;
+};
+
+}  // namespace
+
+void shm_direct_allreduce(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
+                          std::size_t count, DataType dtype, ReduceOp op,
+                          const AlgorithmConfig& cfg) {
+  if (c.size() == 1) {
+    if (send != recv && count) std::memcpy(recv, send, count * dtype_size(dtype));
+    return;
+  }
+  SharedMemoryAllreduce(c, arena, send, recv, count, dtype, op, cfg).run();
+}
+
+}  // namespace gradsync::collectives

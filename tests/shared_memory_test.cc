@@ -1,0 +1,345 @@
+// The shared arena of the shm transport (regions, progress counters, waits that fail instead
+// of hanging) and the shared-memory all-reduce across real processes, including kill -9.
+// The algorithm's grid over thread ranks lives in collectives_test.cc.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+#include <stdexcept>
+#include <thread>
+
+#include "collectives/signature.h"
+#include "gradsync/gradsync.h"
+#include "harness.h"
+#include "rendezvous/store_util.h"
+#include "transport/inproc.h"
+#include "transport/router.h"
+#include "transport/shared_arena.h"
+#include "transport/shm.h"
+
+namespace gradsync::transport {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr auto kSetupTimeout = 30s;
+
+std::vector<int> all_ranks(int n) {
+  std::vector<int> group(static_cast<std::size_t>(n));
+  std::iota(group.begin(), group.end(), 0);
+  return group;
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+Tag call_tag(std::uint64_t seq, std::uint64_t count = 10) {
+  collectives::CallSignature sig;
+  sig.seq = seq;
+  sig.kind = collectives::CollectiveKind::kAllreduce;
+  sig.dtype = DataType::kFloat32;
+  sig.algorithm = Algorithm::kSharedMemory;
+  sig.count = count;
+  return collectives::encode(sig);
+}
+
+template <class Fn>
+Error expect_error(ErrorKind kind, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), kind) << e.what();
+    return e;
+  }
+  ADD_FAILURE() << "expected " << to_string(kind) << ", nothing was thrown";
+  return Error(kind, "nothing thrown");
+}
+
+TransportOptions describing_options() {
+  TransportOptions options;
+  options.format_tag = collectives::describe_tag;
+  return options;
+}
+
+// Builds the shm transports of one group on n threads, runs body on n threads, destroys them
+// only after every body returned (an early finisher must not look like a lost peer).
+void run_arena_threads(int n, const std::function<void(int, Transport&, SharedArena&)>& body) {
+  auto store = make_inproc_store();
+  const std::string prefix = testing::unique_name("arena");
+  std::vector<std::unique_ptr<Transport>> transports(static_cast<std::size_t>(n));
+  testing::run_threads(n, [&](int r) {
+    transports[static_cast<std::size_t>(r)] =
+        make_shm_transport(*store, prefix, r, n, all_ranks(n), describing_options(), kSetupTimeout);
+  });
+  testing::run_threads(n, [&](int r) {
+    Transport& t = *transports[static_cast<std::size_t>(r)];
+    ASSERT_NE(t.shared_arena(), nullptr);
+    body(r, t, *t.shared_arena());
+  });
+}
+
+std::vector<std::string> segments_left(const std::string& prefix) {
+  std::vector<std::string> left;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    std::string name = entry.path().filename().string();
+    if (contains(name, prefix)) left.push_back(name);
+  }
+  return left;
+}
+
+TEST(SharedArena, EveryMemberSeesWhatOthersPublished) {
+  constexpr int kRanks = 4;
+  run_arena_threads(kRanks, [&](int rank, Transport&, SharedArena& arena) {
+    EXPECT_EQ(arena.members(), kRanks);
+    EXPECT_EQ(arena.member_index(), rank);
+    EXPECT_EQ(arena.member_rank(rank), rank);
+    EXPECT_GE(arena.region_bytes(), std::size_t{2} << 20);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(arena.region(rank)) % 4096, 0u);
+    // Rounds: each member fills its region with its round's pattern, publishes, and checks
+    // every other member's region once it has published the same round.
+    const std::size_t bytes = arena.region_bytes();
+    for (std::uint64_t round = 1; round <= 20; ++round) {
+      std::memset(arena.region(rank), static_cast<int>(round * 16 + static_cast<unsigned>(rank)),
+                  bytes);
+      arena.publish(2 * round - 1);
+      for (int m = 0; m < kRanks; ++m) {
+        if (m == rank) continue;
+        arena.wait_for(m, 2 * round - 1, call_tag(round), Clock::now() + 30s);
+        const auto want = static_cast<unsigned char>(round * 16 + static_cast<unsigned>(m));
+        const unsigned char* region = arena.region(m);
+        EXPECT_TRUE(region[0] == want && region[bytes / 2] == want && region[bytes - 1] == want)
+            << "member " << m << " round " << round;
+      }
+      // Nobody overwrites its region before everyone has read it.
+      arena.publish(2 * round);
+      for (int m = 0; m < kRanks; ++m) {
+        if (m != rank) arena.wait_for(m, 2 * round, call_tag(round), Clock::now() + 30s);
+      }
+      EXPECT_GE(arena.progress(rank), 2 * round);
+    }
+    expect_error(ErrorKind::kInvalidArgument, [&] { arena.publish(1); });  // never backwards
+  });
+}
+
+TEST(SharedArena, WaitTimesOutNamingMemberAndCallAndIsNotFatal) {
+  run_arena_threads(2, [](int rank, Transport&, SharedArena& arena) {
+    if (rank == 0) {
+      const auto start = Clock::now();
+      Error e = expect_error(ErrorKind::kTimeout, [&] {
+        arena.wait_for(1, 5, call_tag(7, 1234), Clock::now() + 150ms);
+      });
+      EXPECT_GE(Clock::now() - start, 150ms);
+      EXPECT_LT(Clock::now() - start, 5s);
+      EXPECT_EQ(e.peer(), 1);
+      EXPECT_TRUE(contains(e.what(), "allreduce #7 (count=1234")) << e.what();
+      EXPECT_TRUE(contains(e.what(), "waits for 5")) << e.what();
+      arena.publish(1);  // tells rank 1 to go on
+      arena.wait_for(1, 5, call_tag(7, 1234), Clock::now() + 30s);
+    } else {
+      arena.wait_for(0, 1, call_tag(7, 1234), Clock::now() + 30s);
+      arena.publish(5);
+    }
+  });
+}
+
+TEST(SharedArena, AbortWakesWaitersWithTheReason) {
+  run_arena_threads(3, [](int rank, Transport& t, SharedArena& arena) {
+    if (rank == 2) {
+      std::this_thread::sleep_for(50ms);  // let the others fall asleep
+      t.abort("rank 2 gives up");
+      return;
+    }
+    const auto start = Clock::now();
+    Error e = expect_error(ErrorKind::kAborted,
+                           [&] { arena.wait_for(1 - rank, 1, call_tag(1), Clock::now() + 30s); });
+    EXPECT_LT(Clock::now() - start, 1s);
+    EXPECT_TRUE(contains(e.what(), "rank 2 gives up")) << e.what();
+  });
+}
+
+// A member that published what others wait for and then closed its transport is no error;
+// waiting for more than it published fails at once, naming it.
+TEST(SharedArena, ClosedMemberDeliversWhatItPublishedThenIsLost) {
+  auto store = make_inproc_store();
+  const std::string prefix = testing::unique_name("arena-closed");
+  std::atomic<bool> closed{false};
+  testing::run_threads(2, [&](int rank) {
+    auto t = make_shm_transport(*store, prefix, rank, 2, all_ranks(2), describing_options(),
+                                kSetupTimeout);
+    SharedArena& arena = *t->shared_arena();
+    if (rank == 1) {
+      arena.publish(3);
+      t.reset();
+      closed = true;
+      return;
+    }
+    while (!closed) std::this_thread::sleep_for(1ms);
+    arena.wait_for(1, 3, call_tag(1), Clock::now() + 30s);
+    const auto start = Clock::now();
+    Error e = expect_error(ErrorKind::kPeerLost,
+                           [&] { arena.wait_for(1, 4, call_tag(2), Clock::now() + 30s); });
+    EXPECT_LT(Clock::now() - start, 1s);
+    EXPECT_EQ(e.peer(), 1);
+    EXPECT_TRUE(contains(e.what(), "closed its transport")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "allreduce #2")) << e.what();
+  });
+}
+
+// A message arriving while this rank waits in shared memory means the sender runs a
+// message-based collective instead of the shared-memory one: kMismatch naming both calls, on
+// the arena side and on the message side.
+TEST(SharedArena, MessagesDuringArenaWaitsAreMismatches) {
+  run_arena_threads(2, [](int rank, Transport& t, SharedArena& arena) {
+    if (rank == 0) {
+      arena.publish(1);  // in its shared-memory call
+      Error e = expect_error(ErrorKind::kMismatch,
+                             [&] { arena.wait_for(1, 1, call_tag(4, 100), Clock::now() + 30s); });
+      EXPECT_EQ(e.peer(), 1);
+      EXPECT_TRUE(contains(e.what(), "count=100")) << e.what();
+      EXPECT_TRUE(contains(e.what(), "count=200")) << e.what();
+    } else {
+      const int payload = 42;
+      int reply = 0;
+      auto send = t.isend(0, call_tag(4, 200), &payload, sizeof payload);
+      Error e = expect_error(ErrorKind::kMismatch, [&] {
+        t.irecv(0, call_tag(4, 200), &reply, sizeof reply)->wait(Clock::now() + 30s);
+      });
+      EXPECT_EQ(e.peer(), 0);
+      EXPECT_TRUE(contains(e.what(), "count=100")) << e.what();
+      EXPECT_TRUE(contains(e.what(), "count=200")) << e.what();
+    }
+  });
+}
+
+TEST(SharedArena, OfferedOnlyWhereOneSharedMemoryTransportReachesEveryone) {
+  run_arena_threads(
+      2, [](int, Transport& t, SharedArena&) { EXPECT_EQ(t.name(), std::string("shm")); });
+  auto group = make_inproc_group(2);
+  EXPECT_EQ(make_inproc_transport(group, 0)->shared_arena(), nullptr);
+
+  // Router over shm for every peer: the arena; a world where one peer routes elsewhere: none.
+  auto store = make_inproc_store();
+  const std::string prefix = testing::unique_name("arena-router");
+  testing::run_threads(2, [&](int rank) {
+    std::vector<std::unique_ptr<Transport>> transports;
+    transports.push_back(
+        make_shm_transport(*store, prefix, rank, 2, all_ranks(2), {}, kSetupTimeout));
+    SharedArena* arena = transports[0]->shared_arena();
+    RouterTransport all_shm(rank, 2, std::move(transports), {0, 0});
+    EXPECT_EQ(all_shm.shared_arena(), arena);
+  });
+  testing::run_threads(2, [&](int i) {
+    // World of 3: ranks 0 and 1 share memory, rank 2 is elsewhere (routed to inproc here).
+    auto inproc_group = make_inproc_group(3);
+    std::vector<std::unique_ptr<Transport>> transports;
+    transports.push_back(
+        make_shm_transport(*store, prefix + "-partial", i, 3, {0, 1}, {}, kSetupTimeout));
+    transports.push_back(make_inproc_transport(inproc_group, i));
+    RouterTransport partial(i, 3, std::move(transports), {0, 0, 1});
+    EXPECT_EQ(partial.shared_arena(), nullptr);
+  });
+}
+
+// ---- The shared-memory all-reduce across processes ----
+
+// gtest assertions in a forked child would be lost with it: children report by exit status.
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error("check failed: " + what);
+}
+
+// `token` (8 characters) names the job's shm segments, so a test can check it left none.
+std::unique_ptr<Context> process_context(const testing::TempDir& dir, int rank, int n,
+                                         const std::string& token = "shmdirct") {
+  Options options;
+  options.token = token;
+  options.rank = rank;
+  options.world_size = n;
+  options.transport = "shm";
+  options.timeout = 30s;
+  options.store = make_file_store(dir.path());
+  return init(options);
+}
+
+TEST(SharedMemoryAllreduce, ProcessesGetExactIdenticalResults) {
+  for (int n : {2, 3}) {
+    SCOPED_TRACE("n=" + std::to_string(n));
+    testing::TempDir dir;
+    auto statuses = testing::run_processes(n, [&](int rank) {
+      auto ctx = process_context(dir, rank, n);
+      require(ctx->transport_name((rank + 1) % n) == "shm", "shm between processes");
+      // Integer-valued floats: every sum is exact, so the result is known.
+      for (std::size_t count : {std::size_t{0}, std::size_t{5}, (std::size_t{3} << 20) + 7}) {
+        std::vector<float> v(count);
+        for (std::size_t i = 0; i < count; ++i)
+          v[i] = static_cast<float>((i + static_cast<std::size_t>(rank)) % 13);
+        ctx->allreduce(v.data(), v.data(), count, DataType::kFloat32, ReduceOp::kSum,
+                       Algorithm::kSharedMemory);
+        for (std::size_t i = 0; i < count; ++i) {
+          float want = 0;
+          for (int r = 0; r < n; ++r)
+            want += static_cast<float>((i + static_cast<std::size_t>(r)) % 13);
+          if (v[i] != want) {
+            require(false, "element " + std::to_string(i) + " of " + std::to_string(count));
+          }
+        }
+      }
+      return 0;
+    });
+    for (int r = 0; r < n; ++r) {
+      EXPECT_TRUE(WIFEXITED(statuses[static_cast<std::size_t>(r)]) &&
+                  WEXITSTATUS(statuses[static_cast<std::size_t>(r)]) == 0)
+          << "rank " << r;
+    }
+  }
+}
+
+// Rank 2 dies by SIGKILL in the middle of a stream of shared-memory all-reduces. Every
+// survivor must fail within 2 s (liveness is checked every 50 ms while waiting) naming the
+// lost rank, and nothing may be left in /dev/shm.
+TEST(SharedMemoryAllreduce, KilledRankIsNamedBySurvivorsWithinTwoSeconds) {
+  constexpr int kRanks = 3;
+  testing::TempDir dir;
+  const std::string token = "k9" + std::to_string(100000 + ::getpid() % 900000);
+  auto statuses = testing::run_processes(kRanks, [&](int rank) {
+    auto ctx = process_context(dir, rank, kRanks, token);
+    auto store = make_file_store(dir.path());
+    std::vector<float> buf(std::size_t{4} << 20, 1.0f);
+    if (rank == 2) {
+      for (int i = 0; i < 3; ++i) {
+        ctx->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kMax,
+                       Algorithm::kSharedMemory);
+      }
+      store->set("killed_at", to_bytes(std::to_string(Clock::now().time_since_epoch().count())));
+      ::raise(SIGKILL);
+    }
+    try {
+      for (;;) {
+        ctx->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kMax,
+                       Algorithm::kSharedMemory);
+      }
+    } catch (const Error& e) {
+      const auto detected = Clock::now().time_since_epoch().count();
+      const auto killed = std::stoll(to_string(store->get("killed_at", 10s)));
+      require(e.kind() == ErrorKind::kPeerLost || e.kind() == ErrorKind::kAborted,
+              std::string("peer lost or aborted: ") + e.what());
+      require(contains(e.what(), "rank 2"), std::string("names rank 2: ") + e.what());
+      const auto ms = (detected - killed) * Clock::period::num * 1000 / Clock::period::den;
+      require(ms < 2000, "detected within 2 s, took " + std::to_string(ms) + " ms");
+      return 0;
+    }
+  });
+  EXPECT_TRUE(WIFEXITED(statuses[0]) && WEXITSTATUS(statuses[0]) == 0);
+  EXPECT_TRUE(WIFEXITED(statuses[1]) && WEXITSTATUS(statuses[1]) == 0);
+  EXPECT_TRUE(WIFSIGNALED(statuses[2]) && WTERMSIG(statuses[2]) == SIGKILL);
+  EXPECT_EQ(segments_left("gradsync-" + token), std::vector<std::string>{});
+}
+
+}  // namespace
+}  // namespace gradsync::transport
