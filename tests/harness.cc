@@ -98,6 +98,15 @@ TempDir::~TempDir() {
   std::filesystem::remove_all(path_, ec);
 }
 
+std::vector<std::string> segments_left(const std::string& part) {
+  std::vector<std::string> left;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    std::string name = entry.path().filename().string();
+    if (name.find(part) != std::string::npos) left.push_back(name);
+  }
+  return left;
+}
+
 std::string unique_name(const std::string& base) {
   static std::atomic<int> counter{0};
   return base + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);

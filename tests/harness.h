@@ -46,6 +46,9 @@ class TempDir {
   std::string path_;
 };
 
+// Names in /dev/shm that contain `part`: must stay empty whatever happens to the ranks.
+std::vector<std::string> segments_left(const std::string& part);
+
 // A job-unique prefix for store keys and shm names, so parallel tests do not collide.
 std::string unique_name(const std::string& base);
 

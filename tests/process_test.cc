@@ -1,7 +1,6 @@
 // Collectives across real processes over shm and tcp: the full check run through the
 // launcher, and kill -9 of a rank mid-collective (every survivor must name the lost peer
 // within 2 s and nothing may be left in /dev/shm).
-#include <dirent.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -51,17 +50,6 @@ int count_of(const std::string& s, const std::string& part) {
   return n;
 }
 
-std::vector<std::string> shm_entries(const std::string& needle) {
-  std::vector<std::string> found;
-  if (DIR* d = ::opendir("/dev/shm")) {
-    while (dirent* e = ::readdir(d)) {
-      std::string name = e->d_name;
-      if (name.find(needle) != std::string::npos) found.push_back(name);
-    }
-    ::closedir(d);
-  }
-  return found;
-}
 
 class ThroughLauncher : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
@@ -162,7 +150,7 @@ TEST_P(KillNine, SurvivorsNameTheLostPeerWithinTwoSeconds) {
     long ms = std::stol(log.substr(at + 15));
     EXPECT_LT(ms, 2000) << log;
   }
-  EXPECT_TRUE(shm_entries("gradsync").empty()) << "left in /dev/shm: " << shm_entries("gradsync")[0];
+  EXPECT_TRUE(testing::segments_left("gradsync").empty()) << "left in /dev/shm: " << testing::segments_left("gradsync")[0];
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, KillNine, ::testing::Values("shm", "tcp"),

@@ -27,6 +27,7 @@ using conformance::expect_error;
 using conformance::first_pattern_error;
 using conformance::pattern;
 using conformance::tag_of;
+using testing::segments_left;
 
 constexpr auto kSetupTimeout = 30s;
 
@@ -52,15 +53,6 @@ INSTANTIATE_TEST_SUITE_P(Shm, TransportConformance,
                          ::testing::Values(TransportFactory{"shm", run_shm_threads}),
                          TransportFactoryName);
 
-// Names in /dev/shm that contain `prefix`: must stay empty whatever happens to the ranks.
-std::vector<std::string> segments_left(const std::string& prefix) {
-  std::vector<std::string> left;
-  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
-    std::string name = entry.path().filename().string();
-    if (contains(name, prefix)) left.push_back(name);
-  }
-  return left;
-}
 
 // gtest assertions in a forked child would be lost with it: children check with `require`
 // and report through their exit status instead.
