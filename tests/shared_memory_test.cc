@@ -22,14 +22,11 @@
 #include "transport/router.h"
 #include "transport/shared_arena.h"
 #include "transport/shm.h"
-#include "transport_conformance.h"
 
 namespace gradsync::transport {
 namespace {
 
 using namespace std::chrono_literals;
-using conformance::contains;
-using conformance::expect_error;
 using testing::segments_left;
 
 constexpr auto kSetupTimeout = 30s;
@@ -40,6 +37,9 @@ std::vector<int> all_ranks(int n) {
   return group;
 }
 
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
 
 Tag call_tag(std::uint64_t seq, std::uint64_t count = 10) {
   collectives::CallSignature sig;
@@ -51,6 +51,17 @@ Tag call_tag(std::uint64_t seq, std::uint64_t count = 10) {
   return collectives::encode(sig);
 }
 
+template <class Fn>
+Error expect_error(ErrorKind kind, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), kind) << e.what();
+    return e;
+  }
+  ADD_FAILURE() << "expected " << to_string(kind) << ", nothing was thrown";
+  return Error(kind, "nothing thrown");
+}
 
 TransportOptions describing_options() {
   TransportOptions options;
