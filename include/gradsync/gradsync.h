@@ -34,7 +34,7 @@ struct Options {
   std::string master_addr;    // MASTER_ADDR (default 127.0.0.1)
   int master_port = -1;       // MASTER_PORT (default 29500)
   std::string token;          // GRADSYNC_TOKEN: per-job secret every connection must present
-  std::string transport;      // GRADSYNC_TRANSPORT: "" (auto: shm same host, tcp otherwise) | shm | tcp
+  std::string transport;  // GRADSYNC_TRANSPORT: "" (auto: shm same host, tcp otherwise) | shm | tcp
   Algorithm algorithm = Algorithm::kAuto;  // GRADSYNC_ALGO
   std::chrono::milliseconds timeout{0};    // GRADSYNC_TIMEOUT in ms (default 300000)
   std::shared_ptr<Store> store;  // rendezvous store; default: TCP store at master_addr:port
@@ -92,8 +92,8 @@ class Context {
               int root);
   void barrier();
 
-  Work allreduce_async(const void* send, void* recv, std::size_t count, DataType dtype,
-                       ReduceOp op, Algorithm algo = Algorithm::kAuto);
+  Work allreduce_async(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
+                       Algorithm algo = Algorithm::kAuto);
   Work reduce_scatter_async(const void* send, void* recv, std::size_t recv_count, DataType dtype,
                             ReduceOp op);
   Work allgather_async(const void* send, void* recv, std::size_t send_count, DataType dtype);
@@ -101,6 +101,9 @@ class Context {
 
   // The algorithm kAuto would use for an all-reduce of `bytes` (from the cost model).
   Algorithm choose_allreduce_algorithm(std::size_t bytes) const;
+  // The cost model's constants, in the form GRADSYNC_COST_MODEL accepts
+  // ("alpha_us=0.4,bandwidth_gbps=18,..."): measured at start-up unless configured.
+  std::string cost_model() const;
 
   PeerTraffic traffic(int peer) const;
   PeerTraffic total_traffic() const;  // summed over peers

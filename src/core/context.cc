@@ -262,6 +262,10 @@ Algorithm Context::choose_allreduce_algorithm(std::size_t bytes) const {
   return impl_->pick_allreduce(bytes, Algorithm::kAuto);
 }
 
+std::string Context::cost_model() const {
+  return impl_->cost.to_string();
+}
+
 PeerTraffic Context::traffic(int peer) const {
   return impl_->transport->traffic(peer);
 }

@@ -1,4 +1,5 @@
 // Wrapping a transport into a context, and the cost-model calibration every rank agrees on.
+#include <algorithm>
 #include <chrono>
 #include <vector>
 
@@ -20,11 +21,28 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Rank 0 and rank 1 time a ping-pong for alpha and beta, rank 0 times the float32 sum
-// kernel for gamma, and rank 0 broadcasts all three: every rank must choose the same
-// algorithm for the same call, so they must share one set of constants.
+// Alpha is one round of a dissemination barrier over all ranks (a message each way, every
+// rank at once), so it includes what a two-rank ping-pong cannot see: ranks that share a
+// core wait for each other to be scheduled (4 ranks on 2 cores: ~0.4 us between two ranks,
+// ~5 us over all four). Rank 0 and rank 1 time a 1 MiB ping-pong for beta, rank 0 times
+// the float32 sum kernel for gamma, and rank 0 broadcasts all three: every rank must choose
+// the same algorithm for the same call, so they must share one set of constants.
 model::LinkParams measure_link(Comm& c) {
   double values[3] = {0, 0, 0};
+  int rounds_per_barrier = 0;
+  for (int k = 1; k < c.size(); k <<= 1) ++rounds_per_barrier;
+  // The fastest of several batches: a rank still finishing its start-up (or another process
+  // passing through) slows a batch down, while ranks that must share cores slow down every
+  // batch, since no barrier completes before each rank has run.
+  collectives::barrier(c);  // warm-up: page in, wake everyone
+  constexpr int kBatches = 8, kBarriersPerBatch = 5;
+  double alpha = 1e9;
+  for (int b = 0; b < kBatches; ++b) {
+    const auto batch_start = Clock::now();
+    for (int i = 0; i < kBarriersPerBatch; ++i) collectives::barrier(c);
+    alpha = std::min(alpha,
+                     seconds_since(batch_start) * 1e6 / (kBarriersPerBatch * rounds_per_barrier));
+  }
   if (c.rank() <= 1) {
     const int peer = 1 - c.rank();
     std::vector<unsigned char> buf(1 << 20);
@@ -41,10 +59,9 @@ model::LinkParams measure_link(Comm& c) {
       }
       return seconds_since(t0) * 1e6 / (2.0 * rounds);  // one-way microseconds
     };
-    pingpong(0, 5);  // warm-up: page in buffers, wake the peer
-    const double alpha = pingpong(0, 20);
-    pingpong(buf.size(), 1);
-    const double big = pingpong(buf.size(), 4);
+    pingpong(buf.size(), 1);  // warm-up: page in the buffers
+    double big = 1e9;         // the fastest of a few, as for alpha
+    for (int i = 0; i < 4; ++i) big = std::min(big, pingpong(buf.size(), 1));
     if (c.rank() == 0) {
       std::vector<float> a(1 << 18, 1.0f), b(1 << 18, 2.0f);
       kernels::reduce_into(a.data(), b.data(), a.size(), DataType::kFloat32, ReduceOp::kSum);
@@ -54,7 +71,8 @@ model::LinkParams measure_link(Comm& c) {
       }
       const double reduce_s = seconds_since(t0) / 8;
       values[0] = std::max(alpha, 0.1);
-      values[1] = static_cast<double>(buf.size()) / std::max(big - alpha, 1e-3) / 1e3;
+      // One message's latency is under 1% of a 1 MiB transfer: not worth subtracting.
+      values[1] = static_cast<double>(buf.size()) / std::max(big, 1e-3) / 1e3;
       values[2] = static_cast<double>(a.size() * sizeof(float)) / std::max(reduce_s, 1e-9) / 1e9;
     }
   }
@@ -93,9 +111,11 @@ std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> tran
   }
   if (!cost && impl->size > 1) {
     model::LinkParams measured;
-    CallSignature sig{0, CollectiveKind::kInternal, DataType::kFloat64, ReduceOp::kSum,
-                      Algorithm::kAuto, 0, 3};
-    impl->submit(sig, [&](Comm& c) { measured = measure_link(c); }, true).wait();
+    CallSignature sig{
+        0, CollectiveKind::kInternal, DataType::kFloat64, ReduceOp::kSum, Algorithm::kAuto, 0, 3};
+    impl->submit(
+            sig, [&](Comm& c) { measured = measure_link(c); }, true)
+        .wait();
     cost = measured;
   }
   impl->cost = model::CostModel(cost.value_or(model::LinkParams{}));

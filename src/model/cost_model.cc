@@ -102,12 +102,14 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes) const {
       // once each, as a transport does for a message of S bytes (beta), and reduces its 1/N
       // of every chunk over N inputs (the ring's reduction work). Each chunk passes three
       // steps (stage, reduce, copy out), each ending in a wait for every other rank. The first
-      // chunk's three steps depend on each other: three latencies, as the ring pays one per
-      // step. Later chunks find the others mostly done (a spare staging slot gives each rank
-      // a chunk of slack), so their waits cost the reads of the N-1 counters.
+      // chunk's three steps depend on each other, and each waits for all ranks as a barrier
+      // does: log2(N) latencies (alpha is calibrated as a barrier round, so where ranks share
+      // cores this includes waiting for all of them to be scheduled). Later chunks find the
+      // others mostly done (a spare staging slot gives each rank a chunk of slack), so their
+      // waits cost the reads of the N-1 counters.
       const double frac = static_cast<double>(n - 1) / n;
       const double chunks = std::max(1.0, std::ceil(S / kSharedMemoryChunkBytes));
-      const double sync = 3 * alpha + 3 * chunks * (n - 1) * kCacheLineTransferUs;
+      const double sync = 3 * log2_int(n) * alpha + 3 * chunks * (n - 1) * kCacheLineTransferUs;
       return sync + S * beta + frac * S * gamma + memory;
     }
     case Algorithm::kAuto:

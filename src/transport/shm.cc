@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -38,6 +39,8 @@
 #include <cctype>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -85,16 +88,58 @@ constexpr auto kSpinBeforeSleep = 20us;
 // A sleeping waiter wakes at least this often to look for dead peers, so a peer killed with
 // SIGKILL (which cannot ring a doorbell) is noticed well within a second.
 constexpr auto kLivenessInterval = 50ms;
-// SharedArena::wait_for spins this long instead when the group has more ranks than the machine
-// has CPUs: then the member waited for is often descheduled, and every microsecond spun is
-// taken from it. Measured with the shared-memory all-reduce, 4 ranks on 2 cores, 64 MiB:
-// 3 us 3.7-4.1 GB/s busbw, 20 us 2.6-3.7, no spin 3.0-3.9. With 2 ranks on 2 cores the
-// longer spin stays: a 3 us spin costs 10-30% at 256 KiB-4 MiB (waits there last 5-20 us).
-constexpr auto kOversubscribedSpin = 3us;
+// When the group has more ranks than this process has cores, the rank waited for is often
+// descheduled, and every microsecond spun is taken from it. Waiters then yield the core
+// between looks (sched_yield, as Open MPI does when oversubscribed) for these long before
+// sleeping: a yield costs nothing when the core has nothing else to run, and a futex
+// wake-up (5-10 us, twice per message when both sides sleep) is what dominates small
+// messages. GRADSYNC_SHM_SPIN_US overrides both spins (and kSpinBeforeSleep).
+constexpr auto kOversubscribedMessageSpin = 100us;
+constexpr auto kOversubscribedArenaSpin = 100us;
 // Each member's arena region. The shared-memory all-reduce stages a few chunks of a few hundred
 // KiB per member there (collectives/shared_memory.cc); 4 MiB leaves it room to try larger
 // chunks without making /dev/shm use grow much next to the inbox rings (up to 32 MiB a rank).
 constexpr std::size_t kArenaRegionBytes = std::size_t{4} << 20;
+
+// GRADSYNC_SHM_SPIN_US: microseconds an idle waiter looks for progress before it sleeps on
+// its futex; -1 when unset (the defaults above apply).
+long spin_us_setting() {
+  static const long value = [] {
+    const char* s = std::getenv("GRADSYNC_SHM_SPIN_US");
+    if (!s || !*s) return -1L;
+    long v = std::max(std::atol(s), 0L);
+    std::fprintf(stderr, "gradsync: GRADSYNC_SHM_SPIN_US=%ld\n", v);
+    return v;
+  }();
+  return value;
+}
+
+// How an idle waiter spends the time before it sleeps. With a core to itself it pauses
+// between looks and reads the clock every 32nd round (a clock read costs about a round);
+// when ranks share cores it yields the core at every round instead.
+class IdleSpin {
+ public:
+  IdleSpin(Clock::duration limit, bool yield) : limit_(limit), yield_(yield) {}
+  // Relaxes once. True: look again right away; false: run the slower checks (abort,
+  // spun_out) first.
+  bool keep_spinning() {
+    if (rounds_++ == 0) since_ = Clock::now();
+    if (yield_) {
+      ::sched_yield();
+      return false;
+    }
+    _mm_pause();
+    return rounds_ % 32 != 0;
+  }
+  bool spun_out() const { return Clock::now() - since_ >= limit_; }
+  void restart() { rounds_ = 0; }
+
+ private:
+  Clock::duration limit_;
+  bool yield_;
+  std::uint32_t rounds_ = 0;
+  Clock::time_point since_;
+};
 
 // ---- Shared-memory layout ----------------------------------------------------------------
 
@@ -536,21 +581,15 @@ class ShmTransport final : public Transport, public SharedArena {
       throw Error(ErrorKind::kInvalidArgument, "waits for its own arena progress", rank_, rank_,
                   "shm arena wait");
     }
-    std::uint32_t rounds = 0;
-    Clock::time_point spin_start;
+    IdleSpin spin(arena_spin_, yield_when_idle_);
     for (;;) {
       if (counter.load(std::memory_order_acquire) >= value) return;
-      // As in wait(): the clock and the abort state every 32nd round, then sleep.
-      if (rounds++ == 0) spin_start = Clock::now();
-      if (rounds % 32 != 0) {
-        _mm_pause();
-        continue;
-      }
+      if (spin.keep_spinning()) continue;
       check_abort(link->rank);
-      if (Clock::now() - spin_start < arena_spin_) continue;
+      if (!spin.spun_out()) continue;
       sleep_on_doorbell(deadline, member,
                         [&] { return arena_wait_over(*link, member, value, call, deadline); });
-      rounds = 0;
+      spin.restart();
     }
   }
 
@@ -567,28 +606,22 @@ class ShmTransport final : public Transport, public SharedArena {
   void wait(Operation& op, Clock::time_point deadline) {
     if (op.complete) return;
     throw_if_failed();
-    std::uint32_t idle_rounds = 0;
-    Clock::time_point idle_since;
+    IdleSpin spin(message_spin_, yield_when_idle_);
     for (;;) {
       bool moved = progress_all();
       if (op.complete) return;
       check_abort(op.peer);
       if (moved) {
-        idle_rounds = 0;
+        spin.restart();
         // Traffic with other peers must not hide a deadline or a dead peer.
         auto now = Clock::now();
         if (now >= deadline) throw_timeout(op);
         if (now >= next_process_check_) check_peers_alive(now);
         continue;
       }
-      // Reading the clock costs about as much as a round; every 32nd round is plenty.
-      if (idle_rounds++ == 0) idle_since = Clock::now();
-      if (idle_rounds % 32 != 0 || Clock::now() - idle_since < kSpinBeforeSleep) {
-        _mm_pause();
-        continue;
-      }
+      if (spin.keep_spinning() || !spin.spun_out()) continue;
       sleep_on_doorbell(deadline, kNoMember, [&] { return message_wait_over(op, deadline); });
-      idle_rounds = 0;
+      spin.restart();
     }
   }
 
@@ -954,21 +987,23 @@ class ShmTransport final : public Transport, public SharedArena {
   const std::vector<int> group_;
   const TransportOptions options_;
   const Layout layout_;
-  int my_index_ = -1;                             // our position in group_ (arena member)
-  std::vector<MappingPtr> mappings_;              // one per group member, own included
-  SegmentHeader* own_ = nullptr;                  // our inbox's header
-  GroupControl* group_control_ = nullptr;         // in the group's first rank's segment
-  std::vector<std::unique_ptr<PeerLink>> links_;  // one per peer in the group
-  std::vector<PeerLink*> link_by_rank_;           // indexed by global rank; null if no link
-  std::vector<PeerLink*> link_by_member_;         // indexed by member; null for ourselves
-  std::vector<SegmentHeader*> headers_;           // every member's header, by member
-  std::vector<unsigned char*> regions_;           // every member's arena region, by member
-  std::uint64_t published_ = 0;                   // our arena counter, as last published
-  Tag arena_call_;                                // as last written to own_->arena_call
-  Clock::duration arena_spin_ = kSpinBeforeSleep;  // wait_for's spin before sleeping
-  std::exception_ptr failure_;                    // the first fatal error, rethrown forever
-  bool progressing_ = false;                      // inside progress_guarded
-  Clock::time_point next_process_check_{};        // epoch: check on the first sleep
+  int my_index_ = -1;                                // our position in group_ (arena member)
+  std::vector<MappingPtr> mappings_;                 // one per group member, own included
+  SegmentHeader* own_ = nullptr;                     // our inbox's header
+  GroupControl* group_control_ = nullptr;            // in the group's first rank's segment
+  std::vector<std::unique_ptr<PeerLink>> links_;     // one per peer in the group
+  std::vector<PeerLink*> link_by_rank_;              // indexed by global rank; null if no link
+  std::vector<PeerLink*> link_by_member_;            // indexed by member; null for ourselves
+  std::vector<SegmentHeader*> headers_;              // every member's header, by member
+  std::vector<unsigned char*> regions_;              // every member's arena region, by member
+  std::uint64_t published_ = 0;                      // our arena counter, as last published
+  Tag arena_call_;                                   // as last written to own_->arena_call
+  Clock::duration message_spin_ = kSpinBeforeSleep;  // wait's spin before sleeping
+  Clock::duration arena_spin_ = kSpinBeforeSleep;    // wait_for's spin before sleeping
+  bool yield_when_idle_ = false;                     // local ranks outnumber usable cores
+  std::exception_ptr failure_;                       // the first fatal error, rethrown forever
+  bool progressing_ = false;                         // inside progress_guarded
+  Clock::time_point next_process_check_{};           // epoch: check on the first sleep
 };
 
 bool ShmRequest::test() {
@@ -1116,8 +1151,14 @@ void ShmTransport::connect(Store& store, const std::string& key_prefix,
   unlinker.unlink_all();
 
   // 4. Wire up the arena and the links.
-  const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
-  if (cpus > 0 && group_size > cpus) arena_spin_ = kOversubscribedSpin;
+  if (static_cast<unsigned>(group_size) > usable_cores()) {
+    yield_when_idle_ = true;
+    message_spin_ = kOversubscribedMessageSpin;
+    arena_spin_ = kOversubscribedArenaSpin;
+  }
+  if (long us = spin_us_setting(); us >= 0) {
+    message_spin_ = arena_spin_ = std::chrono::microseconds(us);
+  }
   group_control_ = &mappings_[0]->header().group;
   link_by_member_.assign(static_cast<std::size_t>(group_size), nullptr);
   for (const MappingPtr& m : mappings_) {

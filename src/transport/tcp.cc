@@ -79,7 +79,7 @@ constexpr auto kShutdownLinger = std::chrono::seconds(1);
 
 constexpr std::uint64_t kWakeId = 0;
 constexpr std::uint64_t kListenerId = 1;
-constexpr std::uint64_t kPeerIdBase = 2;                       // + global rank
+constexpr std::uint64_t kPeerIdBase = 2;                          // + global rank
 constexpr std::uint64_t kPendingIdBase = std::uint64_t{1} << 32;  // + pending serial
 
 // GRADSYNC_TCP_SOCKBUF_BYTES: SO_SNDBUF/SO_RCVBUF for every connection. 0 (default)
@@ -90,7 +90,8 @@ int socket_buffer_bytes() {
     const char* s = std::getenv("GRADSYNC_TCP_SOCKBUF_BYTES");
     if (!s || !*s) return 0;
     int v = std::atoi(s);
-    std::fprintf(stderr, "gradsync: GRADSYNC_TCP_SOCKBUF_BYTES=%d (default 0: kernel autotuning)\n", v);
+    std::fprintf(stderr, "gradsync: GRADSYNC_TCP_SOCKBUF_BYTES=%d (default 0: kernel autotuning)\n",
+                 v);
     return std::max(v, 0);
   }();
   return value;
@@ -118,14 +119,6 @@ long spin_us_setting() {
     return std::max(v, 0L);
   }();
   return value;
-}
-
-// Cores this process may run on (its affinity mask, which cpusets and taskset narrow).
-unsigned usable_cores() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof set, &set) == 0) return static_cast<unsigned>(CPU_COUNT(&set));
-  return std::thread::hardware_concurrency();
 }
 
 void tune_socket(int fd) {
@@ -291,10 +284,10 @@ struct Incoming {
   std::uint8_t hdr[frame::kHeaderBytes];
   std::size_t hdr_got = 0;
   frame::Header h;
-  std::size_t got = 0;                     // payload bytes read so far
-  std::shared_ptr<RecvOp> claimed;         // destination: a posted receive's buffer
-  Buffer buffer;                           // destination: our own (unexpected or control)
-  bool drain = false;                      // destination: nowhere
+  std::size_t got = 0;              // payload bytes read so far
+  std::shared_ptr<RecvOp> claimed;  // destination: a posted receive's buffer
+  Buffer buffer;                    // destination: our own (unexpected or control)
+  bool drain = false;               // destination: nowhere
 };
 
 struct Unexpected {
@@ -305,17 +298,17 @@ struct Unexpected {
 
 struct Peer {
   int rank = -1;
-  std::string address = "?";  // host:port it listens on (from the store or its hello)
-  int fd = -1;                // closed only by ~Core, after the loop thread has stopped
-  bool ready = false;         // handshake complete
-  bool dialed = false;        // we connected to it (for setup error messages)
+  std::string address = "?";       // host:port it listens on (from the store or its hello)
+  int fd = -1;                     // closed only by ~Core, after the loop thread has stopped
+  bool ready = false;              // handshake complete
+  bool dialed = false;             // we connected to it (for setup error messages)
   std::optional<Failure> failure;  // sticky: connection lost or protocol violation
 
   std::deque<std::shared_ptr<SendOp>> sendq;
-  bool writing = false;    // a thread is in sendmsg() for this peer without the lock
-  bool out_armed = false;  // EPOLLOUT registered with the loop
-  bool in_armed = true;    // EPOLLIN registered with the loop (off unless read_side is kLoop)
-  int out_watchers = 0;    // waiting callers that write this socket's backlog (loop keeps off)
+  bool writing = false;     // a thread is in sendmsg() for this peer without the lock
+  bool out_armed = false;   // EPOLLOUT registered with the loop
+  bool in_armed = true;     // EPOLLIN registered with the loop (off unless read_side is kLoop)
+  int out_watchers = 0;     // waiting callers that write this socket's backlog (loop keeps off)
   bool in_backlog = false;  // listed in Core::backlog_
   bool abort_settled = false;
 
@@ -360,8 +353,11 @@ std::string peer_name_of(const sockaddr_storage& ss) {
 class Core {
  public:
   Core(int rank, int world_size, const std::vector<int>& group, TransportOptions options)
-      : rank_(rank), world_size_(world_size), options_(std::move(options)),
-        peers_(static_cast<std::size_t>(world_size)), stage_(kStageBytes) {
+      : rank_(rank),
+        world_size_(world_size),
+        options_(std::move(options)),
+        peers_(static_cast<std::size_t>(world_size)),
+        stage_(kStageBytes) {
     for (int r : group) {
       if (r == rank) continue;
       peers_[static_cast<std::size_t>(r)] = std::make_unique<Peer>();
@@ -408,7 +404,8 @@ class Core {
   }
 
   // Blocks until every peer completed the handshake; throws naming the peers that did not.
-  void wait_ready(std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout) {
+  void wait_ready(std::chrono::steady_clock::time_point deadline,
+                  std::chrono::milliseconds timeout) {
     std::unique_lock lk(mu_);
     auto settled = [&] {
       for (auto& p : peers_) {
@@ -433,10 +430,10 @@ class Core {
                    (p->dialed ? " at " + p->address + " connected but sent no handshake reply"
                               : " never connected to " + address_);
       }
-      throw Error(ErrorKind::kTimeout,
-                  "transport setup took longer than " + std::to_string(timeout.count()) +
-                      " ms: " + missing,
-                  rank_, Error::kNoPeer, "tcp connect");
+      throw Error(
+          ErrorKind::kTimeout,
+          "transport setup took longer than " + std::to_string(timeout.count()) + " ms: " + missing,
+          rank_, Error::kNoPeer, "tcp connect");
     }
     setup_over_ = true;  // the loop closes the listener and strays at its next wake-up
     choose_spin_locked();
@@ -587,8 +584,9 @@ class Core {
     if (check_locked(op, peer, what)) return;
     std::size_t done = progress(op);
     throw Error(ErrorKind::kTimeout,
-                std::string(what) + " of " + describe(op.tag) + (std::strcmp(what, "send") == 0 ? " to" : " from") +
-                    " rank " + std::to_string(peer) + " at " + p.address + " did not complete: " +
+                std::string(what) + " of " + describe(op.tag) +
+                    (std::strcmp(what, "send") == 0 ? " to" : " from") + " rank " +
+                    std::to_string(peer) + " at " + p.address + " did not complete: " +
                     std::to_string(op.bytes - done) + " of " + std::to_string(op.bytes) +
                     " bytes still " + (std::strcmp(what, "send") == 0 ? "unsent" : "missing"),
                 rank_, peer, what, op.bytes);
@@ -660,8 +658,9 @@ class Core {
   Peer& peer_checked(int peer, const char* what, std::size_t bytes) {
     if (peer < 0 || peer >= world_size_ || !peers_[static_cast<std::size_t>(peer)]) {
       throw Error(ErrorKind::kInvalidArgument,
-                  peer == rank_ ? std::string("cannot ") + what + " to itself"
-                                : "rank " + std::to_string(peer) + " is not a peer of this tcp transport",
+                  peer == rank_
+                      ? std::string("cannot ") + what + " to itself"
+                      : "rank " + std::to_string(peer) + " is not a peer of this tcp transport",
                   rank_, peer, what, bytes);
     }
     return *peers_[static_cast<std::size_t>(peer)];
@@ -677,10 +676,12 @@ class Core {
     return Error(f.kind, f.detail, rank_, peer, what, bytes);
   }
 
-  Failure mismatch(const Tag& want, std::size_t want_bytes, const Tag& got, std::size_t got_bytes) const {
-    return Failure{ErrorKind::kMismatch, "expected " + describe(want) + " (" + std::to_string(want_bytes) +
-                                             " bytes) but peer sent " + describe(got) + " (" +
-                                             std::to_string(got_bytes) + " bytes)"};
+  Failure mismatch(const Tag& want, std::size_t want_bytes, const Tag& got,
+                   std::size_t got_bytes) const {
+    return Failure{ErrorKind::kMismatch, "expected " + describe(want) + " (" +
+                                             std::to_string(want_bytes) + " bytes) but peer sent " +
+                                             describe(got) + " (" + std::to_string(got_bytes) +
+                                             " bytes)"};
   }
 
   template <typename Op>
@@ -1057,9 +1058,9 @@ class Core {
         // The peer is gone. What it sent before it went (an abort naming the cause) may
         // still wait in our receive queue: read that first, so it is what gets reported.
         if (err == EPIPE || err == ECONNRESET) drain_locked(p, lk);
-        fail_peer_locked(p, Failure{ErrorKind::kPeerLost, "sending to rank " + std::to_string(p.rank) +
-                                                              " at " + p.address + " failed: " +
-                                                              std::strerror(err)});
+        fail_peer_locked(
+            p, Failure{ErrorKind::kPeerLost, "sending to rank " + std::to_string(p.rank) + " at " +
+                                                 p.address + " failed: " + std::strerror(err)});
         return total;
       }
       if (abort_ && !p.abort_settled) settle_sends_after_abort_locked(p, abort_send_frames_);
@@ -1301,7 +1302,8 @@ class Core {
         pc.hdr_got += static_cast<std::size_t>(n);
         if (pc.hdr_got < frame::kHeaderBytes) continue;
         auto st = frame::parse_header(pc.hdr, frame::kDefaultMaxDataBytes, pc.h);
-        if (st != frame::ParseStatus::kOk) return drop(std::string("bad frame: ") + frame::to_string(st));
+        if (st != frame::ParseStatus::kOk)
+          return drop(std::string("bad frame: ") + frame::to_string(st));
         if (pc.h.type != frame::Type::kHello) return drop("first frame is not a hello");
         pc.payload.resize(pc.h.length);  // bounded by kMaxHelloBytes in parse_header
         continue;
@@ -1329,7 +1331,8 @@ class Core {
     if (h.rank >= static_cast<std::uint32_t>(world_size_) || !peers_[h.rank]) {
       return "rank " + std::to_string(h.rank) + " is not a peer of rank " + std::to_string(rank_);
     }
-    if (static_cast<int>(h.rank) > rank_) return "rank " + std::to_string(h.rank) + " should be dialed, not dial";
+    if (static_cast<int>(h.rank) > rank_)
+      return "rank " + std::to_string(h.rank) + " should be dialed, not dial";
     Peer& p = *peers_[h.rank];
     if (p.fd >= 0) return "rank " + std::to_string(h.rank) + " is already connected";
     tune_socket(pc.fd.get());
@@ -1408,17 +1411,17 @@ class Core {
                                           "job token or world size? see its log)"});
           return ReadStep::kClosed;
         }
-        fail_peer_locked(p, Failure{ErrorKind::kPeerLost, "connection to rank " + std::to_string(p.rank) +
-                                                              " at " + p.address +
-                                                              " closed by the peer (EOF)"});
+        fail_peer_locked(
+            p, Failure{ErrorKind::kPeerLost, "connection to rank " + std::to_string(p.rank) +
+                                                 " at " + p.address + " closed by the peer (EOF)"});
         return ReadStep::kClosed;
       }
       if (n < 0) {
         if (err == EAGAIN || err == EWOULDBLOCK) return ReadStep::kDrained;
         if (err == EINTR) continue;
-        fail_peer_locked(p, Failure{ErrorKind::kPeerLost, "connection to rank " + std::to_string(p.rank) +
-                                                              " at " + p.address + " lost: " +
-                                                              std::strerror(err)});
+        fail_peer_locked(p, Failure{ErrorKind::kPeerLost,
+                                    "connection to rank " + std::to_string(p.rank) + " at " +
+                                        p.address + " lost: " + std::strerror(err)});
         return ReadStep::kClosed;
       }
       auto got = static_cast<std::size_t>(n);
@@ -1472,8 +1475,9 @@ class Core {
     Incoming& in = p.in;
     auto st = frame::parse_header(in.hdr, frame::kDefaultMaxDataBytes, in.h);
     auto protocol = [&](const std::string& why) {
-      fail_peer_locked(p, Failure{ErrorKind::kProtocol, "rank " + std::to_string(p.rank) + " at " +
-                                                            p.address + " broke the protocol: " + why});
+      fail_peer_locked(
+          p, Failure{ErrorKind::kProtocol, "rank " + std::to_string(p.rank) + " at " + p.address +
+                                               " broke the protocol: " + why});
     };
     if (st != frame::ParseStatus::kOk) return protocol(frame::to_string(st));
     in.in_header = false;
@@ -1485,7 +1489,8 @@ class Core {
       case frame::Type::kHello:
         if (p.ready) return protocol("a second hello");
         break;
-      case frame::Type::kAbort: break;
+      case frame::Type::kAbort:
+        break;
       case frame::Type::kData:
         if (!p.ready) return protocol("data before the handshake");
         if (abort_) {
@@ -1498,9 +1503,10 @@ class Core {
     if (!in.claimed && !in.drain && in.h.length > 0) {
       in.buffer = pool_.get(in.h.length);
       if (!in.buffer) {
-        fail_peer_locked(p, Failure{ErrorKind::kSystem, "cannot buffer a " + std::to_string(in.h.length) +
-                                                            "-byte message from rank " +
-                                                            std::to_string(p.rank) + ": out of memory"});
+        fail_peer_locked(
+            p, Failure{ErrorKind::kSystem, "cannot buffer a " + std::to_string(in.h.length) +
+                                               "-byte message from rank " + std::to_string(p.rank) +
+                                               ": out of memory"});
         return;
       }
     }
@@ -1526,8 +1532,9 @@ class Core {
         // Take over the arriving message's buffer (or make one if nothing has arrived).
         if (!in.buffer && in.h.length > 0) in.buffer = pool_.get(in.h.length);
         if (!in.buffer && in.h.length > 0) {
-          fail_locked(*op, Failure{ErrorKind::kSystem, "cannot allocate " + std::to_string(in.h.length) +
-                                                           " bytes for a consuming receive"});
+          fail_locked(*op,
+                      Failure{ErrorKind::kSystem, "cannot allocate " + std::to_string(in.h.length) +
+                                                      " bytes for a consuming receive"});
           in.drain = true;
           return;
         }
@@ -1570,12 +1577,13 @@ class Core {
         } else if (h->rank != static_cast<std::uint32_t>(p.rank)) {
           why = "answered as rank " + std::to_string(h->rank);
         } else if (h->world_size != static_cast<std::uint32_t>(world_size_)) {
-          why = "world size " + std::to_string(h->world_size) + " != " + std::to_string(world_size_);
+          why =
+              "world size " + std::to_string(h->world_size) + " != " + std::to_string(world_size_);
         }
         if (!why.empty()) {
-          fail_peer_locked(p, Failure{ErrorKind::kProtocol,
-                                      "handshake with rank " + std::to_string(p.rank) + " at " +
-                                          p.address + " failed: " + why});
+          fail_peer_locked(
+              p, Failure{ErrorKind::kProtocol, "handshake with rank " + std::to_string(p.rank) +
+                                                   " at " + p.address + " failed: " + why});
           return;
         }
         p.ready = true;
@@ -1691,7 +1699,8 @@ class TcpRecvRequest final : public Request {
 // message to the consumer straight from the buffer it was received into.
 class TcpConsumeRequest final : public Request {
  public:
-  TcpConsumeRequest(std::shared_ptr<Core> core, std::shared_ptr<RecvOp> op, int peer, Consumer consume)
+  TcpConsumeRequest(std::shared_ptr<Core> core, std::shared_ptr<RecvOp> op, int peer,
+                    Consumer consume)
       : core_(std::move(core)), op_(std::move(op)), peer_(peer), consume_(std::move(consume)) {}
   ~TcpConsumeRequest() override {
     if (!finished_) core_->abandon(*op_, peer_);
@@ -1721,8 +1730,10 @@ class TcpConsumeRequest final : public Request {
 
 class TcpTransport final : public Transport {
  public:
-  TcpTransport(int rank, int world_size, const std::vector<int>& group, const TransportOptions& options)
-      : rank_(rank), world_size_(world_size),
+  TcpTransport(int rank, int world_size, const std::vector<int>& group,
+               const TransportOptions& options)
+      : rank_(rank),
+        world_size_(world_size),
         core_(std::make_shared<Core>(rank, world_size, group, options)) {}
   ~TcpTransport() override { core_->shutdown(); }
 
@@ -1757,7 +1768,8 @@ class TcpTransport final : public Transport {
 
 std::unique_ptr<Transport> make_tcp_transport(Store& store, const std::string& key_prefix, int rank,
                                               int world_size, const std::vector<int>& group,
-                                              const TransportOptions& options, const TcpOptions& tcp,
+                                              const TransportOptions& options,
+                                              const TcpOptions& tcp,
                                               std::chrono::milliseconds timeout) {
   if (world_size <= 0 || rank < 0 || rank >= world_size ||
       !std::is_sorted(group.begin(), group.end()) ||
@@ -1778,13 +1790,16 @@ std::unique_ptr<Transport> make_tcp_transport(Store& store, const std::string& k
   // race to dial each other.
   for (int peer : group) {
     if (peer <= rank) continue;
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
     Bytes v;
     try {
       v = store.get(key(peer), std::max(left, std::chrono::milliseconds(0)));
     } catch (const Error& e) {
-      throw Error(e.kind(), "rank " + std::to_string(peer) + " did not publish its tcp address: " + e.detail(),
-                  rank, peer, "tcp connect");
+      throw Error(
+          e.kind(),
+          "rank " + std::to_string(peer) + " did not publish its tcp address: " + e.detail(), rank,
+          peer, "tcp connect");
     }
     std::string address(v.begin(), v.end());
     auto [host, port] = net::split_host_port(address);

@@ -1,7 +1,10 @@
 // Shared pieces of the transport interface: the default consuming receive and tag printing.
 #include "transport/transport.h"
 
+#include <sched.h>
+
 #include <cstdio>
+#include <thread>
 #include <vector>
 
 namespace gradsync::transport {
@@ -50,6 +53,13 @@ std::string default_format_tag(const Tag& tag) {
       static_cast<unsigned long long>(tag.words[0]), static_cast<unsigned long long>(tag.words[1]),
       static_cast<unsigned long long>(tag.words[2]), static_cast<unsigned long long>(tag.words[3]));
   return buf;
+}
+
+unsigned usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) == 0) return static_cast<unsigned>(CPU_COUNT(&set));
+  return std::thread::hardware_concurrency();
 }
 
 }  // namespace gradsync::transport

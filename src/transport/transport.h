@@ -84,4 +84,9 @@ struct TransportOptions {
 
 std::string default_format_tag(const Tag& tag);
 
+// Cores this process may run on (its affinity mask, which cpusets and taskset narrow).
+// Transports compare it with the ranks on this host: when ranks outnumber cores, a waiting
+// rank yields its core instead of spinning on it.
+unsigned usable_cores();
+
 }  // namespace gradsync::transport
