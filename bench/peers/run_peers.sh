@@ -22,7 +22,10 @@ usage: bench/peers/run_peers.sh [options]
                      tcp: gradsync tcp, MPI btl tcp, Gloo tcp, all over loopback
   --gloo-algos "ring_chunked halving_doubling"
                      gloo_allreduce_bench --algo values to run (each is one peer)
-  --iters-bytes B    timed calls per size = clamp(B / size, 3, 200) (default 256M)
+  --iters-bytes B    timed calls per size = clamp(B / size, 3, MAX) (default 256M)
+  --max-iters MAX    cap on timed calls per size (default 200; latency of small messages
+                     wants thousands: a 200-call loop of 1 us calls is at the mercy of
+                     one scheduling blip)
   --timeout-s S      limit for one run (default 300)
   --out FILE         also write the markdown to FILE
   --keep DIR         keep the per-run JSON in DIR (default: a temporary directory, removed)
@@ -39,6 +42,7 @@ repeats=3
 transport=shm
 gloo_algos="ring_chunked halving_doubling"
 iters_bytes=256M
+max_iters=200
 run_timeout=300
 out=""
 keep=""
@@ -52,6 +56,7 @@ while [[ $# -gt 0 ]]; do
     --transport) transport=$2; shift 2 ;;
     --gloo-algos) gloo_algos=$2; shift 2 ;;
     --iters-bytes) iters_bytes=$2; shift 2 ;;
+    --max-iters) max_iters=$2; shift 2 ;;
     --timeout-s) run_timeout=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --keep) keep=$2; shift 2 ;;
@@ -137,7 +142,7 @@ for ((rep = 0; rep < repeats; rep++)); do
       bytes=$(to_bytes "$size")
       iters=$(( $(to_bytes "$iters_bytes") / bytes ))
       (( iters < 3 )) && iters=3
-      (( iters > 200 )) && iters=200
+      (( iters > max_iters )) && iters=$max_iters
       warmup=$(( iters / 5 > 0 ? iters / 5 : 1 ))
       # Rotate the order each repeat so no benchmark always runs right after the same one.
       for ((k = 0; k < nb; k++)); do

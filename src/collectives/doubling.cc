@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "collectives/algorithms.h"
+#include "collectives/element_stream.h"
 #include "kernels/kernels.h"
 
 namespace gradsync::collectives {
@@ -65,13 +66,30 @@ void recursive_doubling_allreduce(Comm& c, const void* send, void* recv_v, std::
   auto* recv = static_cast<unsigned char*>(recv_v);
   if (send != recv && bytes) std::memcpy(recv, send, bytes);
   Fold f(c.rank(), c.size());
-  std::vector<unsigned char> tmp(bytes);
+  std::vector<unsigned char> tmp;  // only where a step cannot reduce as the data arrives
+  if (f.rem) tmp.resize(bytes);
   fold_in(c, f, recv, count, dtype, op, tmp);
   if (f.vrank >= 0) {
+    const std::size_t es = dtype_size(dtype);
+    ElementStream reduce_arriving(es, [&](std::size_t e, const void* data, std::size_t k) {
+      kernels::reduce_into(recv + e * es, data, k, dtype, op);
+    });
     for (int mask = 1; mask < f.p; mask <<= 1) {
       int partner = f.real_rank(f.vrank ^ mask);
-      c.sendrecv(partner, recv, bytes, partner, tmp.data(), bytes);
-      kernels::reduce_into(recv, tmp.data(), count, dtype, op);
+      // Once our half of the exchange has left `recv` (a small message is copied out before
+      // isend returns), the partner's half is reduced into it straight out of the transport
+      // buffer: no staging copy, no second pass. Both sides compute op(mine, theirs); the
+      // kernels make that bitwise commutative, so every rank ends with the same bits.
+      auto sent = c.isend(partner, recv, bytes);
+      if (sent->test()) {
+        c.wait(c.irecv_consume(partner, bytes, std::ref(reduce_arriving)));
+      } else {
+        tmp.resize(bytes);
+        auto received = c.irecv(partner, tmp.data(), bytes);
+        c.wait(received);
+        c.wait(sent);
+        kernels::reduce_into(recv, tmp.data(), count, dtype, op);
+      }
     }
   }
   fold_out(c, f, recv, bytes);

@@ -6,6 +6,7 @@
 #include "core/context_impl.h"
 #include "core/env.h"
 #include "kernels/kernels.h"
+#include "transport/shared_arena.h"
 
 namespace gradsync {
 
@@ -21,64 +22,94 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-// Alpha is one round of a dissemination barrier over all ranks (a message each way, every
-// rank at once), so it includes what a two-rank ping-pong cannot see: ranks that share a
-// core wait for each other to be scheduled (4 ranks on 2 cores: ~0.4 us between two ranks,
-// ~5 us over all four). Rank 0 and rank 1 time a 1 MiB ping-pong for beta, rank 0 times
-// the float32 sum kernel for gamma, and rank 0 broadcasts all three: every rank must choose
-// the same algorithm for the same call, so they must share one set of constants.
-model::LinkParams measure_link(Comm& c) {
-  double values[3] = {0, 0, 0};
-  int rounds_per_barrier = 0;
-  for (int k = 1; k < c.size(); k <<= 1) ++rounds_per_barrier;
-  // The fastest of several batches: a rank still finishing its start-up (or another process
-  // passing through) slows a batch down, while ranks that must share cores slow down every
-  // batch, since no barrier completes before each rank has run.
-  collectives::barrier(c);  // warm-up: page in, wake everyone
-  constexpr int kBatches = 8, kBarriersPerBatch = 5;
-  double alpha = 1e9;
-  for (int b = 0; b < kBatches; ++b) {
-    const auto batch_start = Clock::now();
-    for (int i = 0; i < kBarriersPerBatch; ++i) collectives::barrier(c);
-    alpha = std::min(alpha,
-                     seconds_since(batch_start) * 1e6 / (kBarriersPerBatch * rounds_per_barrier));
+// The median of several batches of `calls` calls of `body`, in microseconds per call: a rank
+// still finishing its start-up (or another process passing through) slows a batch or two down,
+// while ranks that must share cores slow down every batch, since no step that involves all
+// ranks completes before each of them has run. (The fastest batch would be one in which the
+// scheduler happened to run the ranks in the best order: not what calls will see.)
+template <class Body>
+double median_batch_us(int calls, Body body) {
+  body();  // warm-up: page in buffers, wake every rank
+  std::vector<double> batches;
+  for (int batch = 0; batch < 7; ++batch) {
+    const auto t0 = Clock::now();
+    for (int i = 0; i < calls; ++i) body();
+    batches.push_back(seconds_since(t0) * 1e6 / calls);
   }
-  if (c.rank() <= 1) {
-    const int peer = 1 - c.rank();
-    std::vector<unsigned char> buf(1 << 20);
-    auto pingpong = [&](std::size_t bytes, int rounds) {
-      auto t0 = Clock::now();
-      for (int i = 0; i < rounds; ++i) {
-        if (c.rank() == 0) {
-          c.send(peer, buf.data(), bytes);
-          c.recv(peer, buf.data(), bytes);
-        } else {
-          c.recv(peer, buf.data(), bytes);
-          c.send(peer, buf.data(), bytes);
-        }
-      }
-      return seconds_since(t0) * 1e6 / (2.0 * rounds);  // one-way microseconds
-    };
-    pingpong(buf.size(), 1);  // warm-up: page in the buffers
-    double big = 1e9;         // the fastest of a few, as for alpha
-    for (int i = 0; i < 4; ++i) big = std::min(big, pingpong(buf.size(), 1));
-    if (c.rank() == 0) {
-      std::vector<float> a(1 << 18, 1.0f), b(1 << 18, 2.0f);
+  std::nth_element(batches.begin(), batches.begin() + 3, batches.end());
+  return batches[3];
+}
+
+// Every rank measures with rank 0, and rank 0 broadcasts the constants: every rank must choose
+// the same algorithm for the same call, so they must share one set.
+//  - beta: rank 0 and rank 1 ping-pong 1 MiB (one message's latency is under 1% of it).
+//  - alpha: a round of a dissemination exchange over all ranks with a small (kProbeBytes)
+//    message, less its bytes at beta. All ranks at once, so it includes what a two-rank
+//    ping-pong cannot see: ranks that share a core wait for each other to be scheduled. A
+//    small payload rather than none, because what latency-bound calls pay per message is
+//    the cache misses of moving a few KiB between cores as much as the signalling.
+//  - gamma: rank 0 times the float32 sum kernel in cache.
+//  - shm_call_us: where the ranks share an arena, the shared-memory all-reduce of one element
+//    per rank, i.e. its three waits on every rank.
+model::LinkParams measure_link(Comm& c, transport::SharedArena* arena) {
+  constexpr std::size_t kProbeBytes = 4096;
+  const int n = c.size(), r = c.rank();
+  double values[4] = {0, 0, 0, 0};
+
+  double big_us = 0;
+  std::vector<unsigned char> buf(1 << 20);
+  if (r <= 1) {
+    const int peer = 1 - r;
+    big_us = median_batch_us(1,
+                             [&] {
+                               if (r == 0) {
+                                 c.send(peer, buf.data(), buf.size());
+                                 c.recv(peer, buf.data(), buf.size());
+                               } else {
+                                 c.recv(peer, buf.data(), buf.size());
+                                 c.send(peer, buf.data(), buf.size());
+                               }
+                             }) /
+             2;  // one way
+  }
+
+  int rounds = 0;
+  for (int k = 1; k < n; k <<= 1) ++rounds;
+  std::vector<unsigned char> probe_in(kProbeBytes);
+  const double round_us =
+      median_batch_us(5,
+                      [&] {
+                        for (int k = 1; k < n; k <<= 1) {
+                          c.sendrecv((r + k) % n, buf.data(), kProbeBytes, (r - k + n) % n,
+                                     probe_in.data(), kProbeBytes);
+                        }
+                      }) /
+      rounds;
+
+  if (arena && arena->members() == n) {
+    collectives::AlgorithmConfig cfg;
+    std::vector<float> in(static_cast<std::size_t>(n), 1.0f), out(in.size());
+    values[3] = median_batch_us(5, [&] {
+      collectives::shm_direct_allreduce(c, *arena, in.data(), out.data(), in.size(),
+                                        DataType::kFloat32, ReduceOp::kSum, cfg);
+    });
+  }
+
+  if (r == 0) {
+    std::vector<float> a(1 << 18, 1.0f), b(1 << 18, 2.0f);
+    const double reduce_us = median_batch_us(2, [&] {
       kernels::reduce_into(a.data(), b.data(), a.size(), DataType::kFloat32, ReduceOp::kSum);
-      auto t0 = Clock::now();
-      for (int i = 0; i < 8; ++i) {
-        kernels::reduce_into(a.data(), b.data(), a.size(), DataType::kFloat32, ReduceOp::kSum);
-      }
-      const double reduce_s = seconds_since(t0) / 8;
-      values[0] = std::max(alpha, 0.1);
-      // One message's latency is under 1% of a 1 MiB transfer: not worth subtracting.
-      values[1] = static_cast<double>(buf.size()) / std::max(big, 1e-3) / 1e3;
-      values[2] = static_cast<double>(a.size() * sizeof(float)) / std::max(reduce_s, 1e-9) / 1e9;
-    }
+    });
+    const double bandwidth_gbps = static_cast<double>(buf.size()) / std::max(big_us, 1e-3) / 1e3;
+    values[0] = std::max(round_us - kProbeBytes / bandwidth_gbps / 1e3, 0.1);
+    values[1] = bandwidth_gbps;
+    values[2] = static_cast<double>(a.size() * sizeof(float)) / std::max(reduce_us, 1e-3) / 1e3;
   }
   collectives::AlgorithmConfig cfg;
-  collectives::broadcast(c, values, 3, DataType::kFloat64, 0, cfg);
-  return model::LinkParams{values[0], values[1], values[2]};
+  collectives::broadcast(c, values, 4, DataType::kFloat64, 0, cfg);
+  model::LinkParams p{values[0], values[1], values[2]};
+  p.shm_call_us = values[3];
+  return p;
 }
 
 }  // namespace
@@ -112,9 +143,10 @@ std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> tran
   if (!cost && impl->size > 1) {
     model::LinkParams measured;
     CallSignature sig{
-        0, CollectiveKind::kInternal, DataType::kFloat64, ReduceOp::kSum, Algorithm::kAuto, 0, 3};
+        0, CollectiveKind::kInternal, DataType::kFloat64, ReduceOp::kSum, Algorithm::kAuto, 0, 4};
+    transport::SharedArena* arena = impl->transport->shared_arena();
     impl->submit(
-            sig, [&](Comm& c) { measured = measure_link(c); }, true)
+            sig, [&](Comm& c) { measured = measure_link(c, arena); }, true)
         .wait();
     cost = measured;
   }

@@ -24,6 +24,10 @@ struct LinkParams {
   double copy_gbps = 10.0;
   // Last-level cache the ranks of a host share, MiB: buffers beyond it go to main memory.
   double cache_mib = 32.0;
+  // The shared-memory all-reduce's fixed cost, us: one call on a tiny message, i.e. its three
+  // waits for every rank (where ranks share cores, for each of them to be scheduled). Measured
+  // at start-up where the ranks share an arena; 0 = unknown, then 3 log2(N) alpha.
+  double shm_call_us = 0.0;
 
   double beta_us_per_byte() const { return 1e-3 / bandwidth_gbps; }
   double gamma_us_per_byte() const { return 1e-3 / reduce_gbps; }
@@ -43,8 +47,8 @@ class CostModel {
   // the shared-memory algorithm when `shared_memory` says the ranks can use it.
   Algorithm choose_allreduce(int ranks, std::size_t bytes, bool shared_memory = false) const;
 
-  // "alpha_us=3,bandwidth_gbps=8,reduce_gbps=20,copy_gbps=10,cache_mib=32" (any subset);
-  // nullopt if malformed.
+  // "alpha_us=3,bandwidth_gbps=8,reduce_gbps=20,copy_gbps=10,cache_mib=32,shm_call_us=1"
+  // (any subset); nullopt if malformed.
   static std::optional<LinkParams> parse(std::string_view spec, LinkParams base = {});
   std::string to_string() const;
 
