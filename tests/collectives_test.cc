@@ -459,11 +459,11 @@ INSTANTIATE_TEST_SUITE_P(Worlds, SharedMemoryGrid, ::testing::Values(1, 2, 3, 4,
                          [](const auto& p) { return "n" + std::to_string(p.param); });
 
 // kAuto picks the shared-memory algorithm for large messages where the ranks share an arena,
-// keeps recursive doubling for small ones, and never picks it without an arena.
+// and never picks it without an arena. (Which algorithm takes small messages depends on the
+// constants measured at start-up: env_test's CostModel tests pin that down.)
 TEST(SharedMemoryAuto, ChosenForLargeMessagesOnlyWhereMemoryIsShared) {
   for (int n : {2, 4}) {
     testing::run_shm_contexts(n, [&](Context& ctx) {
-      EXPECT_EQ(ctx.choose_allreduce_algorithm(4096), Algorithm::kRecursiveDoubling) << n;
       EXPECT_EQ(ctx.choose_allreduce_algorithm(16 << 20), Algorithm::kSharedMemory) << n;
       EXPECT_EQ(ctx.choose_allreduce_algorithm(256 << 20), Algorithm::kSharedMemory) << n;
       const std::size_t count = (std::size_t{4} << 20) + 5;

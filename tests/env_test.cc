@@ -202,6 +202,34 @@ TEST(CostModel, SharedMemoryForLargeMessagesWhereRanksShareMemory) {
   }
 }
 
+// The shared-memory all-reduce's fixed cost, measured at start-up, decides small messages:
+// with 2 ranks on their own cores its three waits cost less than one message exchange; where 4
+// ranks share 2 cores each wait needs every rank scheduled, and recursive doubling's two
+// pairwise exchanges win. A message of one chunk is not pipelined, so the ring takes the
+// few-hundred-KiB range with 2 ranks. (Constants measured on the 2-core EPYC VM.)
+TEST(CostModel, SharedMemoryFixedCostDecidesSmallMessages) {
+  model::LinkParams two{0.57, 29.0, 40.0};
+  two.shm_call_us = 0.33;
+  model::CostModel m2(two);
+  EXPECT_EQ(m2.choose_allreduce(2, 4096, true), Algorithm::kSharedMemory);
+  EXPECT_EQ(m2.choose_allreduce(2, 256 << 10, true), Algorithm::kRing);
+  EXPECT_EQ(m2.choose_allreduce(2, 64 << 20, true), Algorithm::kSharedMemory);
+
+  model::LinkParams four{3.0, 29.0, 40.0};
+  four.shm_call_us = 7.4;
+  model::CostModel m4(four);
+  EXPECT_EQ(m4.choose_allreduce(4, 4096, true), Algorithm::kRecursiveDoubling);
+  EXPECT_EQ(m4.choose_allreduce(4, 1 << 20, true), Algorithm::kSharedMemory);
+  EXPECT_EQ(m4.choose_allreduce(4, 64 << 20, true), Algorithm::kSharedMemory);
+
+  // Round trip through the GRADSYNC_COST_MODEL form.
+  auto parsed = model::CostModel::parse(m4.to_string());
+  ASSERT_TRUE(parsed.has_value());
+  EXPECT_DOUBLE_EQ(parsed->shm_call_us, 7.4);
+  EXPECT_EQ(model::CostModel(model::LinkParams{}).to_string().find("shm_call_us"),
+            std::string::npos);
+}
+
 // Main-memory traffic counts only for what the cache cannot hold, so small messages cost what
 // they always did, and the slower memory is, the more the bytes an algorithm moves matter.
 TEST(CostModel, MemoryTrafficChargesOnlyMessagesBeyondTheCache) {
