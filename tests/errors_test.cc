@@ -15,9 +15,7 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
+using testing::contains;
 
 // Runs `n` ranks where `call(ctx)` is expected to throw on every rank; returns each rank's
 // error message and checks every rank failed within `limit`.
@@ -163,20 +161,27 @@ TEST(BadArguments, AreRejectedWithTheirReason) {
         EXPECT_TRUE(contains(e.what(), part)) << e.what();
       }
     };
-    expect_invalid([&] { ctx.allreduce(nullptr, buf.data(), 8, DataType::kFloat32, ReduceOp::kSum); },
-                   "send buffer is null");
-    expect_invalid([&] { ctx.broadcast(buf.data(), 8, DataType::kFloat32, 2); }, "root 2 is not a rank");
-    expect_invalid([&] { ctx.reduce(buf.data(), buf.data(), 8, DataType::kFloat32, ReduceOp::kSum, -1); },
-                   "root -1 is not a rank");
+    expect_invalid(
+        [&] { ctx.allreduce(nullptr, buf.data(), 8, DataType::kFloat32, ReduceOp::kSum); },
+        "send buffer is null");
+    expect_invalid([&] { ctx.broadcast(buf.data(), 8, DataType::kFloat32, 2); },
+                   "root 2 is not a rank");
+    expect_invalid(
+        [&] { ctx.reduce(buf.data(), buf.data(), 8, DataType::kFloat32, ReduceOp::kSum, -1); },
+        "root -1 is not a rank");
     std::vector<std::size_t> counts{1, 2, 3};
     expect_invalid([&] { ctx.allgatherv(buf.data(), buf.data(), counts, DataType::kFloat32); },
                    "3 entries for 2 ranks");
-    expect_invalid([&] {
-      ctx.allreduce(buf.data(), buf.data(), 8, static_cast<DataType>(42), ReduceOp::kSum);
-    }, "unknown dtype");
-    expect_invalid([&] {
-      ctx.allreduce(buf.data(), buf.data(), 8, DataType::kFloat32, static_cast<ReduceOp>(9));
-    }, "unknown reduce op");
+    expect_invalid(
+        [&] {
+          ctx.allreduce(buf.data(), buf.data(), 8, static_cast<DataType>(42), ReduceOp::kSum);
+        },
+        "unknown dtype");
+    expect_invalid(
+        [&] {
+          ctx.allreduce(buf.data(), buf.data(), 8, DataType::kFloat32, static_cast<ReduceOp>(9));
+        },
+        "unknown reduce op");
     // Rejected calls consume no sequence number: the ranks still agree afterwards.
     ctx.allreduce(buf.data(), buf.data(), 8, DataType::kFloat32, ReduceOp::kSum);
   });

@@ -2,6 +2,7 @@
 // transport) or as forked processes (real shm/tcp transports, crashes, kill -9).
 #pragma once
 
+#include <gtest/gtest.h>
 #include <sys/types.h>
 
 #include <functional>
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "gradsync/error.h"
 #include "gradsync/gradsync.h"
 #include "transport/transport.h"
 
@@ -22,8 +24,7 @@ void run_threads(int n, const std::function<void(int rank)>& fn);
 void run_inproc_transports(int n, const std::function<void(int, transport::Transport&)>& fn);
 
 // Builds `n` contexts over the inproc transport and runs fn(ctx) on n threads.
-void run_inproc_contexts(int n, const std::function<void(Context&)>& fn,
-                         Options options = {});
+void run_inproc_contexts(int n, const std::function<void(Context&)>& fn, Options options = {});
 
 // Builds `n` contexts over the shared-memory transport (threads of this process meeting
 // through an in-process store) and runs fn(ctx) on n threads: what the inproc contexts do,
@@ -51,5 +52,22 @@ std::vector<std::string> segments_left(const std::string& part);
 
 // A job-unique prefix for store keys and shm names, so parallel tests do not collide.
 std::string unique_name(const std::string& base);
+
+inline bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+// Runs `fn`, which must throw gradsync::Error of `kind`; returns the error for more checks.
+template <class Fn>
+Error expect_error(ErrorKind kind, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), kind) << e.what();
+    return e;
+  }
+  ADD_FAILURE() << "expected gradsync::Error(" << to_string(kind) << "), nothing was thrown";
+  return Error(kind, "(not thrown)");
+}
 
 }  // namespace gradsync::testing

@@ -27,6 +27,8 @@ namespace gradsync::transport {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::contains;
+using testing::expect_error;
 using testing::segments_left;
 
 constexpr auto kSetupTimeout = 30s;
@@ -37,10 +39,6 @@ std::vector<int> all_ranks(int n) {
   return group;
 }
 
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
-
 Tag call_tag(std::uint64_t seq, std::uint64_t count = 10) {
   collectives::CallSignature sig;
   sig.seq = seq;
@@ -49,18 +47,6 @@ Tag call_tag(std::uint64_t seq, std::uint64_t count = 10) {
   sig.algorithm = Algorithm::kSharedMemory;
   sig.count = count;
   return collectives::encode(sig);
-}
-
-template <class Fn>
-Error expect_error(ErrorKind kind, Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), kind) << e.what();
-    return e;
-  }
-  ADD_FAILURE() << "expected " << to_string(kind) << ", nothing was thrown";
-  return Error(kind, "nothing thrown");
 }
 
 TransportOptions describing_options() {
@@ -85,7 +71,6 @@ void run_arena_threads(int n, const std::function<void(int, Transport&, SharedAr
     body(r, t, *t.shared_arena());
   });
 }
-
 
 TEST(SharedArena, EveryMemberSeesWhatOthersPublished) {
   constexpr int kRanks = 4;

@@ -1,5 +1,7 @@
 // Rendezvous stores: one behavioural suite run on the inproc, file and TCP stores, plus
 // the TCP server's defences (tokens, garbage, oversized requests) and client reconnects.
+#include "gradsync/store.h"
+
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -10,7 +12,6 @@
 #include <thread>
 
 #include "gradsync/error.h"
-#include "gradsync/store.h"
 #include "harness.h"
 #include "rendezvous/socket.h"
 #include "rendezvous/store_protocol.h"
@@ -53,7 +54,9 @@ class FileUnderTest final : public StoreUnderTest {
 
 class TcpUnderTest final : public StoreUnderTest {
  public:
-  std::shared_ptr<Store> client() override { return make_tcp_store("127.0.0.1", server_->port(), kToken, 5s); }
+  std::shared_ptr<Store> client() override {
+    return make_tcp_store("127.0.0.1", server_->port(), kToken, 5s);
+  }
   bool crosses_processes() const override { return true; }
 
  private:
@@ -64,7 +67,9 @@ struct StoreKind {
   std::string name;
   std::function<std::unique_ptr<StoreUnderTest>()> make;
 };
-void PrintTo(const StoreKind& k, std::ostream* os) { *os << k.name; }
+void PrintTo(const StoreKind& k, std::ostream* os) {
+  *os << k.name;
+}
 
 class StoreSuite : public ::testing::TestWithParam<StoreKind> {
  protected:
@@ -73,7 +78,7 @@ class StoreSuite : public ::testing::TestWithParam<StoreKind> {
   std::unique_ptr<StoreUnderTest> under_test_;
 };
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using testing::contains;
 
 TEST_P(StoreSuite, SetGetCheckAndOverwrite) {
   auto s = client();
@@ -157,7 +162,9 @@ TEST_P(StoreSuite, AddIsAtomicAcrossThreads) {
   for (int i = 0; i < kThreads; ++i) clients.push_back(i % 2 ? client() : shared);
   std::vector<std::vector<std::int64_t>> seen(kThreads);
   testing::run_threads(kThreads, [&](int i) {
-    for (int k = 0; k < kAdds; ++k) seen[static_cast<std::size_t>(i)].push_back(clients[static_cast<std::size_t>(i)]->add("counter", 1));
+    for (int k = 0; k < kAdds; ++k)
+      seen[static_cast<std::size_t>(i)].push_back(
+          clients[static_cast<std::size_t>(i)]->add("counter", 1));
   });
   std::set<std::int64_t> all;
   for (auto& v : seen) all.insert(v.begin(), v.end());
@@ -195,9 +202,10 @@ TEST_P(StoreSuite, AddOnANonIntegerValueIsAnError) {
 
 INSTANTIATE_TEST_SUITE_P(
     AllStores, StoreSuite,
-    ::testing::Values(StoreKind{"inproc", [] { return std::unique_ptr<StoreUnderTest>(new InprocUnderTest); }},
-                      StoreKind{"file", [] { return std::unique_ptr<StoreUnderTest>(new FileUnderTest); }},
-                      StoreKind{"tcp", [] { return std::unique_ptr<StoreUnderTest>(new TcpUnderTest); }}),
+    ::testing::Values(
+        StoreKind{"inproc", [] { return std::unique_ptr<StoreUnderTest>(new InprocUnderTest); }},
+        StoreKind{"file", [] { return std::unique_ptr<StoreUnderTest>(new FileUnderTest); }},
+        StoreKind{"tcp", [] { return std::unique_ptr<StoreUnderTest>(new TcpUnderTest); }}),
     [](const ::testing::TestParamInfo<StoreKind>& p) { return p.param.name; });
 
 // --- TCP store specifics ------------------------------------------------------------------

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "gradsync/error.h"
+#include "harness.h"
 #include "transport/transport.h"
 
 namespace gradsync::transport {
@@ -92,22 +93,8 @@ inline Tag tag_of(std::uint64_t a, std::uint64_t b = 0) {
   return Tag{{a, b, 0x5eed, 0}};
 }
 
-// Runs `fn`, which must throw gradsync::Error of `kind`; returns the error for more checks.
-template <class Fn>
-Error expect_error(ErrorKind kind, Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), kind) << e.what();
-    return e;
-  }
-  ADD_FAILURE() << "expected gradsync::Error(" << to_string(kind) << "), nothing was thrown";
-  return Error(kind, "(not thrown)");
-}
-
-inline bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
+using testing::contains;
+using testing::expect_error;
 
 }  // namespace conformance
 
