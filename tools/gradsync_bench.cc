@@ -549,7 +549,8 @@ int main(int argc, char** argv) {
           c.coll_name.c_str(), n, transport.c_str(), gradsync::to_string(c.dtype),
           reduces ? gradsync::to_string(c.op) : "-", gradsync::to_string(c.algo), c.iters, c.warmup,
           c.check ? ", check" : "");
-      std::printf("# cost model: %s\n", ctx->cost_model().c_str());
+      std::printf("# cost model: %s\n# topology: %s\n", ctx->cost_model().c_str(),
+                  ctx->topology().c_str());
       std::printf(
           "# time: mean per call over the timed loop, max over ranks; "
           "sent/rank: bytes sent per call, max over ranks\n#\n");

@@ -38,6 +38,10 @@ struct Options {
   Algorithm algorithm = Algorithm::kAuto;  // GRADSYNC_ALGO
   std::chrono::milliseconds timeout{0};    // GRADSYNC_TIMEOUT in ms (default 300000)
   std::shared_ptr<Store> store;  // rendezvous store; default: TCP store at master_addr:port
+  // GRADSYNC_TOPOLOGY: groups of ranks the ring should keep together, for what host detection
+  // cannot see (racks, hosts behind one switch): "0,2;1,3" (groups by ';', ranks by ','; every
+  // rank once; the same on every rank). Default: the ranks of each host.
+  std::string topology;
 };
 
 // Bytes moved to and from one peer by the transports since the context was created.
@@ -104,6 +108,9 @@ class Context {
   // The cost model's constants, in the form GRADSYNC_COST_MODEL accepts
   // ("alpha_us=0.4,bandwidth_gbps=18,..."): measured at start-up unless configured.
   std::string cost_model() const;
+  // Which ranks share a host, as init() found them (or GRADSYNC_TOPOLOGY set them):
+  // "2 hosts: [0 2] [1 3]". Ring algorithms visit each host's ranks in a row.
+  std::string topology() const;
 
   PeerTraffic traffic(int peer) const;
   PeerTraffic total_traffic() const;  // summed over peers

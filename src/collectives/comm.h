@@ -7,18 +7,32 @@
 #include <vector>
 
 #include "collectives/signature.h"
+#include "collectives/topology.h"
 #include "transport/transport.h"
 
 namespace gradsync::collectives {
 
 class Comm {
  public:
+  // `topology` (null: one host, ranks in order) must outlive the Comm.
   Comm(transport::Transport& transport, const CallSignature& sig,
-       transport::Clock::time_point deadline)
-      : transport_(transport), sig_(sig), tag_(encode(sig)), deadline_(deadline) {}
+       transport::Clock::time_point deadline, const Topology* topology = nullptr)
+      : transport_(transport),
+        sig_(sig),
+        tag_(encode(sig)),
+        deadline_(deadline),
+        topology_(topology) {}
 
   int rank() const { return transport_.rank(); }
   int size() const { return transport_.size(); }
+  // Ring algorithms run over positions, not ranks: the ring visits each host's ranks in a row.
+  int ring_position() const { return topology_ ? topology_->ring_position(rank()) : rank(); }
+  int ring_rank(long long position) const {
+    if (topology_) return topology_->ring_rank(position);
+    const long long n = size();
+    return static_cast<int>(((position % n) + n) % n);
+  }
+  const Topology* topology() const { return topology_; }
   const CallSignature& signature() const { return sig_; }
   // The call's signature as carried in message tags; algorithms that bypass messages (shared
   // memory) exchange it themselves to detect mismatched calls.
@@ -57,6 +71,7 @@ class Comm {
   CallSignature sig_;
   transport::Tag tag_;
   transport::Clock::time_point deadline_;
+  const Topology* topology_;
 };
 
 // Splits `count` elements into `parts` contiguous blocks whose sizes differ by at most one

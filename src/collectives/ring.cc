@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <numeric>
 #include <vector>
 
 #include "collectives/algorithms.h"
@@ -19,21 +20,29 @@ std::size_t mod(long long a, long long n) {
   return static_cast<std::size_t>(((a % n) + n) % n);
 }
 
-// Byte layout of N segments inside a full-size buffer, each split into K pieces.
+// Byte layout of N segments inside a full-size buffer, each split into K pieces. Segments are
+// indexed by ring position: segment i is the block of `counts` owned by the rank at ring
+// position i (block i itself when the ring is in rank order).
 struct RingLayout {
   std::vector<std::size_t> seg_offset;  // in elements
   std::vector<std::size_t> seg_count;
   std::size_t pieces = 1;
   std::size_t elem = 1;
 
-  RingLayout(std::span<const std::size_t> counts, std::size_t elem_size, std::size_t chunk_bytes)
+  RingLayout(const Comm& c, std::span<const std::size_t> counts, std::size_t elem_size,
+             std::size_t chunk_bytes)
       : elem(elem_size) {
+    std::vector<std::size_t> block_offset;
     std::size_t off = 0, largest = 0;
-    for (std::size_t c : counts) {
-      seg_offset.push_back(off);
-      seg_count.push_back(c);
-      off += c;
-      largest = std::max(largest, c);
+    for (std::size_t count : counts) {
+      block_offset.push_back(off);
+      off += count;
+      largest = std::max(largest, count);
+    }
+    for (std::size_t i = 0; i < counts.size(); ++i) {
+      const auto block = static_cast<std::size_t>(c.ring_rank(static_cast<long long>(i)));
+      seg_offset.push_back(block_offset[block]);
+      seg_count.push_back(counts[block]);
     }
     std::size_t chunk_elems = std::max<std::size_t>(1, chunk_bytes / elem);
     pieces = std::max<std::size_t>(1, (largest + chunk_elems - 1) / chunk_elems);
@@ -57,8 +66,8 @@ void reduce_scatter_phase(Comm& c, const unsigned char* send, unsigned char* wor
                           unsigned char* owned_dst, const RingLayout& L, DataType dtype,
                           ReduceOp op, long long shift, std::vector<transport::RequestPtr>& sends,
                           OnOwned on_owned_piece) {
-  const long long n = c.size(), r = c.rank();
-  const int right = static_cast<int>(mod(r + 1, n)), left = static_cast<int>(mod(r - 1, n));
+  const long long n = c.size(), r = c.ring_position();
+  const int right = c.ring_rank(r + 1), left = c.ring_rank(r - 1);
   const std::size_t K = L.pieces, es = L.elem;
   const bool average = op == ReduceOp::kAvg;
 
@@ -101,8 +110,8 @@ void allgather_phase(Comm& c, unsigned char* recv, const RingLayout& L, std::siz
   // Enough pieces in flight to cover a transport round trip, few enough that posted but
   // unfilled receives pin little memory.
   constexpr std::size_t kLookahead = 4;
-  const long long n = c.size(), r = c.rank();
-  const int right = static_cast<int>(mod(r + 1, n)), left = static_cast<int>(mod(r - 1, n));
+  const long long n = c.size(), r = c.ring_position();
+  const int right = c.ring_rank(r + 1), left = c.ring_rank(r - 1);
   const std::size_t K = L.pieces, es = L.elem;
   const std::size_t total = static_cast<std::size_t>(n - 1) * K;
   struct Posted {
@@ -143,9 +152,9 @@ void ring_allreduce(Comm& c, const void* send_v, void* recv_v, std::size_t count
   }
   std::vector<std::size_t> counts(n);
   for (std::size_t i = 0; i < n; ++i) counts[i] = Partition{count, n}.size(i);
-  RingLayout L(counts, es, cfg.chunk_bytes);
-  const int right = (c.rank() + 1) % c.size();
-  const std::size_t owned = (static_cast<std::size_t>(c.rank()) + 1) % n;
+  RingLayout L(c, counts, es, cfg.chunk_bytes);
+  const int right = c.ring_rank(c.ring_position() + 1);
+  const std::size_t owned = (static_cast<std::size_t>(c.ring_position()) + 1) % n;
 
   // sends[0 .. K) are step 0 of reduce-scatter; sends[s*K + j] is piece j of step s.
   std::vector<transport::RequestPtr> sends;
@@ -169,15 +178,16 @@ void ring_reduce_scatter(Comm& c, const void* send_v, void* recv_v,
   const std::size_t es = dtype_size(dtype);
   const auto* send = static_cast<const unsigned char*>(send_v);
   auto* recv = static_cast<unsigned char*>(recv_v);
-  RingLayout L(block_counts, es, cfg.chunk_bytes);
+  RingLayout L(c, block_counts, es, cfg.chunk_bytes);
   if (n == 1) {
     if (send != recv && block_counts[0]) std::memcpy(recv, send, block_counts[0] * es);
     return;
   }
-  std::size_t total = L.seg_offset.back() + L.seg_count.back();
+  const std::size_t total =
+      std::accumulate(block_counts.begin(), block_counts.end(), std::size_t{0});
   std::vector<unsigned char> work(total * es);  // partial sums of the blocks in transit
   std::vector<transport::RequestPtr> sends;
-  // shift = -1 makes rank r end up owning block r.
+  // shift = -1 makes the rank at ring position p end up owning segment p: its own block.
   reduce_scatter_phase(c, send, work.data(), recv, L, dtype, op, -1, sends, [](std::size_t) {});
   c.wait_all(sends);
 }
@@ -187,13 +197,13 @@ void ring_allgatherv(Comm& c, const void* send_v, void* recv_v,
                      const AlgorithmConfig& cfg) {
   const std::size_t n = static_cast<std::size_t>(c.size());
   const std::size_t es = dtype_size(dtype);
-  const auto r = static_cast<std::size_t>(c.rank());
+  const auto r = static_cast<std::size_t>(c.ring_position());
   auto* recv = static_cast<unsigned char*>(recv_v);
-  RingLayout L(block_counts, es, cfg.chunk_bytes);
+  RingLayout L(c, block_counts, es, cfg.chunk_bytes);
   unsigned char* mine = recv + L.seg_offset[r] * es;
-  if (send_v != mine && block_counts[r]) std::memcpy(mine, send_v, block_counts[r] * es);
+  if (send_v != mine && L.seg_count[r]) std::memcpy(mine, send_v, L.seg_count[r] * es);
   if (n == 1) return;
-  const int right = static_cast<int>((r + 1) % n);
+  const int right = c.ring_rank(static_cast<long long>(r) + 1);
   std::vector<transport::RequestPtr> sends;
   for (std::size_t j = 0; j < L.pieces; ++j) {
     sends.push_back(c.isend(right, recv + L.piece_offset(r, j) * es, L.piece_count(r, j) * es));

@@ -47,16 +47,19 @@ void broadcast(Comm& c, void* data_v, std::size_t count, DataType dtype, int roo
     c.wait_all(sends);
     return;
   }
-  // Pipelined chain root -> root+1 -> ...: each piece is forwarded as soon as it lands, so
-  // the time is about bytes/bandwidth plus one piece per hop.
+  // Pipelined chain along the ring from the root: each piece is forwarded as soon as it lands,
+  // so the time is about bytes/bandwidth plus one piece per hop, and the chain crosses each
+  // host boundary once.
   const std::size_t chunk = std::max<std::size_t>(es, cfg.chunk_bytes / es * es);
   const std::size_t pieces = (bytes + chunk - 1) / chunk;
-  const int prev = to_real(v - 1, root, n), next = to_real(v + 1, root, n);
+  const int root_position = c.topology() ? c.topology()->ring_position(root) : root;
+  const int hop = to_virtual(c.ring_position(), root_position, n);  // hops from the root
+  const int prev = c.ring_rank(c.ring_position() - 1), next = c.ring_rank(c.ring_position() + 1);
   std::vector<transport::RequestPtr> sends;
   for (std::size_t j = 0; j < pieces; ++j) {
     std::size_t off = j * chunk, len = std::min(chunk, bytes - off);
-    if (v != 0) c.recv(prev, data + off, len);
-    if (v != n - 1) sends.push_back(c.isend(next, data + off, len));
+    if (hop != 0) c.recv(prev, data + off, len);
+    if (hop != n - 1) sends.push_back(c.isend(next, data + off, len));
   }
   c.wait_all(sends);
 }

@@ -53,7 +53,7 @@ void Context::Impl::execute(Task& task) {
       throw Error(ErrorKind::kAborted, "communicator failed earlier: " + *failure_, rank,
                   Error::kNoPeer, collectives::describe(task.sig));
     }
-    Comm comm(*transport, task.sig, transport::Clock::now() + timeout);
+    Comm comm(*transport, task.sig, transport::Clock::now() + timeout, &topology);
     try {
       task.body(comm);
     } catch (const Error& e) {
@@ -264,6 +264,10 @@ Algorithm Context::choose_allreduce_algorithm(std::size_t bytes) const {
 
 std::string Context::cost_model() const {
   return impl_->cost.to_string();
+}
+
+std::string Context::topology() const {
+  return impl_->topology.describe();
 }
 
 PeerTraffic Context::traffic(int peer) const {

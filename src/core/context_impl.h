@@ -14,6 +14,7 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/signature.h"
+#include "collectives/topology.h"
 #include "gradsync/gradsync.h"
 #include "model/cost_model.h"
 #include "transport/transport.h"
@@ -38,6 +39,7 @@ struct Context::Impl {
   collectives::AlgorithmConfig config;
   std::unique_ptr<transport::Transport> transport;
   std::vector<std::string> peer_transport;  // name per peer, for transport_name()
+  collectives::Topology topology;           // hosts and ring order (init() fills it in)
   std::shared_ptr<Store> store;             // kept alive for the context's lifetime
   std::unique_ptr<TcpStoreServer> store_server;
 
@@ -50,6 +52,11 @@ struct Context::Impl {
               bool blocking);
 
   Algorithm pick_allreduce(std::size_t bytes, Algorithm requested) const;
+
+  // After the context's own set-up calls (topology check, calibration), so that the user's
+  // first call is #1 however many there were. Only with no call in flight. Tags stay
+  // distinct from the set-up calls' all the same: those are of kind kInternal.
+  void restart_sequence() { next_seq_ = 1; }
 
  private:
   struct Task {
@@ -73,9 +80,12 @@ struct Context::Impl {
 };
 
 // Wraps an existing transport (tests: inproc) into a context; calibrates the cost model
-// unless `cost` is given. Collective over all ranks of the transport.
+// unless `cost` is given. `host_of` labels each rank's host (empty: one host), unless
+// options.topology groups the ranks explicitly; every rank must arrive at the same topology
+// (kMismatch otherwise). Collective over all ranks of the transport.
 std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> transport,
                                       const Options& options,
-                                      std::optional<model::LinkParams> cost = std::nullopt);
+                                      std::optional<model::LinkParams> cost = std::nullopt,
+                                      const std::vector<std::string>& host_of = {});
 
 }  // namespace gradsync

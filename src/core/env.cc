@@ -60,6 +60,12 @@ Options resolve(const Options& in) {
   if (o.master_addr.empty()) o.master_addr = get("MASTER_ADDR").value_or("127.0.0.1");
   o.master_port = pick(o.master_port, {"MASTER_PORT"}, 29500);
   if (o.token.empty()) o.token = get("GRADSYNC_TOKEN").value_or("");
+  if (o.topology.empty()) {
+    if (auto t = get("GRADSYNC_TOPOLOGY")) {
+      o.topology = *t;
+      log_override("GRADSYNC_TOPOLOGY", *t);
+    }
+  }
   if (o.transport.empty()) {
     if (auto t = get("GRADSYNC_TRANSPORT")) {
       o.transport = *t;

@@ -9,6 +9,7 @@
 
 #include "core/context_impl.h"
 #include "core/env.h"
+#include "rendezvous/socket.h"
 #include "rendezvous/store_util.h"
 #include "transport/router.h"
 #include "transport/shm.h"
@@ -32,7 +33,8 @@ std::string host_identity() {
   std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
   char ns[128] = {};
   ssize_t n = ::readlink("/proc/self/ns/net", ns, sizeof ns - 1);
-  return std::string(name) + "|" + boot + "|" + (n > 0 ? std::string(ns, static_cast<std::size_t>(n)) : "");
+  return std::string(name) + "|" + boot + "|" +
+         (n > 0 ? std::string(ns, static_cast<std::size_t>(n)) : "");
 }
 
 // Per-rank count of contexts created in this process, so several contexts over one store
@@ -52,8 +54,21 @@ std::unique_ptr<Context> init(const Options& given) {
   std::unique_ptr<TcpStoreServer> server;
   const auto timeout = o.timeout;
   if (!store && o.world_size == 1) store = make_inproc_store();
+  // GRADSYNC_SOCKET_IFNAME (like NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME) pins every socket
+  // of this rank, the store rank 0 hosts included, to one interface's address.
+  std::string socket_addr;
+  if (auto ifname = env::get("GRADSYNC_SOCKET_IFNAME")) {
+    try {
+      socket_addr = net::interface_address(*ifname);
+    } catch (const Error& e) {
+      throw Error(e.kind(), e.detail(), o.rank, Error::kNoPeer, "init");
+    }
+  }
   if (!store) {
-    if (o.rank == 0) server = make_tcp_store_server("0.0.0.0", o.master_port, o.token);
+    if (o.rank == 0) {
+      server = make_tcp_store_server(socket_addr.empty() ? "0.0.0.0" : socket_addr, o.master_port,
+                                     o.token);
+    }
     store = make_tcp_store(o.master_addr, o.master_port, o.token, timeout);
   }
   const std::string prefix = "gradsync/" + std::to_string(next_context_generation(o.rank)) + "/";
@@ -66,10 +81,12 @@ std::unique_ptr<Context> init(const Options& given) {
   }
   std::vector<int> local_group;
   for (int r = 0; r < o.world_size; ++r) {
-    if (hosts[static_cast<std::size_t>(r)] == hosts[static_cast<std::size_t>(o.rank)]) local_group.push_back(r);
+    if (hosts[static_cast<std::size_t>(r)] == hosts[static_cast<std::size_t>(o.rank)])
+      local_group.push_back(r);
   }
   if (o.local_rank < 0) {
-    o.local_rank = static_cast<int>(std::find(local_group.begin(), local_group.end(), o.rank) - local_group.begin());
+    o.local_rank = static_cast<int>(std::find(local_group.begin(), local_group.end(), o.rank) -
+                                    local_group.begin());
   }
   if (o.local_world_size < 0) o.local_world_size = static_cast<int>(local_group.size());
 
@@ -87,8 +104,8 @@ std::unique_ptr<Context> init(const Options& given) {
   }
   if (o.world_size > 1) {
     if (use_shm && local_group.size() > 1) {
-      transports.push_back(transport::make_shm_transport(*store, prefix + "shm", o.rank,
-                                                         o.world_size, local_group, topts, timeout));
+      transports.push_back(transport::make_shm_transport(
+          *store, prefix + "shm", o.rank, o.world_size, local_group, topts, timeout));
       for (int r : local_group) {
         if (r != o.rank) {
           route[static_cast<std::size_t>(r)] = 0;
@@ -101,9 +118,18 @@ std::unique_ptr<Context> init(const Options& given) {
       std::vector<int> everyone(static_cast<std::size_t>(o.world_size));
       for (int r = 0; r < o.world_size; ++r) everyone[static_cast<std::size_t>(r)] = r;
       transport::TcpOptions tcp;
-      if (auto ifaddr = env::get("GRADSYNC_SOCKET_ADDR")) tcp.advertise_addr = *ifaddr;
-      transports.push_back(transport::make_tcp_transport(*store, prefix + "tcp", o.rank, o.world_size,
-                                                         everyone, topts, tcp, timeout));
+      if (!socket_addr.empty()) {
+        tcp.bind_addr = tcp.advertise_addr = socket_addr;
+      } else if (auto addr = env::get("GRADSYNC_SOCKET_ADDR")) {
+        tcp.advertise_addr = *addr;
+      } else if (!o.master_addr.empty()) {
+        // Peers reach us the way we reach the rendezvous host: through the interface the
+        // routing table picks for it (a host name may resolve to an address on another
+        // network, or, in network namespaces, to one that does not exist there).
+        tcp.advertise_addr = net::local_address_toward(o.master_addr, o.master_port);
+      }
+      transports.push_back(transport::make_tcp_transport(
+          *store, prefix + "tcp", o.rank, o.world_size, everyone, topts, tcp, timeout));
       const int index = static_cast<int>(transports.size()) - 1;
       for (int r = 0; r < o.world_size; ++r) {
         if (r != o.rank && route[static_cast<std::size_t>(r)] < 0) {
@@ -115,8 +141,9 @@ std::unique_ptr<Context> init(const Options& given) {
   }
   auto router = std::make_unique<transport::RouterTransport>(o.rank, o.world_size,
                                                              std::move(transports), route);
-  auto ctx = make_context(std::move(router), o);
+  auto ctx = make_context(std::move(router), o, std::nullopt, hosts);
   ctx->impl().peer_transport = names;
+
   ctx->impl().store = store;
   ctx->impl().store_server = std::move(server);
   return ctx;

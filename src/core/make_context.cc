@@ -112,11 +112,68 @@ model::LinkParams measure_link(Comm& c, transport::SharedArena* arena) {
   return p;
 }
 
+// The ring follows hosts, or the groups options.topology names. Ranks that disagreed on the
+// ring would wait on neighbours that never send, so with a spec every rank compares its ring
+// with rank 0's now, when it is a clear error rather than a timeout in the first collective.
+collectives::Topology agreed_topology(Context::Impl& impl, const Options& options,
+                                      const std::vector<std::string>& host_of) {
+  collectives::Topology topology = collectives::Topology::flat(impl.size);
+  if (!options.topology.empty()) {
+    std::string error;
+    auto groups = collectives::parse_topology(options.topology, impl.size, &error);
+    if (!groups) {
+      Error e(
+          ErrorKind::kInvalidArgument,
+          "topology '" + options.topology + "' is not like \"0,2;1,3\" (every rank once): " + error,
+          impl.rank, Error::kNoPeer, "init");
+      impl.transport->abort(e.what());  // the others would wait for us in the check below
+      throw e;
+    }
+    topology = collectives::Topology::from_hosts(*groups);
+  } else if (static_cast<int>(host_of.size()) == impl.size) {
+    topology = collectives::Topology::from_hosts(host_of);
+  }
+  // Host labels come from one store, the same for every rank; a spec comes from each rank's
+  // own options or environment, which may differ.
+  if (impl.size > 1 && !options.topology.empty()) {
+    std::vector<std::int64_t> ring(topology.ring().begin(), topology.ring().end());
+    std::vector<std::int64_t> first = ring;
+    CallSignature sig{0,
+                      CollectiveKind::kInternal,
+                      DataType::kInt64,
+                      ReduceOp::kSum,
+                      Algorithm::kAuto,
+                      0,
+                      ring.size()};
+    impl.submit(
+            sig,
+            [&](Comm& c) {
+              collectives::broadcast(c, first.data(), first.size(), DataType::kInt64, 0, {});
+            },
+            true)
+        .wait();
+    if (first != ring) {
+      auto show = [](const std::vector<std::int64_t>& v) {
+        std::string s;
+        for (auto r : v) s += (s.empty() ? "" : " ") + std::to_string(r);
+        return "[" + s + "]";
+      };
+      Error e(ErrorKind::kMismatch,
+              "ring order differs from rank 0's: here " + show(ring) + " (" + topology.describe() +
+                  "), rank 0 " + show(first) + " (GRADSYNC_TOPOLOGY must be the same everywhere)",
+              impl.rank, 0, "init");
+      impl.transport->abort(e.what());
+      throw e;
+    }
+  }
+  return topology;
+}
+
 }  // namespace
 
 std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> transport,
-                                      const Options& options,
-                                      std::optional<model::LinkParams> cost) {
+                                      const Options& options, std::optional<model::LinkParams> cost,
+                                      const std::vector<std::string>& host_of) {
   auto impl = std::make_unique<Context::Impl>();
   impl->rank = transport->rank();
   impl->size = transport->size();
@@ -128,6 +185,7 @@ std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> tran
     impl->peer_transport.push_back(p == impl->rank ? "self" : transport->name());
   }
   impl->transport = std::move(transport);
+  impl->topology = agreed_topology(*impl, options, host_of);
   if (!cost) {
     if (auto spec = env::get("GRADSYNC_COST_MODEL")) {
       cost = model::CostModel::parse(*spec);
@@ -151,6 +209,7 @@ std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> tran
     cost = measured;
   }
   impl->cost = model::CostModel(cost.value_or(model::LinkParams{}));
+  impl->restart_sequence();
   return std::make_unique<Context>(std::move(impl));
 }
 

@@ -3,6 +3,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -95,7 +96,8 @@ std::string join_host_port(const std::string& host, int port) {
 std::pair<std::string, int> split_host_port(const std::string& address) {
   auto colon = address.rfind(':');
   auto bad = [&] {
-    return Error(ErrorKind::kInvalidArgument, "malformed address '" + address + "' (want host:port)");
+    return Error(ErrorKind::kInvalidArgument,
+                 "malformed address '" + address + "' (want host:port)");
   };
   if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) throw bad();
   std::string host = address.substr(0, colon);
@@ -116,7 +118,8 @@ Fd listen_tcp(const std::string& bind_addr, int port, bool nonblocking) {
   AddrInfo ai;
   std::string where = join_host_port(bind_addr, port);
   std::string err = resolve(bind_addr, port, true, ai);
-  if (!err.empty()) throw Error(ErrorKind::kSystem, "cannot resolve listen address " + where + ": " + err);
+  if (!err.empty())
+    throw Error(ErrorKind::kSystem, "cannot resolve listen address " + where + ": " + err);
   int last_errno = 0;
   for (addrinfo* a = ai.list; a; a = a->ai_next) {
     Fd fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | (nonblocking ? SOCK_NONBLOCK : 0),
@@ -146,7 +149,8 @@ int local_port(int fd) {
   return ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
 }
 
-Fd connect_tcp(const std::string& host, int port, Clock::time_point deadline, const std::string& what) {
+Fd connect_tcp(const std::string& host, int port, Clock::time_point deadline,
+               const std::string& what) {
   std::string where = join_host_port(host, port);
   auto backoff = std::chrono::milliseconds(5);
   std::string last_error = "no attempt made";
@@ -175,9 +179,8 @@ Fd connect_tcp(const std::string& host, int port, Clock::time_point deadline, co
     std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
   }
-  throw Error(ErrorKind::kTimeout,
-              "cannot connect to " + what + " at " + where + " after " + std::to_string(attempts) +
-                  " attempt(s): " + last_error);
+  throw Error(ErrorKind::kTimeout, "cannot connect to " + what + " at " + where + " after " +
+                                       std::to_string(attempts) + " attempt(s): " + last_error);
 }
 
 std::string default_advertise_address(const std::string& bind_addr) {
@@ -195,6 +198,46 @@ std::string default_advertise_address(const std::string& bind_addr) {
     }
   }
   return "127.0.0.1";
+}
+
+std::string local_address_toward(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  AddrInfo ai;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &ai.list) != 0 ||
+      !ai.list) {
+    return {};
+  }
+  // connect() on a UDP socket only looks up the route and fixes the source address.
+  Fd fd(::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid() || ::connect(fd.get(), ai.list->ai_addr, ai.list->ai_addrlen) != 0) return {};
+  sockaddr_in local{};
+  socklen_t len = sizeof local;
+  if (::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&local), &len) != 0) return {};
+  char buf[INET_ADDRSTRLEN] = {};
+  if (!::inet_ntop(AF_INET, &local.sin_addr, buf, sizeof buf)) return {};
+  return buf;
+}
+
+std::string interface_address(const std::string& name) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) throw_system("getifaddrs");
+  std::string found, seen;
+  for (ifaddrs* i = list; i; i = i->ifa_next) {
+    if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+    char buf[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, buf, sizeof buf);
+    if (name == i->ifa_name && found.empty()) found = buf;
+    seen += std::string(seen.empty() ? "" : ", ") + i->ifa_name + "=" + buf;
+  }
+  ::freeifaddrs(list);
+  if (found.empty()) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "GRADSYNC_SOCKET_IFNAME='" + name + "': no such interface with an IPv4 address (" +
+                    (seen.empty() ? std::string("none has one") : "interfaces: " + seen) + ")");
+  }
+  return found;
 }
 
 void set_nonblocking(int fd) {

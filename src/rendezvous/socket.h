@@ -54,6 +54,16 @@ Fd connect_tcp(const std::string& host, int port, std::chrono::steady_clock::tim
 // the first IPv4 address the host name resolves to, else 127.0.0.1.
 std::string default_advertise_address(const std::string& bind_addr);
 
+// The local IPv4 address this host would use to send to host:port (the source address the
+// routing table picks; no packet is sent). Where the rendezvous host is reached through one
+// interface, that interface's address is the one peers can reach us on too, whatever the
+// host name resolves to. Empty if the host does not resolve or no route leads there.
+std::string local_address_toward(const std::string& host, int port);
+
+// The IPv4 address of network interface `name` (as GRADSYNC_SOCKET_IFNAME names it). Throws
+// Error(kInvalidArgument) naming the interface and listing those that have one.
+std::string interface_address(const std::string& name);
+
 void set_nonblocking(int fd);
 void set_nodelay(int fd);
 // Blocks until the whole buffer is written or an error; false on EOF/error (errno set).
