@@ -50,7 +50,8 @@ void run_checks(Context& ctx) {
         for (ReduceOp op : testing::kAllOps) {
           if (count > 100000 && (t != DataType::kFloat32 || op != ReduceOp::kSum)) continue;
           if (count > 2 && count < 100000 && op != ReduceOp::kSum && op != ReduceOp::kAvg &&
-              t != DataType::kFloat32) continue;
+              t != DataType::kFloat32)
+            continue;
           std::string what = std::string("allreduce ") + to_string(algo) + " " + to_string(t) +
                              " " + to_string(op) + " count=" + std::to_string(count);
           testing::Buffer in = testing::make_input(t, op, r, count), out(in.size());
@@ -61,7 +62,8 @@ void run_checks(Context& ctx) {
       }
     }
   }
-  for (std::size_t block : {std::size_t{0}, std::size_t{1}, std::size_t{4099}, std::size_t{262147}}) {
+  for (std::size_t block :
+       {std::size_t{0}, std::size_t{1}, std::size_t{4099}, std::size_t{262147}}) {
     const std::size_t total = block * static_cast<std::size_t>(n);
     testing::Buffer in = testing::make_input(DataType::kFloat32, ReduceOp::kSum, r, total);
     testing::Buffer out(block * 4);
@@ -76,9 +78,8 @@ void run_checks(Context& ctx) {
     for (int src = 0; src < n; ++src) {
       testing::Buffer want = testing::make_input(DataType::kInt32, ReduceOp::kSum, src, block);
       // memcmp of zero bytes still needs valid pointers, and an empty vector has none.
-      check(want.empty() ||
-                std::memcmp(gathered.data() + static_cast<std::size_t>(src) * block * 4,
-                            want.data(), want.size()) == 0,
+      check(want.empty() || std::memcmp(gathered.data() + static_cast<std::size_t>(src) * block * 4,
+                                        want.data(), want.size()) == 0,
             "allgather block=" + std::to_string(block), r);
     }
     for (int root = 0; root < n; ++root) {
@@ -96,14 +97,17 @@ void run_checks(Context& ctx) {
     }
   }
   std::vector<std::size_t> vcounts(static_cast<std::size_t>(n));
-  for (int i = 0; i < n; ++i) vcounts[static_cast<std::size_t>(i)] = static_cast<std::size_t>(i % 2 ? 0 : 1000 + i);
+  for (int i = 0; i < n; ++i)
+    vcounts[static_cast<std::size_t>(i)] = static_cast<std::size_t>(i % 2 ? 0 : 1000 + i);
   const std::size_t vtotal = std::accumulate(vcounts.begin(), vcounts.end(), std::size_t{0});
-  testing::Buffer vin = testing::make_input(DataType::kUInt8, ReduceOp::kSum, r, vcounts[static_cast<std::size_t>(r)]);
+  testing::Buffer vin = testing::make_input(DataType::kUInt8, ReduceOp::kSum, r,
+                                            vcounts[static_cast<std::size_t>(r)]);
   testing::Buffer vout(vtotal);
   ctx.allgatherv(vin.data(), vout.data(), vcounts, DataType::kUInt8);
   std::size_t off = 0;
   for (int src = 0; src < n; ++src) {
-    testing::Buffer want = testing::make_input(DataType::kUInt8, ReduceOp::kSum, src, vcounts[static_cast<std::size_t>(src)]);
+    testing::Buffer want = testing::make_input(DataType::kUInt8, ReduceOp::kSum, src,
+                                               vcounts[static_cast<std::size_t>(src)]);
     check(want.empty() || std::memcmp(vout.data() + off, want.data(), want.size()) == 0,
           "allgatherv", r);
     off += want.size();
@@ -118,6 +122,7 @@ int main(int argc, char** argv) {
   try {
     auto ctx = init();
     if (mode == "check") {
+      if (ctx->rank() == 0) std::printf("topology: %s\n", ctx->topology().c_str());
       run_checks(*ctx);
       std::printf("rank %d: %s, transport to rank %d: %s\n", ctx->rank(),
                   failures ? "FAILED" : "all checks passed", (ctx->rank() + 1) % ctx->size(),
@@ -136,7 +141,8 @@ int main(int argc, char** argv) {
         }
       } catch (const Error& e) {
         auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                      std::chrono::steady_clock::now() - last_ok).count();
+                      std::chrono::steady_clock::now() - last_ok)
+                      .count();
         std::fprintf(stderr, "rank %d: detected after %lld ms: %s\n", ctx->rank(),
                      static_cast<long long>(ms), e.what());
         return 4;

@@ -78,7 +78,8 @@ std::vector<int> run_processes(int n, const std::function<int(int rank)>& fn, in
     if (remaining == 0) break;
     if (std::chrono::steady_clock::now() > deadline) {
       for (int r = 0; r < n; ++r) {
-        if (status[static_cast<std::size_t>(r)] == -1) ::kill(pids[static_cast<std::size_t>(r)], SIGKILL);
+        if (status[static_cast<std::size_t>(r)] == -1)
+          ::kill(pids[static_cast<std::size_t>(r)], SIGKILL);
       }
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -110,6 +111,38 @@ std::vector<std::string> segments_left(const std::string& part) {
 std::string unique_name(const std::string& base) {
   static std::atomic<int> counter{0};
   return base + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+}
+
+std::string build_dir() {
+  auto exe = std::filesystem::read_symlink("/proc/self/exe");
+  return exe.parent_path().parent_path().string();
+}
+
+std::string source_dir() {
+  return GRADSYNC_SOURCE_DIR;
+}
+
+int ShellResult::exit_code() const {
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+ShellResult run_shell(const std::string& cmd) {
+  ShellResult r;
+  std::fflush(stdout);
+  std::fflush(stderr);
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  std::size_t got;
+  while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, got);
+  r.status = ::pclose(p);
+  return r;
+}
+
+int count_of(const std::string& s, const std::string& part) {
+  int n = 0;
+  for (std::size_t pos = s.find(part); pos != std::string::npos; pos = s.find(part, pos + 1)) ++n;
+  return n;
 }
 
 }  // namespace gradsync::testing

@@ -53,6 +53,21 @@ std::vector<std::string> segments_left(const std::string& part);
 // A job-unique prefix for store keys and shm names, so parallel tests do not collide.
 std::string unique_name(const std::string& base);
 
+// The build directory (tests run from build/tests) and the source tree (scripts/).
+std::string build_dir();
+std::string source_dir();
+
+// Runs a shell command, capturing stdout and stderr together; status as from waitpid.
+struct ShellResult {
+  int status = -1;
+  std::string output;
+  int exit_code() const;  // -1 unless it exited normally
+};
+ShellResult run_shell(const std::string& cmd);
+
+// Occurrences of `part` in `s`.
+int count_of(const std::string& s, const std::string& part);
+
 inline bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }

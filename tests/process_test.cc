@@ -1,11 +1,10 @@
 // Collectives across real processes over shm and tcp: the full check run through the
 // launcher, and kill -9 of a rank mid-collective (every survivor must name the lost peer
 // within 2 s and nothing may be left in /dev/shm).
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstdio>
@@ -20,54 +19,30 @@ namespace {
 
 using namespace std::chrono_literals;
 
-std::string build_dir() {
-  char buf[4096];
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  std::string self(buf, static_cast<std::size_t>(n > 0 ? n : 0));
-  return self.substr(0, self.rfind('/')) + "/..";
-}
-
-struct Result {
-  int status = -1;
-  std::string output;
-};
-
-// Runs a shell command, capturing stdout and stderr together.
-Result run_shell(const std::string& cmd) {
-  Result r;
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  std::size_t got;
-  while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, got);
-  r.status = ::pclose(p);
-  return r;
-}
-
-int count_of(const std::string& s, const std::string& part) {
-  int n = 0;
-  for (std::size_t pos = s.find(part); pos != std::string::npos; pos = s.find(part, pos + 1)) ++n;
-  return n;
-}
-
+using testing::build_dir;
+using testing::count_of;
+using testing::run_shell;
 
 class ThroughLauncher : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(ThroughLauncher, EveryCollectiveMatchesReference) {
   const auto [transport, n] = GetParam();
   const std::string dir = build_dir();
-  Result r = run_shell("GRADSYNC_TRANSPORT=" + transport + " GRADSYNC_TIMEOUT=60000 " + dir +
-                       "/tools/gradsync-run -n " + std::to_string(n) + " -- " + dir +
-                       "/tests/collective_worker check");
+  testing::ShellResult r =
+      run_shell("GRADSYNC_TRANSPORT=" + transport + " GRADSYNC_TIMEOUT=60000 " + dir +
+                "/tools/gradsync-run -n " + std::to_string(n) + " -- " + dir +
+                "/tests/collective_worker check");
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "all checks passed, transport to rank"), n) << r.output;
   EXPECT_EQ(count_of(r.output, ": " + transport + "\n"), n) << r.output;
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ThroughLauncher,
-                         ::testing::Combine(::testing::Values("shm", "tcp"), ::testing::Values(2, 4)),
+                         ::testing::Combine(::testing::Values("shm", "tcp"),
+                                            ::testing::Values(2, 4)),
                          [](const auto& p) {
-                           return std::get<0>(p.param) + "_n" + std::to_string(std::get<1>(p.param));
+                           return std::get<0>(p.param) + "_n" +
+                                  std::to_string(std::get<1>(p.param));
                          });
 
 // Starts `n` workers directly (no launcher, so nobody stops the survivors for us), each
@@ -130,7 +105,8 @@ std::vector<std::string> kill_one_rank(const std::string& transport, int n, int 
       ADD_FAILURE() << "rank " << r << " hung after the kill";
     }
     if (r != victim) {
-      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 4) << "rank " << r << " status " << status;
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 4)
+          << "rank " << r << " status " << status;
       logs.push_back(read_file(tmp.path() + "/rank" + std::to_string(r) + ".log"));
     }
   }
@@ -150,7 +126,8 @@ TEST_P(KillNine, SurvivorsNameTheLostPeerWithinTwoSeconds) {
     long ms = std::stol(log.substr(at + 15));
     EXPECT_LT(ms, 2000) << log;
   }
-  EXPECT_TRUE(testing::segments_left("gradsync").empty()) << "left in /dev/shm: " << testing::segments_left("gradsync")[0];
+  EXPECT_TRUE(testing::segments_left("gradsync").empty())
+      << "left in /dev/shm: " << testing::segments_left("gradsync")[0];
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, KillNine, ::testing::Values("shm", "tcp"),

@@ -1,0 +1,226 @@
+// Across hosts: each "host" is a network namespace of scripts/netns-cluster.sh, and each runs
+// its own launcher (or, as under mpirun/srun, its own ranks), exactly as on real machines.
+// Needs root to create namespaces; without it every test here is skipped, saying why.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+#include "harness.h"
+
+namespace gradsync {
+namespace {
+
+using testing::contains;
+using testing::count_of;
+using testing::run_shell;
+using testing::ShellResult;
+
+std::string script() {
+  return testing::source_dir() + "/scripts/netns-cluster.sh";
+}
+
+// H hosts up for the lifetime of the object, under a prefix no other test process uses.
+class Cluster {
+ public:
+  explicit Cluster(int hosts, const std::string& rate = "none") : hosts_(hosts) {
+    static std::atomic<int> serial{0};
+    prefix_ = "gt" + std::to_string(::getpid() % 100000) + std::to_string(serial++ % 10);
+    if (::geteuid() != 0) {
+      skip_reason_ = "needs root to create network namespaces (ip netns, veth, tc)";
+      return;
+    }
+    ShellResult r = run_shell(script() + " up --prefix " + prefix_ + " --hosts " +
+                              std::to_string(hosts) + " --rate " + rate);
+    if (r.status != 0) skip_reason_ = "cannot create network namespaces here: " + r.output;
+  }
+  ~Cluster() {
+    if (::geteuid() == 0) run_shell(script() + " down --prefix " + prefix_);
+  }
+  const std::string& skip_reason() const { return skip_reason_; }
+  int hosts() const { return hosts_; }
+  std::string addr(int host) const { return "10.77.0." + std::to_string(10 + host); }
+  // `cmd` run as a shell command on `host`.
+  std::string on(int host, const std::string& cmd) const {
+    return script() + " exec --prefix " + prefix_ + " " + std::to_string(host) + " sh -c '" + cmd +
+           "'";
+  }
+  std::string ns(int host) const { return prefix_ + "-h" + std::to_string(host); }
+
+ private:
+  int hosts_;
+  std::string prefix_;
+  std::string skip_reason_;
+};
+
+#define SKIP_UNLESS_UP(cluster) \
+  if (!(cluster).skip_reason().empty()) GTEST_SKIP() << (cluster).skip_reason()
+
+// Runs the commands at once; one result each.
+std::vector<ShellResult> run_all(const std::vector<std::string>& cmds) {
+  std::vector<ShellResult> results(cmds.size());
+  std::vector<std::thread> threads;
+  for (std::size_t i = 0; i < cmds.size(); ++i) {
+    threads.emplace_back([&, i] { results[i] = run_shell(cmds[i]); });
+  }
+  for (auto& t : threads) t.join();
+  return results;
+}
+
+std::string all_output(const std::vector<ShellResult>& results) {
+  std::string s;
+  for (std::size_t i = 0; i < results.size(); ++i) {
+    s += "--- command " + std::to_string(i) + " (status " + std::to_string(results[i].status) +
+         "):\n" + results[i].output;
+  }
+  return s;
+}
+
+const std::string kEnv = "GRADSYNC_TOKEN=multihost GRADSYNC_TIMEOUT=60000 ";
+
+class AcrossHosts : public ::testing::TestWithParam<std::tuple<int, int>> {};
+
+// One launcher per host, --nnodes/--node-rank/--master-addr as on real machines: every
+// collective equals the reference and is bitwise identical everywhere; ranks on one host use
+// shared memory, ranks on different hosts tcp.
+TEST_P(AcrossHosts, EveryCollectiveMatchesReferenceThroughOneLauncherPerHost) {
+  const auto [hosts, per_host] = GetParam();
+  Cluster cluster(hosts);
+  SKIP_UNLESS_UP(cluster);
+  const std::string dir = testing::build_dir();
+  std::vector<std::string> cmds;
+  for (int h = 0; h < hosts; ++h) {
+    cmds.push_back(cluster.on(h, kEnv + dir + "/tools/gradsync-run --nnodes " +
+                                     std::to_string(hosts) + " --node-rank " + std::to_string(h) +
+                                     " -n " + std::to_string(per_host) + " --master-addr " +
+                                     cluster.addr(0) + " --master-port 29500 --timeout-s 240 -- " +
+                                     dir + "/tests/collective_worker check"));
+  }
+  auto results = run_all(cmds);
+  const std::string out = all_output(results);
+  for (const auto& r : results) EXPECT_EQ(r.status, 0) << out;
+  const int n = hosts * per_host;
+  EXPECT_EQ(count_of(out, "all checks passed"), n) << out;
+  // Rank r's successor r + 1 is on the same host unless r is the last of its host.
+  EXPECT_EQ(count_of(out, ": shm\n"), hosts * (per_host - 1)) << out;
+  EXPECT_EQ(count_of(out, ": tcp\n"), hosts) << out;
+}
+
+INSTANTIATE_TEST_SUITE_P(HostsByRanks, AcrossHosts,
+                         ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Values(1, 2)),
+                         [](const auto& p) {
+                           return std::to_string(std::get<0>(p.param)) + "hosts_x" +
+                                  std::to_string(std::get<1>(p.param));
+                         });
+
+// Ranks placed round-robin over the hosts, started the way mpirun and srun start them (no
+// gradsync launcher: the ranks read OMPI_COMM_WORLD_* or SLURM_* themselves). The context finds
+// which ranks share a host and keeps them together in the ring.
+TEST(AcrossHostsLaunchedByOthers, MpirunAndSrunEnvironmentsWithRoundRobinPlacement) {
+  const int hosts = 2, n = 4;
+  Cluster cluster(hosts);
+  SKIP_UNLESS_UP(cluster);
+  const std::string worker = testing::build_dir() + "/tests/collective_worker check";
+  for (const std::string style : {"mpirun", "srun"}) {
+    std::vector<std::string> cmds;
+    for (int r = 0; r < n; ++r) {
+      const int host = r % hosts, local = r / hosts;
+      std::string env = kEnv + "MASTER_ADDR=" + cluster.addr(0) + " MASTER_PORT=29501 ";
+      if (style == "mpirun") {
+        env += "OMPI_COMM_WORLD_RANK=" + std::to_string(r) +
+               " OMPI_COMM_WORLD_SIZE=" + std::to_string(n) +
+               " OMPI_COMM_WORLD_LOCAL_RANK=" + std::to_string(local) +
+               " OMPI_COMM_WORLD_LOCAL_SIZE=2 ";
+      } else {
+        env += "SLURM_PROCID=" + std::to_string(r) + " SLURM_NTASKS=" + std::to_string(n) +
+               " SLURM_LOCALID=" + std::to_string(local) + " ";
+      }
+      cmds.push_back(cluster.on(host, env + worker));
+    }
+    auto results = run_all(cmds);
+    const std::string out = all_output(results);
+    for (const auto& r : results) EXPECT_EQ(r.status, 0) << style << "\n" << out;
+    EXPECT_EQ(count_of(out, "all checks passed"), n) << out;
+    EXPECT_TRUE(contains(out, "topology: 2 hosts: [0 2] [1 3]")) << out;
+    // Rank r's successor r + 1 is always on the other host: every one of them is tcp.
+    EXPECT_EQ(count_of(out, ": tcp\n"), n) << out;
+  }
+}
+
+// A rank whose token differs from the job's cannot join it, and the job goes on.
+TEST(AcrossHostsFailures, RankOfAnotherJobIsRefused) {
+  Cluster cluster(2);
+  SKIP_UNLESS_UP(cluster);
+  const std::string dir = testing::build_dir();
+  const std::string job = " --nnodes 2 -n 1 --master-addr " + cluster.addr(0) +
+                          " --master-port 29502 --timeout-s 120 -- " + dir +
+                          "/tests/collective_worker check";
+  std::vector<std::string> cmds = {
+      cluster.on(0, kEnv + dir + "/tools/gradsync-run --node-rank 0" + job),
+      cluster.on(1, kEnv + dir + "/tools/gradsync-run --node-rank 1" + job),
+      // The intruder: another job's token, claiming rank 1, with a short timeout.
+      cluster.on(1,
+                 "GRADSYNC_TOKEN=otherjob GRADSYNC_TIMEOUT=3000 RANK=1 WORLD_SIZE=2 "
+                 "MASTER_ADDR=" +
+                     cluster.addr(0) + " MASTER_PORT=29502 " + dir +
+                     "/tests/collective_worker check"),
+  };
+  auto results = run_all(cmds);
+  const std::string out = all_output(results);
+  EXPECT_EQ(results[0].status, 0) << out;
+  EXPECT_EQ(results[1].status, 0) << out;
+  EXPECT_NE(results[2].status, 0) << out;
+  EXPECT_TRUE(contains(results[2].output, "token")) << results[2].output;
+}
+
+// A rendezvous host nobody listens on: a clear error naming host and port, within the timeout.
+TEST(AcrossHostsFailures, UnreachableRendezvousHostIsNamedWithinTheTimeout) {
+  Cluster cluster(2);
+  SKIP_UNLESS_UP(cluster);
+  const auto t0 = std::chrono::steady_clock::now();
+  ShellResult r = run_shell(cluster.on(
+      1,
+      "GRADSYNC_TOKEN=x GRADSYNC_TIMEOUT=2000 RANK=1 WORLD_SIZE=2 MASTER_ADDR=" + cluster.addr(0) +
+          " MASTER_PORT=29503 " + testing::build_dir() + "/tests/collective_worker check"));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, cluster.addr(0) + ":29503")) << r.output;
+  EXPECT_LT(s, 10.0) << r.output;
+}
+
+// GRADSYNC_SOCKET_IFNAME pins the sockets to one interface; a wrong name is a clear error
+// listing the interfaces there are.
+TEST(AcrossHostsFailures, SocketInterfaceIsChosenByName) {
+  Cluster cluster(2);
+  SKIP_UNLESS_UP(cluster);
+  const std::string dir = testing::build_dir();
+  auto job = [&](const std::string& ifname) {
+    std::vector<std::string> cmds;
+    for (int h = 0; h < 2; ++h) {
+      cmds.push_back(cluster.on(
+          h, kEnv + "GRADSYNC_SOCKET_IFNAME=" + ifname + " " + dir +
+                 "/tools/gradsync-run --nnodes 2 --node-rank " + std::to_string(h) +
+                 " -n 1 --master-addr " + cluster.addr(0) +
+                 " --master-port 29504 --timeout-s 60 -- " + dir +
+                 "/tools/gradsync-bench allreduce --min-bytes 4K --max-bytes 1M --factor 16 "
+                 "--iters 3 --check"));
+    }
+    return run_all(cmds);
+  };
+  auto good = job("eth0");
+  EXPECT_EQ(good[0].status, 0) << all_output(good);
+  EXPECT_EQ(good[1].status, 0) << all_output(good);
+  EXPECT_TRUE(contains(good[0].output, "out of bounds values: 0 OK")) << all_output(good);
+
+  auto bad = job("nosuch0");
+  for (const auto& r : bad) {
+    EXPECT_NE(r.status, 0) << r.output;
+    EXPECT_TRUE(contains(r.output, "GRADSYNC_SOCKET_IFNAME='nosuch0'") &&
+                contains(r.output, "eth0="))
+        << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace gradsync
