@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "harness.h"
@@ -173,6 +175,71 @@ TEST(AcrossHostsFailures, RankOfAnotherJobIsRefused) {
   EXPECT_NE(results[2].status, 0) << out;
   EXPECT_TRUE(contains(results[2].output, "token")) << results[2].output;
 }
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// Cutting a host off mid-collective, by taking its link down (no FIN or RST ever arrives:
+// the kernel's liveness checks must notice) or by killing its launcher with SIGKILL (its
+// ranks die with it): every other rank fails naming the lost peer and its host, and the
+// launchers on the surviving hosts exit non-zero. No hang.
+class CutOff : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CutOff, EveryOtherRankNamesTheLostHost) {
+  const std::string how = GetParam();
+  Cluster cluster(3);
+  SKIP_UNLESS_UP(cluster);
+  testing::TempDir tmp;
+  const std::string dir = testing::build_dir();
+  std::vector<ShellResult> results(3);
+  std::vector<std::thread> hosts;
+  for (int h = 0; h < 3; ++h) {
+    const std::string log = tmp.path() + "/host" + std::to_string(h) + ".log";
+    const std::string cmd = cluster.on(
+        h, "echo $$ > " + tmp.path() + "/pid" + std::to_string(h) + "; exec env " + kEnv +
+               "GRADSYNC_TCP_LIVENESS_S=3 " + dir + "/tools/gradsync-run --nnodes 3 --node-rank " +
+               std::to_string(h) + " -n 1 --master-addr " + cluster.addr(0) +
+               " --master-port 29505 --timeout-s 90 -- " + dir +
+               "/tests/collective_worker loop > " + log + " 2>&1");
+    hosts.emplace_back(
+        [&results, cmd, h] { results[static_cast<std::size_t>(h)] = run_shell(cmd); });
+  }
+  auto log_of = [&](int h) { return read_file(tmp.path() + "/host" + std::to_string(h) + ".log"); };
+  const auto setup_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  for (int h = 0; h < 3; ++h) {
+    while (!contains(log_of(h), "looping") && std::chrono::steady_clock::now() < setup_deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // a few all-reduces
+  const auto cut = std::chrono::steady_clock::now();
+  if (how == "link_down") {
+    ShellResult r = run_shell("ip -n " + cluster.ns(2) + " link set eth0 down");
+    EXPECT_EQ(r.status, 0) << r.output;
+  } else {
+    ShellResult r = run_shell("kill -9 $(cat " + tmp.path() + "/pid2)");
+    EXPECT_EQ(r.status, 0) << r.output;
+  }
+  for (auto& t : hosts) t.join();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - cut).count();
+  // Liveness 3 s; the launchers' own limit (90 s) would only end a hang.
+  EXPECT_LT(seconds, 30.0);
+  for (int h = 0; h < 2; ++h) {
+    const std::string log = log_of(h);
+    EXPECT_NE(results[static_cast<std::size_t>(h)].status, 0) << log;
+    EXPECT_TRUE(contains(log, "rank 2 at " + cluster.addr(2) + ":"))
+        << how << ", host " << h << ":\n"
+        << log;
+    EXPECT_TRUE(contains(log, "gradsync-run: ")) << log;  // the launcher names the failed rank
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ways, CutOff, ::testing::Values("link_down", "launcher_killed"));
 
 // A rendezvous host nobody listens on: a clear error naming host and port, within the timeout.
 TEST(AcrossHostsFailures, UnreachableRendezvousHostIsNamedWithinTheTimeout) {

@@ -28,6 +28,7 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/epoll.h>
@@ -121,8 +122,37 @@ long spin_us_setting() {
   return value;
 }
 
+// GRADSYNC_TCP_LIVENESS_S: a peer whose host stops answering (link down, host powered off:
+// no FIN or RST ever comes) is declared lost after about this many seconds, by the kernel:
+// keepalive probes on an idle connection, TCP_USER_TIMEOUT on one with unacknowledged data.
+// A peer that is only slow (computing, descheduled) still answers at the TCP level, so this
+// does not fire for it. 0 turns it off (then only GRADSYNC_TIMEOUT ends such a wait).
+int liveness_s() {
+  static const int value = [] {
+    const char* s = std::getenv("GRADSYNC_TCP_LIVENESS_S");
+    if (!s || !*s) return 15;
+    int v = std::max(std::atoi(s), 0);
+    std::fprintf(stderr, "gradsync: GRADSYNC_TCP_LIVENESS_S=%d (default 15)\n", v);
+    return v;
+  }();
+  return value;
+}
+
+void set_liveness(int fd) {
+  const int limit = liveness_s();
+  if (limit <= 0) return;
+  int on = 1, idle = std::max(1, limit / 3), interval = 1, probes = std::max(1, limit - idle);
+  unsigned user_timeout_ms = static_cast<unsigned>(limit) * 1000u;
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
+}
+
 void tune_socket(int fd) {
   net::set_nodelay(fd);
+  set_liveness(fd);
   if (int b = socket_buffer_bytes(); b > 0) {
     ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &b, sizeof b);
     ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &b, sizeof b);
