@@ -44,7 +44,8 @@ void run_checks(Context& ctx) {
                                 (std::size_t{1} << 20) + 3};
   for (Algorithm algo :
        {Algorithm::kAuto, Algorithm::kRing, Algorithm::kRecursiveDoubling,
-        Algorithm::kHalvingDoubling, Algorithm::kParameterServer, Algorithm::kSharedMemory}) {
+        Algorithm::kHalvingDoubling, Algorithm::kParameterServer, Algorithm::kSharedMemory,
+        Algorithm::kHierarchical}) {
     for (std::size_t count : counts) {
       for (DataType t : testing::kAllDtypes) {
         for (ReduceOp op : testing::kAllOps) {

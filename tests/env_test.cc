@@ -230,6 +230,30 @@ TEST(CostModel, SharedMemoryFixedCostDecidesSmallMessages) {
             std::string::npos);
 }
 
+// Across hosts the flat algorithms run at the speed of the links between hosts; the
+// hierarchical algorithm keeps most of its traffic inside hosts and wins large messages there,
+// while small ones stay latency-optimal. One host never gets it.
+TEST(CostModel, HierarchicalForLargeMessagesAcrossHosts) {
+  model::LinkParams p{0.6, 20.0, 40.0};
+  p.inter_alpha_us = 60;
+  p.inter_bandwidth_gbps = 0.12;  // 1 Gbit/s
+  model::CostModel m(p);
+  EXPECT_EQ(m.choose_allreduce(4, 16 << 20, false, 2), Algorithm::kHierarchical);
+  EXPECT_EQ(m.choose_allreduce(8, 64 << 20, false, 4), Algorithm::kHierarchical);
+  EXPECT_NE(m.choose_allreduce(4, 1024, false, 2), Algorithm::kHierarchical);
+  EXPECT_NE(m.choose_allreduce(4, 64 << 20, true, 1), Algorithm::kHierarchical);
+  // One rank per host or uneven hosts: not a candidate.
+  EXPECT_NE(m.choose_allreduce(4, 64 << 20, false, 4), Algorithm::kHierarchical);
+  EXPECT_NE(m.choose_allreduce(5, 64 << 20, false, 2), Algorithm::kHierarchical);
+  // 2 hosts x 2 ranks, 16 MiB: the link carries S instead of 1.5 S.
+  const double flat = m.allreduce_us(Algorithm::kRing, 4, 16 << 20, 2);
+  const double hier = m.allreduce_us(Algorithm::kHierarchical, 4, 16 << 20, 2);
+  EXPECT_GT(flat / hier, 1.3);
+  auto parsed = model::CostModel::parse(m.to_string());
+  ASSERT_TRUE(parsed.has_value());
+  EXPECT_DOUBLE_EQ(parsed->inter_bandwidth_gbps, 0.12);
+}
+
 // Main-memory traffic counts only for what the cache cannot hold, so small messages cost what
 // they always did, and the slower memory is, the more the bytes an algorithm moves matter.
 TEST(CostModel, MemoryTrafficChargesOnlyMessagesBeyondTheCache) {

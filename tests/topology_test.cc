@@ -165,6 +165,126 @@ TEST_P(PermutedRing, RingCollectivesMatchReferenceAndSendOnlyToTheSuccessor) {
 INSTANTIATE_TEST_SUITE_P(Worlds, PermutedRing, ::testing::Values(2, 3, 4, 5, 8),
                          [](const auto& p) { return "n" + std::to_string(p.param); });
 
+// Hosts emulated by topology groups over the inproc transport: the hierarchical all-reduce,
+// reduce-scatter and all-gather(v) equal the reference (and every rank's all-reduce output is
+// the same bits), whatever the placement; uneven hosts fall back to the ring.
+class Hierarchical : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
+
+TEST_P(Hierarchical, MatchesReferenceForEveryDtypeAndOp) {
+  const auto [n, spec] = GetParam();
+  Options options;
+  options.topology = spec;
+  std::vector<Buffer> outputs(static_cast<std::size_t>(n));
+  testing::run_inproc_contexts(
+      n,
+      [&](Context& ctx) {
+        const int r = ctx.rank();
+        for (DataType t : testing::kAllDtypes) {
+          for (ReduceOp op : testing::kAllOps) {
+            for (std::size_t count : {std::size_t{0}, std::size_t{1},
+                                      static_cast<std::size_t>(n + 1), std::size_t{1031}}) {
+              for (bool in_place : {false, true}) {
+                Buffer in = testing::make_input(t, op, r, count), out(in.size(), 0xAB);
+                void* dst = in_place ? in.data() : out.data();
+                ctx.allreduce(in.data(), dst, count, t, op, Algorithm::kHierarchical);
+                const Buffer& got = in_place ? in : out;
+                EXPECT_TRUE(got == testing::reference_reduce(t, op, n, count))
+                    << spec << " " << to_string(t) << " " << to_string(op) << " count=" << count
+                    << (in_place ? " in place" : "");
+              }
+            }
+          }
+        }
+        // Rounded floats: identical bits on every rank.
+        Buffer big = testing::make_input(DataType::kFloat32, ReduceOp::kSum, r, 99991);
+        ctx.allreduce(big.data(), big.data(), 99991, DataType::kFloat32, ReduceOp::kAvg,
+                      Algorithm::kHierarchical);
+        outputs[static_cast<std::size_t>(r)] = big;
+
+        for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+          for (std::size_t block : {std::size_t{0}, std::size_t{1}, std::size_t{1031}}) {
+            const std::size_t total = block * static_cast<std::size_t>(n);
+            Buffer in = testing::make_input(DataType::kFloat64, op, r, total), out(block * 8, 0xCD);
+            ctx.reduce_scatter(in.data(), out.data(), block, DataType::kFloat64, op);
+            EXPECT_TRUE(out == testing::reference_reduce(DataType::kFloat64, op, n, block,
+                                                         block * static_cast<std::size_t>(r)))
+                << spec << " reduce_scatter " << to_string(op) << " block=" << block;
+          }
+        }
+        std::vector<std::size_t> counts(static_cast<std::size_t>(n));
+        for (int i = 0; i < n; ++i)
+          counts[static_cast<std::size_t>(i)] = i % 3 == 2 ? 0 : 500 + 7 * i;
+        const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+        Buffer mine = testing::make_input(DataType::kUInt8, ReduceOp::kSum, r,
+                                          counts[static_cast<std::size_t>(r)]);
+        Buffer all(total, 0x77);
+        ctx.allgatherv(mine.data(), all.data(), counts, DataType::kUInt8);
+        std::size_t off = 0;
+        for (int src = 0; src < n; ++src) {
+          Buffer want = testing::make_input(DataType::kUInt8, ReduceOp::kSum, src,
+                                            counts[static_cast<std::size_t>(src)]);
+          EXPECT_TRUE(std::equal(want.begin(), want.end(), all.begin() + static_cast<long>(off)))
+              << spec << " allgatherv block " << src;
+          off += counts[static_cast<std::size_t>(src)];
+        }
+      },
+      options);
+  for (int r = 1; r < n; ++r) EXPECT_TRUE(outputs[static_cast<std::size_t>(r)] == outputs[0]) << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Placements, Hierarchical,
+    ::testing::Values(std::make_tuple(4, std::string("0,1;2,3")),
+                      std::make_tuple(6, std::string("0,2,4;1,3,5")),
+                      std::make_tuple(8, std::string("0,1;2,3;4,5;6,7")),
+                      std::make_tuple(8, std::string("0,4;1,5;2,6;3,7")),
+                      std::make_tuple(4, std::string("0,1,2;3")),  // uneven: the ring
+                      std::make_tuple(3, std::string("0;1;2"))),   // one rank per host
+    [](const auto& p) {
+      return "n" + std::to_string(std::get<0>(p.param)) + "_" + std::to_string(p.index);
+    });
+
+// The bytes that cross between hosts, from the transport counters: a host sends 2(H-1)/H of
+// the message per hierarchical all-reduce (one slice per local rank), while the flat ring's
+// boundary edge carries 2(N-1)/N of it.
+TEST(Hierarchical, CrossesHostBoundariesWithTheFewestBytes) {
+  const int n = 4, hosts = 2;
+  Options options;
+  options.topology = "0,1;2,3";
+  const std::size_t count = 1 << 18, bytes = count * 4;
+  std::vector<std::uint64_t> crossing_hier(n), crossing_ring(n);
+  testing::run_inproc_contexts(
+      n,
+      [&](Context& ctx) {
+        const int r = ctx.rank();
+        auto across = [&] {
+          std::uint64_t sent = 0;
+          for (int p = 0; p < n; ++p) {
+            if (p != r && (p < 2) != (r < 2)) sent += ctx.traffic(p).bytes_sent;
+          }
+          return sent;
+        };
+        std::vector<float> buf(count, 1.0f);
+        ctx.barrier();
+        std::uint64_t before = across();
+        ctx.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum,
+                      Algorithm::kHierarchical);
+        crossing_hier[static_cast<std::size_t>(r)] = across() - before;
+        ctx.barrier();
+        before = across();
+        ctx.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum,
+                      Algorithm::kRing);
+        crossing_ring[static_cast<std::size_t>(r)] = across() - before;
+      },
+      options);
+  for (int h = 0; h < hosts; ++h) {
+    const auto hier = crossing_hier[2 * h] + crossing_hier[2 * h + 1];
+    const auto ring = crossing_ring[2 * h] + crossing_ring[2 * h + 1];
+    EXPECT_EQ(hier, 2 * (hosts - 1) * bytes / hosts) << "host " << h;
+    EXPECT_EQ(ring, 2 * (n - 1) * bytes / n) << "host " << h;
+  }
+}
+
 // Builds n inproc contexts, rank r with topology specs[r]; returns each rank's error message
 // ("" if its context came up and a barrier passed).
 std::vector<std::string> start_with(const std::vector<std::string>& specs) {

@@ -8,7 +8,15 @@
 
 namespace gradsync {
 
-enum class DataType : std::uint8_t { kFloat32, kFloat64, kFloat16, kBFloat16, kInt32, kInt64, kUInt8 };
+enum class DataType : std::uint8_t {
+  kFloat32,
+  kFloat64,
+  kFloat16,
+  kBFloat16,
+  kInt32,
+  kInt64,
+  kUInt8
+};
 enum class ReduceOp : std::uint8_t { kSum, kAvg, kMin, kMax, kProd };
 
 // All-reduce algorithms. kAuto lets the cost model choose per call.
@@ -20,6 +28,9 @@ enum class Algorithm : std::uint8_t {
   kParameterServer,    // reduce to rank 0 then broadcast: a baseline, never chosen by kAuto
   kSharedMemory,       // ranks on one host reduce straight out of each other's shared staging
                        // buffers; where the ranks share no memory it runs the ring instead
+  kHierarchical,       // reduce-scatter inside each host, all-reduce of one slice per rank
+                       // across hosts, all-gather inside each host; the ring where ranks are
+                       // not spread evenly over several hosts
 };
 
 std::size_t dtype_size(DataType t);

@@ -59,6 +59,20 @@ void ring_allgatherv(Comm& c, const void* send, void* recv,
                      std::span<const std::size_t> block_counts, DataType dtype,
                      const AlgorithmConfig& cfg);
 
+// Two-level versions for ranks spread over several hosts with the same number of ranks each
+// (the Comm's topology says which; see hierarchical.cc): the host-local steps run among each
+// host's ranks, only one slice per rank crosses between hosts. Where that does not apply
+// (one host, one rank per host, uneven hosts) they run the ring versions.
+bool hierarchical_applicable(const Comm& c);
+void hierarchical_allreduce(Comm& c, const void* send, void* recv, std::size_t count,
+                            DataType dtype, ReduceOp op, const AlgorithmConfig& cfg);
+void hierarchical_reduce_scatter(Comm& c, const void* send, void* recv,
+                                 std::span<const std::size_t> block_counts, DataType dtype,
+                                 ReduceOp op, const AlgorithmConfig& cfg);
+void hierarchical_allgatherv(Comm& c, const void* send, void* recv,
+                             std::span<const std::size_t> block_counts, DataType dtype,
+                             const AlgorithmConfig& cfg);
+
 // Broadcast from `root`: binomial tree for small messages, pipelined chain for large ones.
 void broadcast(Comm& c, void* data, std::size_t count, DataType dtype, int root,
                const AlgorithmConfig& cfg);

@@ -23,8 +23,30 @@ class Comm {
         deadline_(deadline),
         topology_(topology) {}
 
-  int rank() const { return transport_.rank(); }
-  int size() const { return transport_.size(); }
+  // The same call restricted to `members` (global ranks, this rank among them): ranks and
+  // peers of the result are indices into `members`, so any algorithm runs on a subgroup, in
+  // the order given (ring algorithms follow it). Messages keep the call's tag: a subgroup's
+  // pairs of ranks are disjoint from those of any other subgroup the call uses at the same
+  // time, and per pair messages stay in order, so the phases of a hierarchical algorithm
+  // cannot take each other's messages.
+  Comm subgroup(std::vector<int> members) const {
+    Comm sub(transport_, sig_, deadline_, nullptr);
+    sub.tag_ = tag_;
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      if (members[i] == transport_.rank()) sub.my_index_ = static_cast<int>(i);
+    }
+    sub.members_ = std::move(members);
+    return sub;
+  }
+
+  int rank() const { return members_.empty() ? transport_.rank() : my_index_; }
+  int size() const {
+    return members_.empty() ? transport_.size() : static_cast<int>(members_.size());
+  }
+  // The global rank of peer index `peer` (itself outside a subgroup).
+  int global_rank(int peer) const {
+    return members_.empty() ? peer : members_[static_cast<std::size_t>(peer)];
+  }
   // Ring algorithms run over positions, not ranks: the ring visits each host's ranks in a row.
   int ring_position() const { return topology_ ? topology_->ring_position(rank()) : rank(); }
   int ring_rank(long long position) const {
@@ -40,13 +62,13 @@ class Comm {
   transport::Clock::time_point deadline() const { return deadline_; }
 
   transport::RequestPtr isend(int peer, const void* data, std::size_t bytes) {
-    return transport_.isend(peer, tag_, data, bytes);
+    return transport_.isend(global_rank(peer), tag_, data, bytes);
   }
   transport::RequestPtr irecv(int peer, void* data, std::size_t bytes) {
-    return transport_.irecv(peer, tag_, data, bytes);
+    return transport_.irecv(global_rank(peer), tag_, data, bytes);
   }
   transport::RequestPtr irecv_consume(int peer, std::size_t bytes, transport::Consumer consume) {
-    return transport_.irecv_consume(peer, tag_, bytes, std::move(consume));
+    return transport_.irecv_consume(global_rank(peer), tag_, bytes, std::move(consume));
   }
   void wait(const transport::RequestPtr& request) {
     if (request) request->wait(deadline_);
@@ -72,6 +94,8 @@ class Comm {
   transport::Tag tag_;
   transport::Clock::time_point deadline_;
   const Topology* topology_;
+  std::vector<int> members_;  // empty: the whole world
+  int my_index_ = -1;
 };
 
 // Splits `count` elements into `parts` contiguous blocks whose sizes differ by at most one

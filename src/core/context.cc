@@ -44,7 +44,7 @@ Context::Impl::~Impl() {
 Algorithm Context::Impl::pick_allreduce(std::size_t bytes, Algorithm requested) const {
   if (requested != Algorithm::kAuto) return requested;
   if (forced_algorithm != Algorithm::kAuto) return forced_algorithm;
-  return cost.choose_allreduce(size, bytes, transport->shared_arena() != nullptr);
+  return cost.choose_allreduce(size, bytes, transport->shared_arena() != nullptr, topology.hosts());
 }
 
 void Context::Impl::execute(Task& task) {
@@ -174,6 +174,9 @@ Work allreduce_impl(Context::Impl& impl, const void* send, void* recv, std::size
           case Algorithm::kParameterServer:
             collectives::parameter_server_allreduce(c, send, recv, count, dtype, op);
             break;
+          case Algorithm::kHierarchical:
+            collectives::hierarchical_allreduce(c, send, recv, count, dtype, op, cfg);
+            break;
           default:
             collectives::ring_allreduce(c, send, recv, count, dtype, op, cfg);
         }
@@ -195,7 +198,7 @@ Work reduce_scatter_impl(Context::Impl& impl, const void* send, void* recv, std:
       sig,
       [=](Comm& c) {
         std::vector<std::size_t> counts(n, recv_count);
-        collectives::ring_reduce_scatter(c, send, recv, counts, dtype, op, cfg);
+        collectives::hierarchical_reduce_scatter(c, send, recv, counts, dtype, op, cfg);
       },
       blocking);
 }
@@ -215,7 +218,8 @@ Work allgatherv_impl(Context::Impl& impl, const void* send, void* recv,
   CallSignature sig{0, kind, dtype, ReduceOp::kSum, Algorithm::kRing, -1, total};
   const auto cfg = impl.config;
   return impl.submit(
-      sig, [=](Comm& c) { collectives::ring_allgatherv(c, send, recv, counts, dtype, cfg); },
+      sig,
+      [=](Comm& c) { collectives::hierarchical_allgatherv(c, send, recv, counts, dtype, cfg); },
       blocking);
 }
 

@@ -40,51 +40,80 @@ double median_batch_us(int calls, Body body) {
   return batches[3];
 }
 
+// One-way microseconds of a `bytes` message between ranks a and b (a ping-pong, halved), as
+// measured on both; other ranks return 0 at once.
+double pingpong_us(Comm& c, int a, int b, std::vector<unsigned char>& buf, std::size_t bytes,
+                   int calls) {
+  const int r = c.rank();
+  if (r != a && r != b) return 0;
+  const int peer = r == a ? b : a;
+  return median_batch_us(calls,
+                         [&] {
+                           if (r == a) {
+                             c.send(peer, buf.data(), bytes);
+                             c.recv(peer, buf.data(), bytes);
+                           } else {
+                             c.recv(peer, buf.data(), bytes);
+                             c.send(peer, buf.data(), bytes);
+                           }
+                         }) /
+         2;
+}
+
 // Every rank measures with rank 0, and rank 0 broadcasts the constants: every rank must choose
 // the same algorithm for the same call, so they must share one set.
-//  - beta: rank 0 and rank 1 ping-pong 1 MiB (one message's latency is under 1% of it).
-//  - alpha: a round of a dissemination exchange over all ranks with a small (kProbeBytes)
-//    message, less its bytes at beta. All ranks at once, so it includes what a two-rank
-//    ping-pong cannot see: ranks that share a core wait for each other to be scheduled. A
-//    small payload rather than none, because what latency-bound calls pay per message is
-//    the cache misses of moving a few KiB between cores as much as the signalling.
+//  - beta: rank 0 and a peer ping-pong 1 MiB (one message's latency is under 1% of it).
+//  - alpha, on one host: a round of a dissemination exchange over all ranks with a small
+//    (kProbeBytes) message, less its bytes at beta. All ranks at once, so it includes what a
+//    two-rank ping-pong cannot see: ranks that share a core wait for each other to be
+//    scheduled. A small payload rather than none, because what latency-bound calls pay per
+//    message is the cache misses of moving a few KiB between cores as much as the signalling.
+//  - across hosts, alpha and beta twice, by ping-pongs: with a rank of rank 0's host (if it
+//    has another) for the link inside a host, with the first rank of the next host for the
+//    link between hosts (inter_alpha_us, inter_bandwidth_gbps).
 //  - gamma: rank 0 times the float32 sum kernel in cache.
 //  - shm_call_us: where the ranks share an arena, the shared-memory all-reduce of one element
 //    per rank, i.e. its three waits on every rank.
-model::LinkParams measure_link(Comm& c, transport::SharedArena* arena) {
+model::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
+                               const collectives::Topology& topology) {
   constexpr std::size_t kProbeBytes = 4096;
   const int n = c.size(), r = c.rank();
-  double values[4] = {0, 0, 0, 0};
-
-  double big_us = 0;
+  double values[6] = {0, 0, 0, 0, 0, 0};
   std::vector<unsigned char> buf(1 << 20);
-  if (r <= 1) {
-    const int peer = 1 - r;
-    big_us = median_batch_us(1,
-                             [&] {
-                               if (r == 0) {
-                                 c.send(peer, buf.data(), buf.size());
-                                 c.recv(peer, buf.data(), buf.size());
-                               } else {
-                                 c.recv(peer, buf.data(), buf.size());
-                                 c.send(peer, buf.data(), buf.size());
-                               }
-                             }) /
-             2;  // one way
-  }
+  auto alpha_beta = [&](int peer, double* alpha, double* gbps) {
+    const double big = pingpong_us(c, 0, peer, buf, buf.size(), 1);
+    const double small = pingpong_us(c, 0, peer, buf, kProbeBytes, 5);
+    *gbps = static_cast<double>(buf.size()) / std::max(big, 1e-3) / 1e3;
+    *alpha = std::max(small - kProbeBytes / *gbps / 1e3, 0.1);
+  };
 
-  int rounds = 0;
-  for (int k = 1; k < n; k <<= 1) ++rounds;
-  std::vector<unsigned char> probe_in(kProbeBytes);
-  const double round_us =
-      median_batch_us(5,
-                      [&] {
-                        for (int k = 1; k < n; k <<= 1) {
-                          c.sendrecv((r + k) % n, buf.data(), kProbeBytes, (r - k + n) % n,
-                                     probe_in.data(), kProbeBytes);
-                        }
-                      }) /
-      rounds;
+  if (topology.hosts() > 1) {
+    const auto& home = topology.host_members(0);  // rank 0's host: hosts go by lowest rank
+    const int across = topology.host_members(1)[0];
+    alpha_beta(across, &values[4], &values[5]);
+    if (home.size() > 1) {
+      alpha_beta(home[1], &values[0], &values[1]);
+    } else {
+      values[0] = values[4];
+      values[1] = values[5];
+    }
+  } else {
+    double big_us = pingpong_us(c, 0, 1, buf, buf.size(), 1);
+    int rounds = 0;
+    for (int k = 1; k < n; k <<= 1) ++rounds;
+    std::vector<unsigned char> probe_in(kProbeBytes);
+    const double round_us =
+        median_batch_us(5,
+                        [&] {
+                          for (int k = 1; k < n; k <<= 1) {
+                            c.sendrecv((r + k) % n, buf.data(), kProbeBytes, (r - k + n) % n,
+                                       probe_in.data(), kProbeBytes);
+                          }
+                        }) /
+        rounds;
+    values[1] = static_cast<double>(buf.size()) / std::max(big_us, 1e-3) / 1e3;
+    values[0] = std::max(round_us - kProbeBytes / values[1] / 1e3, 0.1);
+  }
 
   if (arena && arena->members() == n) {
     collectives::AlgorithmConfig cfg;
@@ -100,15 +129,14 @@ model::LinkParams measure_link(Comm& c, transport::SharedArena* arena) {
     const double reduce_us = median_batch_us(2, [&] {
       kernels::reduce_into(a.data(), b.data(), a.size(), DataType::kFloat32, ReduceOp::kSum);
     });
-    const double bandwidth_gbps = static_cast<double>(buf.size()) / std::max(big_us, 1e-3) / 1e3;
-    values[0] = std::max(round_us - kProbeBytes / bandwidth_gbps / 1e3, 0.1);
-    values[1] = bandwidth_gbps;
     values[2] = static_cast<double>(a.size() * sizeof(float)) / std::max(reduce_us, 1e-3) / 1e3;
   }
   collectives::AlgorithmConfig cfg;
-  collectives::broadcast(c, values, 4, DataType::kFloat64, 0, cfg);
+  collectives::broadcast(c, values, 6, DataType::kFloat64, 0, cfg);
   model::LinkParams p{values[0], values[1], values[2]};
   p.shm_call_us = values[3];
+  p.inter_alpha_us = values[4];
+  p.inter_bandwidth_gbps = values[5];
   return p;
 }
 
@@ -201,10 +229,10 @@ std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> tran
   if (!cost && impl->size > 1) {
     model::LinkParams measured;
     CallSignature sig{
-        0, CollectiveKind::kInternal, DataType::kFloat64, ReduceOp::kSum, Algorithm::kAuto, 0, 4};
+        0, CollectiveKind::kInternal, DataType::kFloat64, ReduceOp::kSum, Algorithm::kAuto, 0, 6};
     transport::SharedArena* arena = impl->transport->shared_arena();
     impl->submit(
-            sig, [&](Comm& c) { measured = measure_link(c, arena); }, true)
+            sig, [&](Comm& c) { measured = measure_link(c, arena, impl->topology); }, true)
         .wait();
     cost = measured;
   }

@@ -75,6 +75,8 @@ const char* to_string(Algorithm a) {
       return "ps";
     case Algorithm::kSharedMemory:
       return "shm";
+    case Algorithm::kHierarchical:
+      return "hier";
   }
   return "?";
 }
@@ -107,6 +109,7 @@ std::optional<Algorithm> parse_algorithm(std::string_view s) {
   }
   if (s == "ps" || s == "parameter_server") return Algorithm::kParameterServer;
   if (s == "shm" || s == "shared_memory") return Algorithm::kSharedMemory;
+  if (s == "hier" || s == "hierarchical") return Algorithm::kHierarchical;
   return std::nullopt;
 }
 

@@ -51,6 +51,8 @@ double memory_traffic_bytes(Algorithm a, int n, double S) {
     case Algorithm::kParameterServer:
       // The root receives N-1 full buffers (x2), reduces each (3x) and sends N-1 copies.
       return 6 * (n - 1) * S;
+    case Algorithm::kHierarchical:  // priced without memory traffic (see allreduce_us)
+      return 0.0;
     case Algorithm::kSharedMemory:
       // Reads its input once; writes the result once with non-temporal stores (no
       // read-for-ownership) when the messages are large enough for this term to matter.
@@ -62,8 +64,42 @@ double memory_traffic_bytes(Algorithm a, int n, double S) {
 }
 }  // namespace
 
-double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes) const {
+double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes, int hosts) const {
   if (n <= 1) return 0.0;
+  const bool spread = hosts > 1 && n % hosts == 0 && n > hosts;  // hierarchical applies
+  if (hosts > 1) {
+    // Every flat algorithm sends across hosts at most steps, and a step lasts as long as its
+    // slowest hop: charge them the links between hosts.
+    LinkParams across = p_;
+    if (p_.inter_alpha_us > 0) across.alpha_us = p_.inter_alpha_us;
+    if (p_.inter_bandwidth_gbps > 0) across.bandwidth_gbps = p_.inter_bandwidth_gbps;
+    const CostModel flat(across);
+    if (a == Algorithm::kHierarchical && spread) {
+      // Reduce-scatter and all-gather among a host's L ranks over the fast link; across hosts
+      // a ring of H ranks per local index, all L of them at once over the host's one link,
+      // each with 1/L of the message: the link carries 2(H-1)/H of it.
+      const int L = n / hosts;
+      const double S = static_cast<double>(bytes);
+      const double lfrac = (L - 1.0) / L, hfrac = (hosts - 1.0) / hosts;
+      const double inside = 2 * (L - 1) * p_.alpha_us + 2 * lfrac * S * p_.beta_us_per_byte() +
+                            lfrac * S * p_.gamma_us_per_byte();
+      const double between = 2 * (hosts - 1) * across.alpha_us +
+                             2 * hfrac * S * across.beta_us_per_byte() +
+                             hfrac * (S / L) * p_.gamma_us_per_byte();
+      return inside + between;
+    }
+    if (a == Algorithm::kHierarchical || a == Algorithm::kSharedMemory) a = Algorithm::kRing;
+    if ((a == Algorithm::kRecursiveDoubling || a == Algorithm::kHalvingDoubling) && spread) {
+      // Their partners differ in one bit of the rank per step: where launchers number each
+      // host's ranks in a row (L a power of two), log2(L) of the log2(N) steps stay inside a
+      // host. Priced as that mix of the two links.
+      const double inside_share = std::log2(static_cast<double>(n / hosts)) / std::log2(n);
+      return inside_share * allreduce_us(a, n, bytes, 1) +
+             (1 - inside_share) * flat.allreduce_us(a, n, bytes, 1);
+    }
+    return flat.allreduce_us(a, n, bytes, 1);
+  }
+  if (a == Algorithm::kHierarchical) a = Algorithm::kRing;  // what it runs on one host
   const double S = static_cast<double>(bytes);
   const double alpha = p_.alpha_us, beta = p_.beta_us_per_byte(), gamma = p_.gamma_us_per_byte();
   const int p = floor_pow2(n);
@@ -119,19 +155,22 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes) const {
       const double fill = std::min(S, kSharedMemoryChunkBytes) * beta;
       return sync + fill + S * beta + frac * S * gamma + memory;
     }
+    case Algorithm::kHierarchical:  // mapped to the ring above
     case Algorithm::kAuto:
       return allreduce_us(choose_allreduce(n, bytes), n, bytes);
   }
   return 0.0;
 }
 
-Algorithm CostModel::choose_allreduce(int n, std::size_t bytes, bool shared_memory) const {
+Algorithm CostModel::choose_allreduce(int n, std::size_t bytes, bool shared_memory,
+                                      int hosts) const {
   Algorithm best = Algorithm::kRing;
-  double best_us = allreduce_us(best, n, bytes);
-  for (Algorithm a :
-       {Algorithm::kRecursiveDoubling, Algorithm::kHalvingDoubling, Algorithm::kSharedMemory}) {
+  double best_us = allreduce_us(best, n, bytes, hosts);
+  for (Algorithm a : {Algorithm::kRecursiveDoubling, Algorithm::kHalvingDoubling,
+                      Algorithm::kSharedMemory, Algorithm::kHierarchical}) {
     if (a == Algorithm::kSharedMemory && !shared_memory) continue;
-    double t = allreduce_us(a, n, bytes);
+    if (a == Algorithm::kHierarchical && !(hosts > 1 && n % hosts == 0 && n > hosts)) continue;
+    double t = allreduce_us(a, n, bytes, hosts);
     if (t < best_us) {
       best = a;
       best_us = t;
@@ -166,6 +205,10 @@ std::optional<LinkParams> CostModel::parse(std::string_view spec, LinkParams bas
       p.cache_mib = v;
     } else if (key == "shm_call_us") {
       p.shm_call_us = v;
+    } else if (key == "inter_alpha_us") {
+      p.inter_alpha_us = v;
+    } else if (key == "inter_bandwidth_gbps") {
+      p.inter_bandwidth_gbps = v;
     } else {
       return std::nullopt;
     }
@@ -179,6 +222,8 @@ std::string CostModel::to_string() const {
     << ",reduce_gbps=" << p_.reduce_gbps << ",copy_gbps=" << p_.copy_gbps
     << ",cache_mib=" << p_.cache_mib;
   if (p_.shm_call_us > 0) o << ",shm_call_us=" << p_.shm_call_us;
+  if (p_.inter_alpha_us > 0) o << ",inter_alpha_us=" << p_.inter_alpha_us;
+  if (p_.inter_bandwidth_gbps > 0) o << ",inter_bandwidth_gbps=" << p_.inter_bandwidth_gbps;
   return o.str();
 }
 

@@ -28,6 +28,10 @@ struct LinkParams {
   // waits for every rank (where ranks share cores, for each of them to be scheduled). Measured
   // at start-up where the ranks share an arena; 0 = unknown, then 3 log2(N) alpha.
   double shm_call_us = 0.0;
+  // Between hosts (ranks on different hosts), where the world spans several: latency and
+  // point-to-point bandwidth of that link. 0 = the same as inside a host.
+  double inter_alpha_us = 0.0;
+  double inter_bandwidth_gbps = 0.0;
 
   double beta_us_per_byte() const { return 1e-3 / bandwidth_gbps; }
   double gamma_us_per_byte() const { return 1e-3 / reduce_gbps; }
@@ -41,14 +45,17 @@ class CostModel {
 
   const LinkParams& params() const { return p_; }
 
-  // Predicted time of one all-reduce of `bytes` over `ranks` ranks.
-  double allreduce_us(Algorithm a, int ranks, std::size_t bytes) const;
-  // The fastest of ring, recursive doubling and halving-doubling (never the baseline), and of
-  // the shared-memory algorithm when `shared_memory` says the ranks can use it.
-  Algorithm choose_allreduce(int ranks, std::size_t bytes, bool shared_memory = false) const;
+  // Predicted time of one all-reduce of `bytes` over `ranks` ranks spread evenly over `hosts`
+  // hosts (flat algorithms then run at the speed of the links between hosts).
+  double allreduce_us(Algorithm a, int ranks, std::size_t bytes, int hosts = 1) const;
+  // The fastest of ring, recursive doubling and halving-doubling (never the baseline), of the
+  // shared-memory algorithm when `shared_memory` says the ranks can use it, and of the
+  // hierarchical algorithm when the ranks are spread evenly over several hosts.
+  Algorithm choose_allreduce(int ranks, std::size_t bytes, bool shared_memory = false,
+                             int hosts = 1) const;
 
-  // "alpha_us=3,bandwidth_gbps=8,reduce_gbps=20,copy_gbps=10,cache_mib=32,shm_call_us=1"
-  // (any subset); nullopt if malformed.
+  // "alpha_us=3,bandwidth_gbps=8,reduce_gbps=20,copy_gbps=10,cache_mib=32,shm_call_us=1,
+  // inter_alpha_us=50,inter_bandwidth_gbps=0.12" (any subset); nullopt if malformed.
   static std::optional<LinkParams> parse(std::string_view spec, LinkParams base = {});
   std::string to_string() const;
 
