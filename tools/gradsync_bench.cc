@@ -322,6 +322,7 @@ struct Record {
   double busbw_gbps = 0;
   std::uint64_t wrong = 0;
   double bytes_sent_per_rank = 0;
+  double bytes_across_hosts = 0;  // per call, all ranks together: sent to ranks on other hosts
 };
 
 double bus_factor(Collective c, int n) {
@@ -381,10 +382,14 @@ class Bench {
     if (c_.check) poison(count, block);
     ctx_.barrier();  // outside the timed loop: ranks start it together
     const auto before = ctx_.total_traffic().bytes_sent;
+    const auto across_before = sent_across_hosts();
     const auto t0 = Clock::now();
     for (int k = 0; k < c_.iters; ++k) call(count, block);
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     const auto sent = ctx_.total_traffic().bytes_sent - before;
+    double across = static_cast<double>(sent_across_hosts() - across_before) / c_.iters;
+    ctx_.allreduce(&across, &across, 1, gradsync::DataType::kFloat64, gradsync::ReduceOp::kSum);
+    rec.bytes_across_hosts = across;
 
     std::uint64_t wrong = c_.check ? check(count, block) : 0;
     // The slowest rank defines the collective's time; per-rank traffic differs for rooted
@@ -401,6 +406,14 @@ class Bench {
     rec.algbw_gbps = stats[0] > 0 ? static_cast<double>(rec.bytes) / stats[0] / 1e9 : 0;
     rec.busbw_gbps = rec.algbw_gbps * bus_factor(c_.coll, n_);
     return rec;
+  }
+
+  std::uint64_t sent_across_hosts() const {
+    std::uint64_t sent = 0;
+    for (int p = 0; p < n_; ++p) {
+      if (ctx_.host_of(p) != ctx_.host_of(rank_)) sent += ctx_.traffic(p).bytes_sent;
+    }
+    return sent;
   }
 
   std::string algorithm_name(std::size_t bytes) const {
@@ -502,7 +515,7 @@ std::string json_escape(const std::string& s) {
 }
 
 void write_json(const Config& c, const std::vector<Record>& recs, const std::string& transport,
-                int n) {
+                int n, int hosts) {
   std::ofstream f(c.json);
   if (!f) {
     std::fprintf(stderr, "gradsync-bench: cannot write %s\n", c.json.c_str());
@@ -515,9 +528,10 @@ void write_json(const Config& c, const std::vector<Record>& recs, const std::str
     std::snprintf(num, sizeof num,
                   "\"ranks\": %d, \"bytes\": %zu, \"count\": %zu, \"dtype\": \"%s\", "
                   "\"time_us\": %.3f, \"algbw_gbps\": %.6f, \"busbw_gbps\": %.6f, \"wrong\": %llu, "
-                  "\"bytes_sent_per_rank\": %.1f",
+                  "\"bytes_sent_per_rank\": %.1f, \"hosts\": %d, \"bytes_across_hosts\": %.1f",
                   n, r.bytes, r.count, gradsync::to_string(c.dtype), r.time_us, r.algbw_gbps,
-                  r.busbw_gbps, static_cast<unsigned long long>(r.wrong), r.bytes_sent_per_rank);
+                  r.busbw_gbps, static_cast<unsigned long long>(r.wrong), r.bytes_sent_per_rank,
+                  hosts, r.bytes_across_hosts);
     f << "  {\"collective\": \"" << c.coll_name << "\", \"algo\": \"" << json_escape(r.algo)
       << "\", \"transport\": \"" << json_escape(transport) << "\", " << num << "}"
       << (k + 1 < recs.size() ? ",\n" : "\n");
@@ -586,7 +600,7 @@ int main(int argc, char** argv) {
                   c.check ? (wrong_total ? "FAILED" : "OK") : "(not checked)");
       std::printf("# avg bus bandwidth: %.3f GB/s\n",
                   recs.empty() ? 0.0 : busbw_sum / static_cast<double>(recs.size()));
-      if (!c.json.empty()) write_json(c, recs, transport, n);
+      if (!c.json.empty()) write_json(c, recs, transport, n, ctx->hosts());
     }
     return wrong_total ? 1 : 0;
   } catch (const std::exception& e) {  // gradsync::Error names rank, peer, op and bytes

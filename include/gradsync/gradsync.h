@@ -111,6 +111,8 @@ class Context {
   // Which ranks share a host, as init() found them (or GRADSYNC_TOPOLOGY set them):
   // "2 hosts: [0 2] [1 3]". Ring algorithms visit each host's ranks in a row.
   std::string topology() const;
+  int hosts() const;            // hosts (or GRADSYNC_TOPOLOGY groups) the ranks span
+  int host_of(int rank) const;  // 0..hosts()-1, hosts numbered by their lowest rank
 
   PeerTraffic traffic(int peer) const;
   PeerTraffic total_traffic() const;  // summed over peers

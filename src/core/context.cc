@@ -274,6 +274,17 @@ std::string Context::topology() const {
   return impl_->topology.describe();
 }
 
+int Context::hosts() const {
+  return impl_->topology.hosts();
+}
+
+int Context::host_of(int rank) const {
+  if (rank < 0 || rank >= impl_->size) {
+    throw Error(ErrorKind::kInvalidArgument, "no such rank", impl_->rank, rank, "host_of");
+  }
+  return impl_->topology.host_of(rank);
+}
+
 PeerTraffic Context::traffic(int peer) const {
   return impl_->transport->traffic(peer);
 }
