@@ -42,10 +42,9 @@ void run_checks(Context& ctx) {
   const int n = ctx.size(), r = ctx.rank();
   const std::size_t counts[] = {0, 1, static_cast<std::size_t>(n > 1 ? n - 1 : 1), 99991,
                                 (std::size_t{1} << 20) + 3};
-  for (Algorithm algo :
-       {Algorithm::kAuto, Algorithm::kRing, Algorithm::kRecursiveDoubling,
-        Algorithm::kHalvingDoubling, Algorithm::kParameterServer, Algorithm::kSharedMemory,
-        Algorithm::kHierarchical}) {
+  for (Algorithm algo : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kRecursiveDoubling,
+                         Algorithm::kHalvingDoubling, Algorithm::kParameterServer,
+                         Algorithm::kSharedMemory, Algorithm::kHierarchical}) {
     for (std::size_t count : counts) {
       for (DataType t : testing::kAllDtypes) {
         for (ReduceOp op : testing::kAllOps) {
@@ -62,6 +61,16 @@ void run_checks(Context& ctx) {
         }
       }
     }
+  }
+  // Large enough that the hierarchical all-reduce overlaps host-local and host-crossing
+  // segments (a thread per side, where the two sides use different transports), in place.
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+    const std::size_t count = (std::size_t{3} << 20) + 5;
+    testing::Buffer buf = testing::make_input(DataType::kFloat32, op, r, count);
+    ctx.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, op, Algorithm::kHierarchical);
+    check(buf == testing::reference_reduce(DataType::kFloat32, op, n, count),
+          std::string("segmented hierarchical allreduce ") + to_string(op), r);
+    expect_same_everywhere(ctx, buf, "segmented hierarchical allreduce");
   }
   for (std::size_t block :
        {std::size_t{0}, std::size_t{1}, std::size_t{4099}, std::size_t{262147}}) {

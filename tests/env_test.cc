@@ -4,7 +4,9 @@
 #include "core/env.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 
 #include "model/cost_model.h"
@@ -44,7 +46,8 @@ class EnvGuard {
                           "GRADSYNC_TRANSPORT",
                           "GRADSYNC_ALGO",
                           "GRADSYNC_TIMEOUT",
-                          "GRADSYNC_TOKEN"}) {
+                          "GRADSYNC_TOKEN",
+                          "GRADSYNC_TOPOLOGY"}) {
       ::unsetenv(k);
     }
   }
@@ -137,6 +140,31 @@ TEST(Env, GarbageIsNamed) {
                "'carrier-pigeon' is not one of shm, tcp");
   expect_error({{"GRADSYNC_ALGO", "fastest"}}, "GRADSYNC_ALGO='fastest'");
   expect_error({{"MASTER_PORT", "70000"}}, "MASTER_PORT 70000");
+  expect_error({{"GRADSYNC_TOPOLOGY", "@/nonexistent/topology"}},
+               "GRADSYNC_TOPOLOGY=@/nonexistent/topology: cannot read the file");
+}
+
+// GRADSYNC_TOPOLOGY gives the groups inline, or in a file after '@' (one line per group);
+// explicit Options win.
+TEST(Env, TopologyInlineOrFromAFile) {
+  {
+    EnvGuard g({{"GRADSYNC_TOPOLOGY", "0,2;1,3"}});
+    EXPECT_EQ(env::resolve({}).topology, "0,2;1,3");
+    Options explicit_options;
+    explicit_options.topology = "0,1;2,3";
+    EXPECT_EQ(env::resolve(explicit_options).topology, "0,1;2,3");
+  }
+  const std::string path =
+      ::testing::TempDir() + "/gradsync-topology-" + std::to_string(::getpid());
+  {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs("0 2\n1 3\n", f);
+    std::fclose(f);
+  }
+  EnvGuard g({{"GRADSYNC_TOPOLOGY", ("@" + path).c_str()}});
+  EXPECT_EQ(env::resolve({}).topology, "0 2\n1 3\n");
+  std::remove(path.c_str());
 }
 
 TEST(CostModel, LatencyOptimalForSmallRingForLarge) {

@@ -79,6 +79,31 @@ std::string all_output(const std::vector<ShellResult>& results) {
   return s;
 }
 
+// The cluster script itself: `up` makes the switch and the hosts with their shaped links and
+// addresses, `down` removes every namespace it made (and is safe to repeat).
+TEST(NetnsCluster, UpShapesEveryLinkAndDownLeavesNothing) {
+  std::string prefix;
+  {
+    Cluster cluster(2, "100mbit");
+    SKIP_UNLESS_UP(cluster);
+    prefix = cluster.ns(0).substr(0, cluster.ns(0).size() - 3);  // strip "-h0"
+    ShellResult list = run_shell(script() + " list --prefix " + prefix);
+    EXPECT_EQ(count_of(list.output, prefix + "-"), 3) << list.output;  // switch + 2 hosts
+    for (int h = 0; h < 2; ++h) {
+      ShellResult qdisc = run_shell("ip netns exec " + cluster.ns(h) + " tc qdisc show dev eth0");
+      EXPECT_TRUE(contains(qdisc.output, "tbf") && contains(qdisc.output, "rate 100Mbit"))
+          << qdisc.output;
+      ShellResult addr = run_shell("ip -n " + cluster.ns(h) + " -4 addr show dev eth0");
+      EXPECT_TRUE(contains(addr.output, cluster.addr(h) + "/24")) << addr.output;
+    }
+    ShellResult sw = run_shell("ip netns exec " + prefix + "-sw tc qdisc show");
+    EXPECT_EQ(count_of(sw.output, "tbf"), 2) << "the switch side of each link: " << sw.output;
+  }
+  ShellResult after = run_shell("ip netns list");
+  EXPECT_FALSE(contains(after.output, prefix + "-")) << after.output;
+  EXPECT_EQ(run_shell(script() + " down --prefix " + prefix).status, 0);
+}
+
 const std::string kEnv = "GRADSYNC_TOKEN=multihost GRADSYNC_TIMEOUT=60000 ";
 
 class AcrossHosts : public ::testing::TestWithParam<std::tuple<int, int>> {};

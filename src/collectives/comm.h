@@ -43,6 +43,13 @@ class Comm {
   int size() const {
     return members_.empty() ? transport_.size() : static_cast<int>(members_.size());
   }
+  // See Transport::channel: two threads may drive peers whose channels differ.
+  const transport::Transport* channel(int peer) const {
+    return transport_.channel(global_rank(peer));
+  }
+  // Fails every pending and later operation of the transport on every rank (sticky).
+  void abort(const std::string& reason) { transport_.abort(reason); }
+
   // The global rank of peer index `peer` (itself outside a subgroup).
   int global_rank(int peer) const {
     return members_.empty() ? peer : members_[static_cast<std::size_t>(peer)];

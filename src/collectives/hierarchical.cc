@@ -9,8 +9,13 @@
 //
 // Reduce-scatter and all-gather(v) nest the same way, with the blocks regrouped so that each
 // level moves contiguous ranges.
+#include <condition_variable>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <numeric>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "collectives/algorithms.h"
@@ -59,6 +64,52 @@ bool hierarchical_applicable(const Comm& c) {
   return true;
 }
 
+namespace {
+
+// Messages at least this large are cut into segments of about this size, so that the
+// host-local phases of one segment run while another segment crosses between hosts (2 hosts x
+// 2 ranks, 1 Gbit/s, 64 MiB: without the overlap the host-local phases add ~15% to the time on
+// the link).
+constexpr std::size_t kSegmentBytes = std::size_t{4} << 20;
+
+// True if the host's peers and the other hosts' peers are reached through different transports
+// (shm inside, tcp across): only then may two threads drive them at once.
+bool separate_channels(const Comm& c, const Levels& lv) {
+  for (int inside : lv.host_ranks) {
+    if (inside == c.rank()) continue;
+    for (int across : lv.peers) {
+      if (across != c.rank() && c.channel(inside) == c.channel(across)) return false;
+    }
+  }
+  return true;
+}
+
+std::string what_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+// One segment's share of this rank: the segment's offset and length, and this rank's slice of
+// it (local index i of L).
+struct Segment {
+  std::size_t offset, count;
+  std::vector<std::size_t> slices;
+  std::size_t slice_offset;  // within the segment
+
+  Segment(std::size_t off, std::size_t n, std::size_t L, std::size_t li)
+      : offset(off), count(n), slices(L) {
+    for (std::size_t i = 0; i < L; ++i) slices[i] = Partition{n, L}.size(i);
+    slice_offset = Partition{n, L}.offset(li);
+  }
+};
+
+}  // namespace
+
 void hierarchical_allreduce(Comm& c, const void* send_v, void* recv_v, std::size_t count,
                             DataType dtype, ReduceOp op, const AlgorithmConfig& cfg) {
   if (!hierarchical_applicable(c)) {
@@ -67,21 +118,108 @@ void hierarchical_allreduce(Comm& c, const void* send_v, void* recv_v, std::size
   }
   const Levels lv(c);
   const std::size_t es = dtype_size(dtype);
+  const auto* send = static_cast<const unsigned char*>(send_v);
   auto* recv = static_cast<unsigned char*>(recv_v);
   const auto L = static_cast<std::size_t>(lv.local_size);
-  std::vector<std::size_t> slices(L);
-  for (std::size_t i = 0; i < L; ++i) slices[i] = Partition{count, L}.size(i);
   const auto li = static_cast<std::size_t>(lv.local_index);
-  unsigned char* slice = recv + Partition{count, L}.offset(li) * es;
   // Averages are summed through both levels and divided once, by the whole world.
   const ReduceOp inner = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-
   Comm intra = c.subgroup(lv.host_ranks);
-  ring_reduce_scatter(intra, send_v, slice, slices, dtype, inner, cfg);
   Comm inter = c.subgroup(lv.peers);
-  ring_allreduce(inter, slice, slice, slices[li], dtype, inner, cfg);
-  if (op == ReduceOp::kAvg) kernels::scale_for_average(slice, slices[li], dtype, c.size());
-  ring_allgatherv(intra, slice, recv, slices, dtype, cfg);
+
+  // Every rank cuts the same segments (the decision depends only on the call and topology,
+  // which all ranks share, and on the channels, which are the same kind everywhere).
+  const std::size_t segments =
+      separate_channels(c, lv) ? std::max<std::size_t>(1, count * es / kSegmentBytes) : 1;
+  std::vector<Segment> seg;
+  for (std::size_t k = 0; k < segments; ++k) {
+    seg.emplace_back(Partition{count, segments}.offset(k), Partition{count, segments}.size(k), L,
+                     li);
+  }
+  auto scatter = [&](std::size_t k) {
+    const Segment& s = seg[k];
+    ring_reduce_scatter(intra, send + s.offset * es, recv + (s.offset + s.slice_offset) * es,
+                        s.slices, dtype, inner, cfg);
+  };
+  auto across = [&](std::size_t k) {
+    const Segment& s = seg[k];
+    unsigned char* slice = recv + (s.offset + s.slice_offset) * es;
+    ring_allreduce(inter, slice, slice, s.slices[li], dtype, inner, cfg);
+    if (op == ReduceOp::kAvg) kernels::scale_for_average(slice, s.slices[li], dtype, c.size());
+  };
+  auto gather = [&](std::size_t k) {
+    const Segment& s = seg[k];
+    ring_allgatherv(intra, recv + (s.offset + s.slice_offset) * es, recv + s.offset * es, s.slices,
+                    dtype, cfg);
+  };
+  if (segments == 1) {
+    scatter(0);
+    across(0);
+    gather(0);
+    return;
+  }
+
+  // This thread drives the host's peers: scatter(k), then gather(k - 1) once its slice is
+  // back from across the hosts; a second thread drives the other hosts' peers, across(k) as
+  // soon as scatter(k) is done. Each thread keeps its own peers' messages in one order on
+  // every rank. A failure on either side aborts the transport, so the other thread's waits
+  // end at once, and the first error is the one reported.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::size_t scattered = 0, reduced = 0;
+  std::exception_ptr first_error;
+  auto fail = [&](std::exception_ptr e) {
+    {
+      std::lock_guard lock(mu);
+      if (!first_error) first_error = e;
+    }
+    cv.notify_all();
+    c.abort(what_of(e));
+  };
+  std::thread crossing([&] {
+    try {
+      for (std::size_t k = 0; k < segments; ++k) {
+        {
+          std::unique_lock lock(mu);
+          cv.wait(lock, [&] { return scattered > k || first_error; });
+          if (first_error) return;
+        }
+        across(k);
+        {
+          std::lock_guard lock(mu);
+          reduced = k + 1;
+        }
+        cv.notify_all();
+      }
+    } catch (...) {
+      fail(std::current_exception());
+    }
+  });
+  auto wait_reduced = [&](std::size_t k) {
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return reduced > k || first_error; });
+    if (first_error) std::rethrow_exception(first_error);
+  };
+  try {
+    for (std::size_t k = 0; k < segments; ++k) {
+      scatter(k);
+      {
+        std::lock_guard lock(mu);
+        scattered = k + 1;
+      }
+      cv.notify_all();
+      if (k > 0) {
+        wait_reduced(k - 1);
+        gather(k - 1);
+      }
+    }
+    wait_reduced(segments - 1);
+    gather(segments - 1);
+  } catch (...) {
+    fail(std::current_exception());
+  }
+  crossing.join();
+  if (first_error) std::rethrow_exception(first_error);
 }
 
 void hierarchical_reduce_scatter(Comm& c, const void* send_v, void* recv_v,

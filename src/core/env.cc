@@ -4,8 +4,10 @@
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <mutex>
 #include <set>
+#include <sstream>
 
 namespace gradsync::env {
 
@@ -62,8 +64,18 @@ Options resolve(const Options& in) {
   if (o.token.empty()) o.token = get("GRADSYNC_TOKEN").value_or("");
   if (o.topology.empty()) {
     if (auto t = get("GRADSYNC_TOPOLOGY")) {
-      o.topology = *t;
       log_override("GRADSYNC_TOPOLOGY", *t);
+      o.topology = *t;
+      if (t->starts_with('@')) {  // @path: the groups are in a file, one line per group
+        std::ifstream file(t->substr(1));
+        std::stringstream text;
+        text << file.rdbuf();
+        if (!file || text.str().empty()) {
+          throw Error(ErrorKind::kInvalidArgument,
+                      "GRADSYNC_TOPOLOGY=" + *t + ": cannot read the file " + t->substr(1), o.rank);
+        }
+        o.topology = text.str();
+      }
     }
   }
   if (o.transport.empty()) {

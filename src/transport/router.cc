@@ -54,6 +54,11 @@ RequestPtr RouterTransport::irecv_consume(int peer, const Tag& tag, std::size_t 
 void RouterTransport::abort(const std::string& reason) {
   for (auto& t : transports_) t->abort(reason);
 }
+const Transport* RouterTransport::channel(int peer) const {
+  if (peer == rank_) return this;
+  return to(peer).channel(peer);
+}
+
 PeerTraffic RouterTransport::traffic(int peer) const {
   if (peer == rank_) return {};
   return to(peer).traffic(peer);

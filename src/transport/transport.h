@@ -70,6 +70,14 @@ class Transport {
 
   virtual PeerTraffic traffic(int peer) const = 0;
 
+  // The transport that actually carries messages to `peer` (a router forwards each peer to one
+  // of several). A transport serves one thread at a time, so an algorithm may drive two sets
+  // of peers from two threads at once only where their channels differ.
+  virtual const Transport* channel(int peer) const {
+    (void)peer;
+    return this;
+  }
+
   // Optional capability: memory every rank of the whole world has mapped, for collectives
   // that reduce straight out of each other's buffers. Null unless all ranks share this host
   // through one transport that offers it. Lives as long as the transport.
