@@ -104,7 +104,10 @@ TEST(NetnsCluster, UpShapesEveryLinkAndDownLeavesNothing) {
   EXPECT_EQ(run_shell(script() + " down --prefix " + prefix).status, 0);
 }
 
-const std::string kEnv = "GRADSYNC_TOKEN=multihost GRADSYNC_TIMEOUT=60000 ";
+// The job token also names the jobs' shared-memory segments, and /dev/shm is one for all the
+// namespaces: tests that run at once (ctest -j) must not share a token.
+const std::string kEnv =
+    "GRADSYNC_TOKEN=multihost" + std::to_string(::getpid()) + " GRADSYNC_TIMEOUT=60000 ";
 
 class AcrossHosts : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
