@@ -222,6 +222,71 @@ void hierarchical_allreduce(Comm& c, const void* send_v, void* recv_v, std::size
   if (first_error) std::rethrow_exception(first_error);
 }
 
+namespace {
+
+// The blocks of a reduce-scatter or all-gather (one per rank, in rank order) regrouped for the
+// two levels: by local index, then host. Local index i's range holds the blocks of every rank
+// with local index i, in host order: the host-level step hands that range to local rank i, the
+// host-crossing step its blocks one per host.
+struct Regrouped {
+  std::vector<std::size_t> offset;     // block r's offset in rank order
+  std::vector<std::size_t> per_local;  // elements of local index i's range
+  std::vector<std::size_t> per_host;   // of this rank's range: host h's block
+  std::size_t own_start = 0;           // where this rank's local index range starts
+  std::size_t total = 0;
+
+  Regrouped(const Levels& lv, std::span<const std::size_t> counts)
+      : offset(counts.size()),
+        per_local(static_cast<std::size_t>(lv.local_size), 0),
+        per_host(static_cast<std::size_t>(lv.hosts)) {
+    for (std::size_t r = 0; r < counts.size(); ++r) {
+      offset[r] = total;
+      total += counts[r];
+    }
+    std::size_t at = 0;
+    for (int i = 0; i < lv.local_size; ++i) {
+      if (i == lv.local_index) own_start = at;
+      for (int h = 0; h < lv.hosts; ++h) {
+        const std::size_t n = counts[static_cast<std::size_t>(lv.rank_at(h, i))];
+        per_local[static_cast<std::size_t>(i)] += n;
+        if (i == lv.local_index) per_host[static_cast<std::size_t>(h)] = n;
+        at += n;
+      }
+    }
+  }
+
+  // Block r of rank order to grouped order, and back.
+  void pack(const Levels& lv, std::size_t es, const unsigned char* ranked,
+            unsigned char* grouped) const {
+    for_each_block(lv, [&](std::size_t r, std::size_t at, std::size_t n) {
+      std::memcpy(grouped + at * es, ranked + offset[r] * es, n * es);
+    });
+  }
+  void unpack(const Levels& lv, std::size_t es, const unsigned char* grouped,
+              unsigned char* ranked) const {
+    for_each_block(lv, [&](std::size_t r, std::size_t at, std::size_t n) {
+      std::memcpy(ranked + offset[r] * es, grouped + at * es, n * es);
+    });
+  }
+
+ private:
+  // fn(rank, offset in grouped order, count) for every non-empty block, in grouped order.
+  template <class Fn>
+  void for_each_block(const Levels& lv, Fn fn) const {
+    std::size_t at = 0;
+    for (int i = 0; i < lv.local_size; ++i) {
+      for (int h = 0; h < lv.hosts; ++h) {
+        const auto r = static_cast<std::size_t>(lv.rank_at(h, i));
+        const std::size_t n = (r + 1 < offset.size() ? offset[r + 1] : total) - offset[r];
+        if (n) fn(r, at, n);
+        at += n;
+      }
+    }
+  }
+};
+
+}  // namespace
+
 void hierarchical_reduce_scatter(Comm& c, const void* send_v, void* recv_v,
                                  std::span<const std::size_t> block_counts, DataType dtype,
                                  ReduceOp op, const AlgorithmConfig& cfg) {
@@ -231,34 +296,15 @@ void hierarchical_reduce_scatter(Comm& c, const void* send_v, void* recv_v,
   }
   const Levels lv(c);
   const std::size_t es = dtype_size(dtype);
-  const auto* send = static_cast<const unsigned char*>(send_v);
-  const std::size_t n = block_counts.size();
-  std::vector<std::size_t> offset(n + 1, 0);
-  for (std::size_t r = 0; r < n; ++r) offset[r + 1] = offset[r] + block_counts[r];
-
-  // Regroup the blocks by local index, then host: local rank i's range of the host-level
-  // reduce-scatter holds the blocks of every rank with local index i, in host order, which the
-  // host-crossing reduce-scatter then hands out one per host.
-  std::vector<unsigned char> grouped(offset[n] * es);
-  std::vector<std::size_t> per_local(static_cast<std::size_t>(lv.local_size), 0);
-  std::vector<std::size_t> per_host(static_cast<std::size_t>(lv.hosts));
-  std::size_t at = 0;
-  for (int i = 0; i < lv.local_size; ++i) {
-    for (int h = 0; h < lv.hosts; ++h) {
-      const auto r = static_cast<std::size_t>(lv.rank_at(h, i));
-      if (block_counts[r])
-        std::memcpy(grouped.data() + at * es, send + offset[r] * es, block_counts[r] * es);
-      at += block_counts[r];
-      per_local[static_cast<std::size_t>(i)] += block_counts[r];
-      if (i == lv.local_index) per_host[static_cast<std::size_t>(h)] = block_counts[r];
-    }
-  }
+  const Regrouped g(lv, block_counts);
+  std::vector<unsigned char> grouped(g.total * es);
+  g.pack(lv, es, static_cast<const unsigned char*>(send_v), grouped.data());
   const ReduceOp inner = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-  std::vector<unsigned char> mine(per_local[static_cast<std::size_t>(lv.local_index)] * es);
+  std::vector<unsigned char> mine(g.per_local[static_cast<std::size_t>(lv.local_index)] * es);
   Comm intra = c.subgroup(lv.host_ranks);
-  ring_reduce_scatter(intra, grouped.data(), mine.data(), per_local, dtype, inner, cfg);
+  ring_reduce_scatter(intra, grouped.data(), mine.data(), g.per_local, dtype, inner, cfg);
   Comm inter = c.subgroup(lv.peers);
-  ring_reduce_scatter(inter, mine.data(), recv_v, per_host, dtype, inner, cfg);
+  ring_reduce_scatter(inter, mine.data(), recv_v, g.per_host, dtype, inner, cfg);
   if (op == ReduceOp::kAvg) {
     kernels::scale_for_average(recv_v, block_counts[static_cast<std::size_t>(c.rank())], dtype,
                                c.size());
@@ -272,44 +318,18 @@ void hierarchical_allgatherv(Comm& c, const void* send_v, void* recv_v,
     ring_allgatherv(c, send_v, recv_v, block_counts, dtype, cfg);
     return;
   }
+  // Across hosts first: the ranks with this local index gather their blocks (host order),
+  // then each host's ranks gather those ranges, and the result is put back in rank order.
   const Levels lv(c);
   const std::size_t es = dtype_size(dtype);
-  auto* recv = static_cast<unsigned char*>(recv_v);
-  const std::size_t n = block_counts.size();
-  std::vector<std::size_t> offset(n + 1, 0);
-  for (std::size_t r = 0; r < n; ++r) offset[r + 1] = offset[r] + block_counts[r];
-
-  // Across hosts first: the ranks with this local index gather their blocks (host order),
-  // then each host's ranks gather those ranges, grouped by local index, and the result is
-  // put back in rank order.
-  std::vector<std::size_t> per_local(static_cast<std::size_t>(lv.local_size), 0);
-  std::vector<std::size_t> per_host(static_cast<std::size_t>(lv.hosts));
-  std::vector<std::size_t> local_start(static_cast<std::size_t>(lv.local_size), 0);
-  for (int i = 0; i < lv.local_size; ++i) {
-    if (i)
-      local_start[static_cast<std::size_t>(i)] =
-          local_start[static_cast<std::size_t>(i - 1)] + per_local[static_cast<std::size_t>(i - 1)];
-    for (int h = 0; h < lv.hosts; ++h) {
-      const auto r = static_cast<std::size_t>(lv.rank_at(h, i));
-      per_local[static_cast<std::size_t>(i)] += block_counts[r];
-      if (i == lv.local_index) per_host[static_cast<std::size_t>(h)] = block_counts[r];
-    }
-  }
-  std::vector<unsigned char> grouped(offset[n] * es);
-  unsigned char* mine = grouped.data() + local_start[static_cast<std::size_t>(lv.local_index)] * es;
+  const Regrouped g(lv, block_counts);
+  std::vector<unsigned char> grouped(g.total * es);
+  unsigned char* mine = grouped.data() + g.own_start * es;
   Comm inter = c.subgroup(lv.peers);
-  ring_allgatherv(inter, send_v, mine, per_host, dtype, cfg);
+  ring_allgatherv(inter, send_v, mine, g.per_host, dtype, cfg);
   Comm intra = c.subgroup(lv.host_ranks);
-  ring_allgatherv(intra, mine, grouped.data(), per_local, dtype, cfg);
-  std::size_t at = 0;
-  for (int i = 0; i < lv.local_size; ++i) {
-    for (int h = 0; h < lv.hosts; ++h) {
-      const auto r = static_cast<std::size_t>(lv.rank_at(h, i));
-      if (block_counts[r])
-        std::memcpy(recv + offset[r] * es, grouped.data() + at * es, block_counts[r] * es);
-      at += block_counts[r];
-    }
-  }
+  ring_allgatherv(intra, mine, grouped.data(), g.per_local, dtype, cfg);
+  g.unpack(lv, es, grouped.data(), static_cast<unsigned char*>(recv_v));
 }
 
 }  // namespace gradsync::collectives
