@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 seconds="${1:-${FUZZ_SECONDS:-30}}"
 build=build-fuzz
-targets=(frame_fuzz store_protocol_fuzz)
+targets=(frame_fuzz store_protocol_fuzz codec_fuzz)
 
 CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DGRADSYNC_FUZZ=ON -DGRADSYNC_BUILD_BENCH=OFF >/dev/null
