@@ -256,5 +256,100 @@ TEST(Codecs, MalformedPayloadsAreRefused) {
   EXPECT_EQ(fed->save_state(), before);
 }
 
+// fp16/bf16 all-reduce: half the wire bytes of the float32 ring (transport counters), float32
+// additions at every hop, so within a few rounding units of the exact sum; identical bits on
+// every rank.
+class HalfWireAllreduce : public ::testing::TestWithParam<int> {};
+
+TEST_P(HalfWireAllreduce, HalfTheBytesWithinRoundingAndIdenticalEverywhere) {
+  const int n = GetParam();
+  for (const char* spec : {"fp16", "bf16"}) {
+    const double unit = std::string(spec) == "bf16" ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, static_cast<std::size_t>(n + 2),
+                              std::size_t{1031}, std::size_t{99991}}) {
+      std::vector<std::vector<float>> results(static_cast<std::size_t>(n));
+      std::vector<std::uint64_t> half_bytes(static_cast<std::size_t>(n)),
+          full_bytes(results.size());
+      std::vector<std::vector<float>> inputs;
+      for (int k = 0; k < n; ++k) inputs.push_back(gradient(count, 50 + static_cast<unsigned>(k)));
+      testing::run_inproc_contexts(n, [&](Context& ctx) {
+        const int r = ctx.rank();
+        auto codec = make_codec(spec);
+        for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+          std::vector<float> data = inputs[static_cast<std::size_t>(r)];
+          const auto before = ctx.total_traffic().bytes_sent;
+          compress::compressed_allreduce(ctx, data, *codec, "w", op);
+          half_bytes[static_cast<std::size_t>(r)] = ctx.total_traffic().bytes_sent - before;
+          if (op == ReduceOp::kSum) results[static_cast<std::size_t>(r)] = data;
+          // Against the exact sum (double): one rounding per hop of a partial sum.
+          for (std::size_t i = 0; i < count; i += 1 + i / 8) {
+            double exact = 0, magnitude = 0;
+            for (const auto& x : inputs) {
+              exact += x[i];
+              magnitude += std::fabs(x[i]);
+            }
+            if (op == ReduceOp::kAvg) {
+              exact /= n;
+              magnitude /= n;
+            }
+            const double bound = (n + 1) * unit * magnitude + 1e-7;
+            ASSERT_LE(std::fabs(data[i] - exact), bound) << spec << " n=" << n << " i=" << i;
+          }
+        }
+        std::vector<float> plain = inputs[static_cast<std::size_t>(r)];
+        const auto before = ctx.total_traffic().bytes_sent;
+        ctx.allreduce(plain.data(), plain.data(), count, DataType::kFloat32, ReduceOp::kSum,
+                      Algorithm::kRing);
+        full_bytes[static_cast<std::size_t>(r)] = ctx.total_traffic().bytes_sent - before;
+      });
+      for (int r = 1; r < n; ++r) {
+        ASSERT_EQ(results[static_cast<std::size_t>(r)], results[0]) << spec << " rank " << r;
+      }
+      if (count >= 1031 && n > 1) {
+        for (int r = 0; r < n; ++r) {
+          const double ratio = static_cast<double>(half_bytes[static_cast<std::size_t>(r)]) /
+                               static_cast<double>(full_bytes[static_cast<std::size_t>(r)]);
+          EXPECT_NEAR(ratio, 0.5, 0.01) << spec << " n=" << n << " count=" << count;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, HalfWireAllreduce, ::testing::Values(1, 2, 3, 4, 5, 8),
+                         [](const auto& p) { return "n" + std::to_string(p.param); });
+
+// Any other codec: the result is exactly "decode every rank's payload and sum in rank order",
+// on every rank.
+TEST(CompressedAllreduce, EqualsDecodeEveryPayloadAndSum) {
+  for (int n : {1, 2, 3, 5}) {
+    const std::size_t count = 4099;
+    // The reference, from fresh codecs (no feedback, so no state).
+    std::vector<float> want(count, 0.0f), decoded(count);
+    for (int r = 0; r < n; ++r) {
+      auto codec = make_codec("int8:ef=0,block=32");
+      std::vector<std::uint8_t> payload;
+      codec->encode("w", gradient(count, 70 + static_cast<unsigned>(r)), payload);
+      codec->decode(payload, decoded);
+      if (r == 0) {
+        want = decoded;
+      } else {
+        kernels::reduce_into(want.data(), decoded.data(), count, DataType::kFloat32,
+                             ReduceOp::kSum);
+      }
+    }
+    testing::run_inproc_contexts(n, [&](Context& ctx) {
+      auto codec = make_codec("int8:ef=0,block=32");
+      std::vector<float> data = gradient(count, 70 + static_cast<unsigned>(ctx.rank()));
+      compress::compressed_allreduce(ctx, data, *codec, "w");
+      EXPECT_EQ(0, std::memcmp(data.data(), want.data(), count * 4)) << "n=" << n;
+      Error e = expect_error(ErrorKind::kInvalidArgument, [&] {
+        compress::compressed_allreduce(ctx, data, *codec, "w", ReduceOp::kMax);
+      });
+      EXPECT_TRUE(contains(e.what(), "sums or averages")) << e.what();
+    });
+  }
+}
+
 }  // namespace
 }  // namespace gradsync

@@ -19,6 +19,8 @@
 #include <string_view>
 #include <vector>
 
+#include "gradsync/gradsync.h"
+
 namespace gradsync::compress {
 
 // A parsed spec: "name" or "name:key=value,key=value". Keys a codec does not take, values
@@ -60,5 +62,13 @@ class Codec {
 // block, default 256), each with an optional ef=0|1 (error feedback; default on for biased
 // codecs, i.e. int8). Throws Error(kInvalidArgument) for an unknown or malformed spec.
 std::unique_ptr<Codec> make_codec(std::string_view spec);
+
+// All-reduce (kSum or kAvg) of float32 gradients `data` of tensor `tensor` through `codec`,
+// collective over the context; every rank passes the same spec and tensor. fp16 and bf16
+// travel half-size through a ring that adds in float32 at every hop; other codecs encode
+// once per rank, all-gather the payloads and sum what every rank decodes, in rank order.
+// Every rank ends with bitwise-identical data.
+void compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec,
+                          const std::string& tensor, ReduceOp op = ReduceOp::kSum);
 
 }  // namespace gradsync::compress

@@ -73,6 +73,13 @@ void hierarchical_allgatherv(Comm& c, const void* send, void* recv,
                              std::span<const std::size_t> block_counts, DataType dtype,
                              const AlgorithmConfig& cfg);
 
+// Ring all-reduce of float32 data whose messages travel as float16 or bfloat16 (`wire`): half
+// the bytes of a float32 ring, but every hop adds in float32 (a partial sum is rounded to the
+// wire format once per hop, never summed in it). The owner of each segment rounds the final
+// sum once and every rank, the owner included, ends with that rounded value: identical bits
+// everywhere. kSum or kAvg.
+void ring_allreduce_half_wire(Comm& c, float* data, std::size_t count, DataType wire, ReduceOp op);
+
 // Broadcast from `root`: binomial tree for small messages, pipelined chain for large ones.
 void broadcast(Comm& c, void* data, std::size_t count, DataType dtype, int root,
                const AlgorithmConfig& cfg);

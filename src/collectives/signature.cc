@@ -23,6 +23,8 @@ const char* to_string(CollectiveKind kind) {
       return "barrier";
     case CollectiveKind::kInternal:
       return "setup";
+    case CollectiveKind::kCompressedAllreduce:
+      return "compressed_allreduce";
   }
   return "unknown";
 }

@@ -19,7 +19,8 @@ enum class CollectiveKind : std::uint8_t {
   kBroadcast,
   kReduce,
   kBarrier,
-  kInternal,  // context set-up traffic (cost-model probes)
+  kInternal,             // context set-up traffic (cost-model probes)
+  kCompressedAllreduce,  // compress/: dtype is the wire format, count the float32 elements
 };
 const char* to_string(CollectiveKind kind);
 
