@@ -2,6 +2,7 @@
 // bandwidth in the nccl-tests convention, plus the bytes each rank really sent.
 // Run it under gradsync-run:  gradsync-run -n 4 -- gradsync-bench allreduce --check
 
+#include <gradsync/compress.h>
 #include <gradsync/gradsync.h>
 
 #include <algorithm>
@@ -32,7 +33,10 @@ constexpr const char* kUsage =
     "  --factor F        size multiplier between steps, integer >= 2 (default 2)\n"
     "  --dtype T         float32 float64 float16 bfloat16 int32 int64 uint8 (default float32)\n"
     "  --op OP           sum avg min max prod (default sum; ignored by allgather/broadcast)\n"
-    "  --algo A          auto ring rd hd ps shm, per allreduce call (default auto)\n"
+    "  --algo A          auto ring rd hd ps shm hier, per allreduce call (default auto)\n"
+    "  --codec SPEC      allreduce float32 (sum/avg) through a gradient codec (none, fp16,\n"
+    "                    bf16, int8[:block=B][,ef=0|1]); each call copies the input first.\n"
+    "                    wire(x) = sent/rank over a float32 ring's 2(n-1)/n x size\n"
     "  --transport T     shm | tcp | \"\" for automatic (sets Options.transport)\n"
     "  --root R          broadcast root (default 0)\n"
     "  --iters N         timed calls per size (default 20)\n"
@@ -64,6 +68,7 @@ struct Config {
   int warmup = 5;
   bool check = false;
   std::string json;
+  std::string codec;  // empty: plain allreduce
 };
 
 [[noreturn]] void usage_error(const std::string& msg) {
@@ -153,7 +158,14 @@ Config parse_args(int argc, char** argv) {
       c.check = true;
     else if (a == "--json")
       c.json = value();
-    else if (a == "-h" || a == "--help") {
+    else if (a == "--codec") {
+      c.codec = value();
+      try {
+        gradsync::compress::make_codec(c.codec);
+      } catch (const gradsync::Error& e) {
+        usage_error(e.detail());
+      }
+    } else if (a == "-h" || a == "--help") {
       std::fputs(kUsage, stdout);
       std::exit(0);
     } else
@@ -162,6 +174,12 @@ Config parse_args(int argc, char** argv) {
   if (c.min_bytes > c.max_bytes) usage_error("--min-bytes is larger than --max-bytes");
   if (c.algo != gradsync::Algorithm::kAuto && c.coll != Collective::kAllreduce) {
     usage_error("--algo applies to allreduce only");
+  }
+  if (!c.codec.empty() &&
+      (c.coll != Collective::kAllreduce || c.dtype != gradsync::DataType::kFloat32 ||
+       (c.op != gradsync::ReduceOp::kSum && c.op != gradsync::ReduceOp::kAvg) ||
+       c.algo != gradsync::Algorithm::kAuto)) {
+    usage_error("--codec takes allreduce of float32 with sum or avg, and no --algo");
   }
   return c;
 }
@@ -418,6 +436,7 @@ class Bench {
 
   std::string algorithm_name(std::size_t bytes) const {
     if (c_.coll != Collective::kAllreduce) return "default";
+    if (codec_) return codec_->spec();
     auto a =
         c_.algo == gradsync::Algorithm::kAuto ? ctx_.choose_allreduce_algorithm(bytes) : c_.algo;
     return gradsync::to_string(a);
@@ -427,7 +446,15 @@ class Bench {
   void call(std::size_t count, std::size_t block) {
     switch (c_.coll) {
       case Collective::kAllreduce:
-        ctx_.allreduce(send_.data(), recv_.data(), count, c_.dtype, c_.op, c_.algo);
+        if (codec_) {
+          // Compressed all-reduce works in place: start every call from the same input.
+          std::memcpy(recv_.data(), send_.data(), count * es_);
+          gradsync::compress::compressed_allreduce(
+              ctx_, std::span<float>(reinterpret_cast<float*>(recv_.data()), count), *codec_,
+              "bench-" + std::to_string(count), c_.op);  // one tensor per size: codec state
+        } else {
+          ctx_.allreduce(send_.data(), recv_.data(), count, c_.dtype, c_.op, c_.algo);
+        }
         break;
       case Collective::kReduceScatter:
         ctx_.reduce_scatter(send_.data(), recv_.data(), block, c_.dtype, c_.op);
@@ -492,6 +519,8 @@ class Bench {
   int rank_;
   std::size_t es_;
   std::vector<std::uint8_t> send_, recv_;
+  std::unique_ptr<gradsync::compress::Codec> codec_ =
+      c_.codec.empty() ? nullptr : gradsync::compress::make_codec(c_.codec);
 };
 
 std::string transports_of(gradsync::Context& ctx) {
@@ -514,6 +543,13 @@ std::string json_escape(const std::string& s) {
   return o;
 }
 
+// Bytes a rank sent per call over what a float32 ring all-reduce sends, 2(n-1)/n x size: the
+// compression ratio of --codec, as the transports counted it.
+double wire_ratio(const Record& r, int n) {
+  const double ring = 2.0 * (n - 1) / n * static_cast<double>(r.bytes);
+  return ring > 0 ? r.bytes_sent_per_rank / ring : 0.0;
+}
+
 void write_json(const Config& c, const std::vector<Record>& recs, const std::string& transport,
                 int n, int hosts) {
   std::ofstream f(c.json);
@@ -528,10 +564,11 @@ void write_json(const Config& c, const std::vector<Record>& recs, const std::str
     std::snprintf(num, sizeof num,
                   "\"ranks\": %d, \"bytes\": %zu, \"count\": %zu, \"dtype\": \"%s\", "
                   "\"time_us\": %.3f, \"algbw_gbps\": %.6f, \"busbw_gbps\": %.6f, \"wrong\": %llu, "
-                  "\"bytes_sent_per_rank\": %.1f, \"hosts\": %d, \"bytes_across_hosts\": %.1f",
+                  "\"bytes_sent_per_rank\": %.1f, \"hosts\": %d, \"bytes_across_hosts\": %.1f, "
+                  "\"wire_ratio\": %.4f",
                   n, r.bytes, r.count, gradsync::to_string(c.dtype), r.time_us, r.algbw_gbps,
                   r.busbw_gbps, static_cast<unsigned long long>(r.wrong), r.bytes_sent_per_rank,
-                  hosts, r.bytes_across_hosts);
+                  hosts, r.bytes_across_hosts, wire_ratio(r, n));
     f << "  {\"collective\": \"" << c.coll_name << "\", \"algo\": \"" << json_escape(r.algo)
       << "\", \"transport\": \"" << json_escape(transport) << "\", " << num << "}"
       << (k + 1 < recs.size() ? ",\n" : "\n");
@@ -565,12 +602,16 @@ int main(int argc, char** argv) {
           c.check ? ", check" : "");
       std::printf("# cost model: %s\n# topology: %s\n", ctx->cost_model().c_str(),
                   ctx->topology().c_str());
+      if (!c.codec.empty()) {
+        std::printf("# codec: %s (algo column); wire(x) = sent/rank / (2(n-1)/n x size)\n",
+                    gradsync::compress::make_codec(c.codec)->spec().c_str());
+      }
       std::printf(
           "# time: mean per call over the timed loop, max over ranks; "
           "sent/rank: bytes sent per call, max over ranks\n#\n");
-      std::printf("# %12s %12s %9s %6s %8s %10s %11s %11s %7s %14s\n", "size(B)", "count", "type",
+      std::printf("# %12s %12s %9s %6s %8s %10s %11s %11s %7s %14s%s\n", "size(B)", "count", "type",
                   "redop", "algo", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong",
-                  "sent/rank(B)");
+                  "sent/rank(B)", c.codec.empty() ? "" : "  wire(x)");
       std::fflush(stdout);
     }
 
@@ -587,10 +628,12 @@ int main(int argc, char** argv) {
       wrong_total += r.wrong;
       busbw_sum += r.busbw_gbps;
       if (rank == 0) {
-        std::printf("  %12zu %12zu %9s %6s %8s %10.1f %11.3f %11.3f %7s %14.0f\n", r.bytes, r.count,
+        std::printf("  %12zu %12zu %9s %6s %8s %10.1f %11.3f %11.3f %7s %14.0f", r.bytes, r.count,
                     gradsync::to_string(c.dtype), reduces ? gradsync::to_string(c.op) : "-",
                     r.algo.c_str(), r.time_us, r.algbw_gbps, r.busbw_gbps,
                     c.check ? std::to_string(r.wrong).c_str() : "n/a", r.bytes_sent_per_rank);
+        if (!c.codec.empty()) std::printf("  %7.3f", wire_ratio(r, n));
+        std::printf("\n");
         std::fflush(stdout);
       }
       if (bytes == 0) break;  // --min-bytes 0 would never grow
