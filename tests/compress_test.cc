@@ -319,6 +319,26 @@ TEST_P(HalfWireAllreduce, HalfTheBytesWithinRoundingAndIdenticalEverywhere) {
 INSTANTIATE_TEST_SUITE_P(Worlds, HalfWireAllreduce, ::testing::Values(1, 2, 3, 4, 5, 8),
                          [](const auto& p) { return "n" + std::to_string(p.param); });
 
+// Where every rank shares memory, fp16/bf16 sum in float32 through the shared-memory path and
+// round once: exactly the float32 all-reduce's result, rounded, on every rank.
+TEST(CompressedAllreduce, HalfOnSharedMemoryIsTheFloat32SumRoundedOnce) {
+  for (const char* spec : {"fp16", "bf16"}) {
+    const std::size_t count = 300007;
+    testing::run_shm_contexts(4, [&](Context& ctx) {
+      auto codec = make_codec(spec);
+      std::vector<float> data = gradient(count, 90 + static_cast<unsigned>(ctx.rank()));
+      std::vector<float> want = data;
+      ctx.allreduce(want.data(), want.data(), count, DataType::kFloat32, ReduceOp::kSum);
+      for (float& x : want) {
+        x = std::string(spec) == "fp16" ? kernels::half_to_float(kernels::float_to_half(x))
+                                        : kernels::bfloat16_to_float(kernels::float_to_bfloat16(x));
+      }
+      compress::compressed_allreduce(ctx, data, *codec, "w");
+      EXPECT_EQ(0, std::memcmp(data.data(), want.data(), count * 4)) << spec;
+    });
+  }
+}
+
 // Any other codec: the result is exactly "decode every rank's payload and sum in rank order",
 // on every rank.
 TEST(CompressedAllreduce, EqualsDecodeEveryPayloadAndSum) {

@@ -36,6 +36,18 @@ void compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec,
   }
   if (auto wire = half_wire(codec)) {
     Context::Impl& impl = ctx.impl();
+    if (impl.transport->shared_arena()) {
+      // Every rank on one host: bytes are not what limits the call, and the float32
+      // shared-memory all-reduce beats a message ring of halves (4 ranks, 64 MiB: ~25 vs
+      // ~78 ms). Sum in float32, then round once: the numerics the wire format promises (no
+      // worse), the same bits everywhere.
+      ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
+      // Per thread and only grown: a fresh buffer per call would be fresh pages to fault in.
+      thread_local std::vector<std::uint8_t> payload;
+      codec.encode(tensor, data, payload);
+      codec.decode(payload, data);
+      return;
+    }
     collectives::CallSignature sig{0,
                                    collectives::CollectiveKind::kCompressedAllreduce,
                                    *wire,
