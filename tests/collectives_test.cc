@@ -46,6 +46,18 @@ class Outputs {
   std::vector<Buffer> out_;
 };
 
+// Non-integer floats, uniform in [-0.5, 0.5), different per rank: their sum depends on the
+// order of additions, so they show whether every rank and run adds in the same order.
+std::vector<float> rounded_input(int rank, std::size_t count) {
+  std::vector<float> v(count);
+  std::uint32_t x = 12345u + static_cast<std::uint32_t>(rank) * 7919u;
+  for (auto& e : v) {
+    x = x * 1664525u + 1013904223u;
+    e = static_cast<float>(x >> 8) / 16777216.0f - 0.5f;
+  }
+  return v;
+}
+
 class AllreduceGrid : public ::testing::TestWithParam<std::tuple<int, Algorithm>> {};
 
 TEST_P(AllreduceGrid, EveryDtypeOpCountMatchesReference) {
@@ -116,12 +128,7 @@ TEST_P(AllreduceGrid, RoundedResultsAreIdenticalAcrossRanksAndRuns) {
     Buffer first;
     std::mutex mu;
     testing::run_inproc_contexts(n, [&](Context& ctx) {
-      std::vector<float> v(count);
-      std::uint32_t x = 12345u + static_cast<std::uint32_t>(ctx.rank()) * 7919u;
-      for (auto& e : v) {
-        x = x * 1664525u + 1013904223u;
-        e = static_cast<float>(x >> 8) / 16777216.0f - 0.5f;  // uniform in [-0.5, 0.5)
-      }
+      std::vector<float> v = rounded_input(ctx.rank(), count);
       ctx.allreduce(v.data(), v.data(), count, DataType::kFloat32, ReduceOp::kAvg, algo);
       Buffer bytes(count * 4);
       std::memcpy(bytes.data(), v.data(), bytes.size());
@@ -371,12 +378,7 @@ TEST_P(SharedMemoryGrid, RoundedResultsAreIdenticalAcrossRanksAndRuns) {
   auto run_once = [&] {
     std::vector<std::uint64_t> fingerprints(static_cast<std::size_t>(n));
     testing::run_shm_contexts(n, [&](Context& ctx) {
-      std::vector<float> v(count);
-      std::uint32_t x = 12345u + static_cast<std::uint32_t>(ctx.rank()) * 7919u;
-      for (auto& e : v) {
-        x = x * 1664525u + 1013904223u;
-        e = static_cast<float>(x >> 8) / 16777216.0f - 0.5f;  // uniform in [-0.5, 0.5)
-      }
+      std::vector<float> v = rounded_input(ctx.rank(), count);
       ctx.allreduce(v.data(), v.data(), count, DataType::kFloat32, ReduceOp::kAvg,
                     Algorithm::kSharedMemory);
       Buffer bytes(count * 4);

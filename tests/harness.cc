@@ -11,6 +11,9 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <sstream>
 #include <thread>
 
 #include "transport/inproc.h"
@@ -137,6 +140,19 @@ ShellResult run_shell(const std::string& cmd) {
   while ((got = std::fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, got);
   r.status = ::pclose(p);
   return r;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::vector<int> all_ranks(int n) {
+  std::vector<int> group(static_cast<std::size_t>(n));
+  std::iota(group.begin(), group.end(), 0);
+  return group;
 }
 
 int count_of(const std::string& s, const std::string& part) {

@@ -68,6 +68,12 @@ ShellResult run_shell(const std::string& cmd);
 // Occurrences of `part` in `s`.
 int count_of(const std::string& s, const std::string& part);
 
+// A file's whole contents ("" if it cannot be read, e.g. not written yet).
+std::string read_file(const std::string& path);
+
+// Ranks 0..n-1: the group of a world that is all on one host.
+std::vector<int> all_ranks(int n);
+
 inline bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }

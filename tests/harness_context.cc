@@ -2,7 +2,6 @@
 // that need no context do not pull the context in).
 #include <chrono>
 #include <latch>
-#include <numeric>
 
 #include "core/context_impl.h"
 #include "harness.h"
@@ -26,8 +25,7 @@ void run_inproc_contexts(int n, const std::function<void(Context&)>& fn, Options
 void run_shm_contexts(int n, const std::function<void(Context&)>& fn, Options options) {
   auto store = make_inproc_store();
   const std::string prefix = unique_name("shm-contexts");
-  std::vector<int> group(static_cast<std::size_t>(n));
-  std::iota(group.begin(), group.end(), 0);
+  const std::vector<int> group = all_ranks(n);
   transport::TransportOptions topts;
   topts.format_tag = collectives::describe_tag;
   // A rank that finishes keeps its context until every rank has: an early finisher must not

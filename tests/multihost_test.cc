@@ -5,8 +5,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <fstream>
-#include <sstream>
 #include <thread>
 
 #include "harness.h"
@@ -16,6 +14,7 @@ namespace {
 
 using testing::contains;
 using testing::count_of;
+using testing::read_file;
 using testing::run_shell;
 using testing::ShellResult;
 
@@ -202,13 +201,6 @@ TEST(AcrossHostsFailures, RankOfAnotherJobIsRefused) {
   EXPECT_EQ(results[1].status, 0) << out;
   EXPECT_NE(results[2].status, 0) << out;
   EXPECT_TRUE(contains(results[2].output, "token")) << results[2].output;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 // Cutting a host off mid-collective, by taking its link down (no FIN or RST ever arrives:

@@ -8,8 +8,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <thread>
 
 #include "harness.h"
@@ -21,6 +19,7 @@ using namespace std::chrono_literals;
 
 using testing::build_dir;
 using testing::count_of;
+using testing::read_file;
 using testing::run_shell;
 
 class ThroughLauncher : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
@@ -71,12 +70,6 @@ std::vector<std::string> kill_one_rank(const std::string& transport, int n, int 
     }
     pids.push_back(pid);
   }
-  auto read_file = [](const std::string& path) {
-    std::ifstream in(path);
-    std::stringstream s;
-    s << in.rdbuf();
-    return s.str();
-  };
   // Wait until every rank is inside the all-reduce loop.
   auto deadline = std::chrono::steady_clock::now() + 30s;
   for (int r = 0; r < n; ++r) {

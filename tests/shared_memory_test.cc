@@ -10,7 +10,6 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
-#include <numeric>
 #include <stdexcept>
 #include <thread>
 
@@ -27,17 +26,12 @@ namespace gradsync::transport {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::all_ranks;
 using testing::contains;
 using testing::expect_error;
 using testing::segments_left;
 
 constexpr auto kSetupTimeout = 30s;
-
-std::vector<int> all_ranks(int n) {
-  std::vector<int> group(static_cast<std::size_t>(n));
-  std::iota(group.begin(), group.end(), 0);
-  return group;
-}
 
 Tag call_tag(std::uint64_t seq, std::uint64_t count = 10) {
   collectives::CallSignature sig;

@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <numeric>
 #include <stdexcept>
 
 #include "gradsync/store.h"
@@ -27,15 +26,10 @@ using conformance::expect_error;
 using conformance::first_pattern_error;
 using conformance::pattern;
 using conformance::tag_of;
+using testing::all_ranks;
 using testing::segments_left;
 
 constexpr auto kSetupTimeout = 30s;
-
-std::vector<int> all_ranks(int n) {
-  std::vector<int> group(static_cast<std::size_t>(n));
-  std::iota(group.begin(), group.end(), 0);
-  return group;
-}
 
 // Builds the transports of one group on n threads, runs body on n threads, then destroys them.
 void run_shm_threads(int n, const TransportOptions& options, const RankBody& body) {
@@ -52,7 +46,6 @@ void run_shm_threads(int n, const TransportOptions& options, const RankBody& bod
 INSTANTIATE_TEST_SUITE_P(Shm, TransportConformance,
                          ::testing::Values(TransportFactory{"shm", run_shm_threads}),
                          TransportFactoryName);
-
 
 // gtest assertions in a forked child would be lost with it: children check with `require`
 // and report through their exit status instead.
