@@ -104,13 +104,11 @@ constexpr std::size_t kArenaRegionBytes = std::size_t{4} << 20;
 // GRADSYNC_SHM_SPIN_US: microseconds an idle waiter looks for progress before it sleeps on
 // its futex; -1 when unset (the defaults above apply).
 long spin_us_setting() {
-  static const long value = [] {
-    const char* s = std::getenv("GRADSYNC_SHM_SPIN_US");
-    if (!s || !*s) return -1L;
-    long v = std::max(std::atol(s), 0L);
-    std::fprintf(stderr, "gradsync: GRADSYNC_SHM_SPIN_US=%ld\n", v);
-    return v;
-  }();
+  static const long value = tuning_setting("GRADSYNC_SHM_SPIN_US",
+                                           std::to_string(kSpinBeforeSleep.count()) + ", or " +
+                                               std::to_string(kOversubscribedMessageSpin.count()) +
+                                               " yielding when ranks share cores")
+                                .value_or(-1);
   return value;
 }
 

@@ -87,14 +87,8 @@ constexpr std::uint64_t kPendingIdBase = std::uint64_t{1} << 32;  // + pending s
 // leaves the kernel's autotuning on, which on Linux grows buffers past what a fixed
 // setsockopt may (net.core.[rw]mem_max caps explicit sizes).
 int socket_buffer_bytes() {
-  static const int value = [] {
-    const char* s = std::getenv("GRADSYNC_TCP_SOCKBUF_BYTES");
-    if (!s || !*s) return 0;
-    int v = std::atoi(s);
-    std::fprintf(stderr, "gradsync: GRADSYNC_TCP_SOCKBUF_BYTES=%d (default 0: kernel autotuning)\n",
-                 v);
-    return std::max(v, 0);
-  }();
+  static const int value = static_cast<int>(
+      tuning_setting("GRADSYNC_TCP_SOCKBUF_BYTES", "0: kernel autotuning").value_or(0));
   return value;
 }
 
@@ -108,17 +102,11 @@ int socket_buffer_bytes() {
 constexpr auto kBusySpin = std::chrono::microseconds(50);
 constexpr auto kYieldSpin = std::chrono::microseconds(100);
 long spin_us_setting() {
-  static const long value = [] {
-    const char* s = std::getenv("GRADSYNC_TCP_SPIN_US");
-    if (!s || !*s) return -1L;
-    long v = std::atol(s);
-    std::fprintf(stderr,
-                 "gradsync: GRADSYNC_TCP_SPIN_US=%ld (default: %lld, or %lld yielding when ranks "
-                 "share cores)\n",
-                 v, static_cast<long long>(kBusySpin.count()),
-                 static_cast<long long>(kYieldSpin.count()));
-    return std::max(v, 0L);
-  }();
+  static const long value =
+      tuning_setting("GRADSYNC_TCP_SPIN_US", std::to_string(kBusySpin.count()) + ", or " +
+                                                 std::to_string(kYieldSpin.count()) +
+                                                 " yielding when ranks share cores")
+          .value_or(-1);
   return value;
 }
 
@@ -128,13 +116,8 @@ long spin_us_setting() {
 // A peer that is only slow (computing, descheduled) still answers at the TCP level, so this
 // does not fire for it. 0 turns it off (then only GRADSYNC_TIMEOUT ends such a wait).
 int liveness_s() {
-  static const int value = [] {
-    const char* s = std::getenv("GRADSYNC_TCP_LIVENESS_S");
-    if (!s || !*s) return 15;
-    int v = std::max(std::atoi(s), 0);
-    std::fprintf(stderr, "gradsync: GRADSYNC_TCP_LIVENESS_S=%d (default 15)\n", v);
-    return v;
-  }();
+  static const int value =
+      static_cast<int>(tuning_setting("GRADSYNC_TCP_LIVENESS_S", "15").value_or(15));
   return value;
 }
 
