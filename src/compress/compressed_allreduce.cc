@@ -12,8 +12,7 @@ namespace gradsync::compress {
 namespace {
 
 // The wire type of a codec that is a plain cast without feedback, else nothing.
-std::optional<DataType> half_wire(const Codec& codec) {
-  const CodecSpec s = CodecSpec::parse(codec.spec());
+std::optional<DataType> half_wire(const CodecSpec& s) {
   if (s.params.count("ef")) return std::nullopt;
   if (s.name == "fp16") return DataType::kFloat16;
   if (s.name == "bf16") return DataType::kBFloat16;
@@ -30,11 +29,12 @@ void compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec,
                 ctx.rank(), Error::kNoPeer, "compressed_allreduce");
   }
   const int n = ctx.size();
-  if (CodecSpec::parse(codec.spec()).name == "none") {  // float32 on the wire: the plain path
+  const CodecSpec spec = CodecSpec::parse(codec.spec());
+  if (spec.name == "none") {  // float32 on the wire: the plain path
     ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
     return;
   }
-  if (auto wire = half_wire(codec)) {
+  if (auto wire = half_wire(spec)) {
     Context::Impl& impl = ctx.impl();
     if (impl.transport->shared_arena()) {
       // Every rank on one host: bytes are not what limits the call, and the float32

@@ -17,6 +17,11 @@ int floor_pow2(int n) {
   while (p * 2 <= n) p *= 2;
   return p;
 }
+// The hierarchical algorithm applies: several hosts, the same number of ranks on each, and
+// more than one on each (collectives::hierarchical_applicable is its run-time twin).
+bool spread_evenly(int n, int hosts) {
+  return hosts > 1 && n % hosts == 0 && n > hosts;
+}
 int log2_int(int p) {
   int k = 0;
   while ((1 << k) < p) ++k;
@@ -66,7 +71,7 @@ double memory_traffic_bytes(Algorithm a, int n, double S) {
 
 double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes, int hosts) const {
   if (n <= 1) return 0.0;
-  const bool spread = hosts > 1 && n % hosts == 0 && n > hosts;  // hierarchical applies
+  const bool spread = spread_evenly(n, hosts);
   if (hosts > 1) {
     // Every flat algorithm sends across hosts at most steps, and a step lasts as long as its
     // slowest hop: charge them the links between hosts.
@@ -169,7 +174,7 @@ Algorithm CostModel::choose_allreduce(int n, std::size_t bytes, bool shared_memo
   for (Algorithm a : {Algorithm::kRecursiveDoubling, Algorithm::kHalvingDoubling,
                       Algorithm::kSharedMemory, Algorithm::kHierarchical}) {
     if (a == Algorithm::kSharedMemory && !shared_memory) continue;
-    if (a == Algorithm::kHierarchical && !(hosts > 1 && n % hosts == 0 && n > hosts)) continue;
+    if (a == Algorithm::kHierarchical && !spread_evenly(n, hosts)) continue;
     double t = allreduce_us(a, n, bytes, hosts);
     if (t < best_us) {
       best = a;
