@@ -8,26 +8,6 @@
 
 namespace gradsync::collectives {
 
-namespace {
-
-void narrow(const float* src, std::uint16_t* dst, std::size_t n, DataType wire) {
-  if (wire == DataType::kBFloat16) {
-    kernels::float_to_bfloat16(src, dst, n);
-  } else {
-    kernels::float_to_half(src, dst, n);
-  }
-}
-
-void widen(const std::uint16_t* src, float* dst, std::size_t n, DataType wire) {
-  if (wire == DataType::kBFloat16) {
-    kernels::bfloat16_to_float(src, dst, n);
-  } else {
-    kernels::half_to_float(src, dst, n);
-  }
-}
-
-}  // namespace
-
 void ring_allreduce_half_wire(Comm& c, float* data, std::size_t count, DataType wire, ReduceOp op) {
   const long long n = c.size(), p = c.ring_position();
   if (n == 1) return;
@@ -49,10 +29,10 @@ void ring_allreduce_half_wire(Comm& c, float* data, std::size_t count, DataType 
   for (long long s = 0; s < n - 1; ++s) {
     const std::size_t out = seg(p - s), in = seg(p - s - 1);
     std::uint16_t* out_wire = wire_buf.data() + part.offset(out);
-    narrow(data + part.offset(out), out_wire, part.size(out), wire);
+    kernels::float_to_16bit(data + part.offset(out), out_wire, part.size(out), wire);
     auto sent = c.isend(right, out_wire, part.size(out) * 2);
     c.recv(left, incoming.data(), part.size(in) * 2);
-    widen(incoming.data(), widened.data(), part.size(in), wire);
+    kernels::float_from_16bit(incoming.data(), widened.data(), part.size(in), wire);
     kernels::reduce_into(data + part.offset(in), widened.data(), part.size(in), DataType::kFloat32,
                          ReduceOp::kSum);
     c.wait(sent);
@@ -64,8 +44,8 @@ void ring_allreduce_half_wire(Comm& c, float* data, std::size_t count, DataType 
   if (op == ReduceOp::kAvg) {
     kernels::scale_for_average(mine, part.size(owned), DataType::kFloat32, static_cast<int>(n));
   }
-  narrow(mine, wire_buf.data() + part.offset(owned), part.size(owned), wire);
-  widen(wire_buf.data() + part.offset(owned), mine, part.size(owned), wire);
+  kernels::float_to_16bit(mine, wire_buf.data() + part.offset(owned), part.size(owned), wire);
+  kernels::float_from_16bit(wire_buf.data() + part.offset(owned), mine, part.size(owned), wire);
 
   // All-gather: forward the finished segments in the wire format.
   for (long long t = 0; t < n - 1; ++t) {
@@ -73,7 +53,8 @@ void ring_allreduce_half_wire(Comm& c, float* data, std::size_t count, DataType 
                       in = seg(static_cast<long long>(owned) - t - 1);
     auto sent = c.isend(right, wire_buf.data() + part.offset(out), part.size(out) * 2);
     c.recv(left, wire_buf.data() + part.offset(in), part.size(in) * 2);
-    widen(wire_buf.data() + part.offset(in), data + part.offset(in), part.size(in), wire);
+    kernels::float_from_16bit(wire_buf.data() + part.offset(in), data + part.offset(in),
+                              part.size(in), wire);
     c.wait(sent);
   }
 }

@@ -70,32 +70,24 @@ class NoneCodec final : public Codec {
 // float16 or bfloat16 on the wire: half the bytes, one rounding (to nearest even).
 class HalfCodec final : public Codec {
  public:
-  explicit HalfCodec(bool bf16) : bf16_(bf16) {}
-  std::string spec() const override { return bf16_ ? "bf16" : "fp16"; }
+  explicit HalfCodec(DataType wire) : wire_(wire) {}
+  std::string spec() const override { return wire_ == DataType::kBFloat16 ? "bf16" : "fp16"; }
   bool biased() const override { return false; }
   std::size_t encoded_bytes(std::size_t count) const override { return count * 2; }
   void encode(const std::string&, std::span<const float> in,
               std::vector<std::uint8_t>& out) override {
     out.resize(in.size() * 2);
-    auto* dst = reinterpret_cast<std::uint16_t*>(out.data());
-    if (bf16_) {
-      kernels::float_to_bfloat16(in.data(), dst, in.size());
-    } else {
-      kernels::float_to_half(in.data(), dst, in.size());
-    }
+    kernels::float_to_16bit(in.data(), reinterpret_cast<std::uint16_t*>(out.data()), in.size(),
+                            wire_);
   }
   void decode(std::span<const std::uint8_t> payload, std::span<float> out) const override {
     expect_bytes(spec(), payload, encoded_bytes(out.size()), out.size());
-    const auto* src = reinterpret_cast<const std::uint16_t*>(payload.data());
-    if (bf16_) {
-      kernels::bfloat16_to_float(src, out.data(), out.size());
-    } else {
-      kernels::half_to_float(src, out.data(), out.size());
-    }
+    kernels::float_from_16bit(reinterpret_cast<const std::uint16_t*>(payload.data()), out.data(),
+                              out.size(), wire_);
   }
 
  private:
-  bool bf16_;
+  DataType wire_;
 };
 
 // Symmetric 8-bit quantisation with one float32 scale per block of `block` elements:
@@ -328,7 +320,8 @@ std::unique_ptr<Codec> make_codec(std::string_view text) {
   if (s.name == "none") {
     codec = std::make_unique<NoneCodec>();
   } else if (s.name == "fp16" || s.name == "bf16") {
-    codec = std::make_unique<HalfCodec>(s.name == "bf16");
+    codec =
+        std::make_unique<HalfCodec>(s.name == "bf16" ? DataType::kBFloat16 : DataType::kFloat16);
   } else {  // int8: parse() admits no other names
     codec = std::make_unique<Int8Codec>(static_cast<std::size_t>(s.get("block", 256)));
   }

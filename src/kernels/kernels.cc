@@ -417,6 +417,23 @@ void bfloat16_to_float(const std::uint16_t* src, float* dst, std::size_t count) 
   for (std::size_t i = 0; i < count; ++i) dst[i] = decode_bf16(src[i]);
 }
 
+void float_to_16bit(const float* src, std::uint16_t* dst, std::size_t count, DataType to) {
+  if (to == DataType::kBFloat16) {
+    float_to_bfloat16(src, dst, count);
+  } else {
+    float_to_half(src, dst, count);
+  }
+}
+
+void float_from_16bit(const std::uint16_t* src, float* dst, std::size_t count,
+                         DataType from) {
+  if (from == DataType::kBFloat16) {
+    bfloat16_to_float(src, dst, count);
+  } else {
+    half_to_float(src, dst, count);
+  }
+}
+
 const char* isa_name() { return use_avx2() ? "avx2+f16c" : "scalar"; }
 
 void force_scalar(bool on) { g_force_scalar.store(on, std::memory_order_relaxed); }

@@ -27,6 +27,9 @@ void float_to_half(const float* src, std::uint16_t* dst, std::size_t count);
 void half_to_float(const std::uint16_t* src, float* dst, std::size_t count);
 void float_to_bfloat16(const float* src, std::uint16_t* dst, std::size_t count);
 void bfloat16_to_float(const std::uint16_t* src, float* dst, std::size_t count);
+// The same, for a 16-bit float type chosen at run time (kFloat16 or kBFloat16).
+void float_to_16bit(const float* src, std::uint16_t* dst, std::size_t count, DataType to);
+void float_from_16bit(const std::uint16_t* src, float* dst, std::size_t count, DataType from);
 
 // Scalar conversions (reference and tests).
 std::uint16_t float_to_half(float f);
