@@ -1,6 +1,7 @@
 // Kernels: every dtype x op against an independent reference, scalar vs AVX2 bit identity,
 // awkward counts, unaligned and aliased buffers, conversions (exhaustive over 16-bit
-// values, ties-to-even), integer wrap-around and averaging.
+// values, ties-to-even), integer wrap-around and averaging; the gradient-codec kernels
+// (int8 blocks, sign bits, L1/max norms, finiteness) against plain loops on both paths.
 #include "kernels/kernels.h"
 
 #include <gtest/gtest.h>
@@ -734,6 +735,443 @@ TEST(Kernels, InvalidArgumentsThrow) {
     EXPECT_NE(std::string(e.what()).find("scale_for_average"), std::string::npos);
   }
 }
+
+// ---------------------------------------------------------------- gradient-codec kernels
+
+namespace codec_kernels {
+
+constexpr std::size_t kCodecCounts[] = {0, 1, 7, 8, 9, 31, 33, 1000, 4097};
+constexpr std::size_t kBlocks[] = {1, 3, 64, 256};
+
+std::uint32_t bits_of(float f) {
+  return std::bit_cast<std::uint32_t>(f);
+}
+
+// Gradient-like values with the awkward cases sprinkled in: -0, denormals, huge values,
+// runs of zeros (whole zero blocks for small block sizes), exact integers and x.5 steps.
+std::vector<float> awkward_floats(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1e-3f);
+  std::vector<float> v(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    switch (rng() % 16) {
+      case 0:
+        v[i] = -0.0f;
+        break;
+      case 1:
+        v[i] = 0.0f;
+        break;
+      case 2:
+        v[i] = std::bit_cast<float>(static_cast<std::uint32_t>(rng() % 0x007FFFFFu + 1));
+        break;
+      case 3:
+        v[i] = (rng() & 1) != 0 ? 1e38f : -3.4e38f;
+        break;
+      case 4:
+        v[i] = static_cast<float>(static_cast<int>(rng() % 255) - 127) + 0.5f;
+        break;
+      default:
+        v[i] = normal(rng);
+        break;
+    }
+  }
+  // A run of zeros long enough to make whole blocks of 1, 3 and 64 elements zero.
+  for (std::size_t i = n / 3; i < n / 3 + 70 && i < n; ++i) v[i] = (i & 1) != 0 ? 0.0f : -0.0f;
+  return v;
+}
+
+// The int8 formula written out plainly.
+void ref_quantize(const float* in, std::size_t n, std::size_t block, float* scales,
+                  std::int8_t* q) {
+  for (std::size_t b = 0; b * block < n; ++b) {
+    const std::size_t lo = b * block, hi = std::min(n, lo + block);
+    float peak = 0.0f;
+    for (std::size_t i = lo; i < hi; ++i) {
+      if (!std::isnan(in[i]) && std::fabs(in[i]) > peak) peak = std::fabs(in[i]);
+    }
+    const float scale = peak / 127.0f;
+    scales[b] = scale;
+    const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
+    for (std::size_t i = lo; i < hi; ++i) {
+      const float r = std::nearbyint(in[i] * inverse);
+      q[i] = std::isnan(r) ? 0 : static_cast<std::int8_t>(std::clamp(r, -127.0f, 127.0f));
+    }
+  }
+}
+
+::testing::AssertionResult same_floats(const float* got, const float* want, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    if (bits_of(got[i]) != bits_of(want[i])) {
+      return ::testing::AssertionFailure()
+             << "element " << i << " of " << n << ": got " << got[i] << " (" << std::hex
+             << bits_of(got[i]) << ") want " << want[i] << " (" << bits_of(want[i]) << ")";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+struct Quantized {
+  std::vector<float> scales;
+  std::vector<std::int8_t> q;
+};
+
+Quantized quantize(const float* in, std::size_t n, std::size_t block) {
+  Quantized r{std::vector<float>((n + block - 1) / block + 1, -1.0f),
+              std::vector<std::int8_t>(n + 1, 99)};
+  quantize_int8_blocks(in, n, block, r.scales.data(), r.q.data());
+  return r;
+}
+
+TEST(CodecKernels, QuantizeInt8MatchesTheFormulaOnEveryPath) {
+  for (std::size_t n : kCodecCounts) {
+    // Offset by one float: unaligned on the vector path.
+    std::vector<float> buf = awkward_floats(n + 1, n);
+    const float* in = buf.data() + 1;
+    for (std::size_t block : kBlocks) {
+      const std::size_t nb = (n + block - 1) / block;
+      std::vector<float> want_s(nb);
+      std::vector<std::int8_t> want_q(n);
+      ref_quantize(in, n, block, want_s.data(), want_q.data());
+      for (bool scalar : paths()) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " block=" + std::to_string(block) +
+                     (scalar ? " scalar" : " vector"));
+        ScopedScalar mode(scalar);
+        const Quantized got = quantize(in, n, block);
+        ASSERT_TRUE(same_floats(got.scales.data(), want_s.data(), nb));
+        for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(got.q[i], want_q[i]) << "element " << i;
+        EXPECT_EQ(got.scales[nb], -1.0f) << "wrote a scale past the last block";
+        EXPECT_EQ(got.q[n], 99) << "wrote a value past count";
+      }
+    }
+  }
+}
+
+TEST(CodecKernels, QuantizeInt8RoundsTiesToEvenAndHandlesExtremes) {
+  for (bool scalar : paths()) {
+    ScopedScalar mode(scalar);
+    // Peak 127: the scale and its inverse are exactly 1, so x.5 values are exact ties.
+    const float ties[] = {127.0f, 0.5f,  1.5f, 2.5f, -0.5f,   -1.5f,    -2.5f, 126.5f, -126.5f,
+                          3.5f,   -0.0f, 0.0f, 4.5f, -127.0f, 5.49999f, 5.5f,  6.5f};
+    const std::size_t n = std::size(ties);
+    Quantized r = quantize(ties, n, n);
+    EXPECT_EQ(r.scales[0], 1.0f);
+    const std::int8_t want[] = {127, 0, 2, 2, 0, -2, -2, 126, -126, 4, 0, 0, 4, -127, 5, 6, 6};
+    for (std::size_t i = 0; i < n; ++i) EXPECT_EQ(r.q[i], want[i]) << "element " << i;
+
+    // Huge values: the scale is finite and the peak maps to +-127.
+    const float huge[] = {1e38f, -3.4e38f, 3.4028235e38f, 1.0f, -1e30f};
+    r = quantize(huge, 5, 5);
+    EXPECT_EQ(r.scales[0], 3.4028235e38f / 127.0f);
+    EXPECT_EQ(r.q[2], 127);
+    EXPECT_EQ(r.q[1], -127);
+    EXPECT_EQ(r.q[3], 0);
+
+    // All zero (either sign): scale 0, values 0. A lone smallest denormal: its scale
+    // underflows to 0 too.
+    const float zeros[] = {0.0f, -0.0f, 0.0f, std::bit_cast<float>(1u), -0.0f};
+    r = quantize(zeros, 3, 3);
+    EXPECT_EQ(bits_of(r.scales[0]), 0u);
+    r = quantize(zeros, 5, 5);
+    EXPECT_EQ(bits_of(r.scales[0]), 0u);
+    for (std::size_t i = 0; i < 5; ++i) EXPECT_EQ(r.q[i], 0);
+
+    // A denormal peak whose reciprocal scale overflows to Inf: nonzero values saturate,
+    // zeros (0 * Inf is NaN) stay 0.
+    const float tiny[] = {1e-40f, -1e-40f, 0.0f, -0.0f, 5e-41f};
+    r = quantize(tiny, 5, 5);
+    EXPECT_GT(r.scales[0], 0.0f);
+    EXPECT_EQ(1.0f / r.scales[0], INFINITY);
+    const std::int8_t want_tiny[] = {127, -127, 0, 0, 127};
+    for (std::size_t i = 0; i < 5; ++i) EXPECT_EQ(r.q[i], want_tiny[i]) << "element " << i;
+  }
+}
+
+TEST(CodecKernels, QuantizeInt8NonFiniteInputIsDefinedAndSameOnBothPaths) {
+  // Not checked by the kernel, but it must stay in bounds and agree across paths.
+  std::vector<float> v = awkward_floats(1000, 3);
+  v[5] = NAN;
+  v[60] = NAN;  // in the last vector a block of 64's peak loop reads
+  v[511] = NAN;
+  v[300] = INFINITY;
+  v[301] = -INFINITY;
+  v[999] = -NAN;
+  for (std::size_t block : kBlocks) {
+    std::vector<float> want_s((v.size() + block - 1) / block);
+    std::vector<std::int8_t> want_q(v.size());
+    ref_quantize(v.data(), v.size(), block, want_s.data(), want_q.data());
+    for (bool scalar : paths()) {
+      ScopedScalar mode(scalar);
+      const Quantized got = quantize(v.data(), v.size(), block);
+      ASSERT_TRUE(same_floats(got.scales.data(), want_s.data(), want_s.size()));
+      for (std::size_t i = 0; i < v.size(); ++i) ASSERT_EQ(got.q[i], want_q[i]) << i;
+    }
+  }
+}
+
+TEST(CodecKernels, DequantizeInt8MatchesReferenceAndAddsInPlace) {
+  std::mt19937 rng(9);
+  for (std::size_t n : kCodecCounts) {
+    for (std::size_t block : kBlocks) {
+      const std::size_t nb = (n + block - 1) / block;
+      std::vector<std::int8_t> q(n + 1);
+      for (auto& x : q) x = static_cast<std::int8_t>(static_cast<int>(rng() % 255) - 127);
+      std::vector<float> scales(nb);
+      for (std::size_t b = 0; b < nb; ++b) {
+        scales[b] = b % 7 == 0 ? 0.0f : std::ldexp(static_cast<float>(rng() % 1000 + 1), -20);
+      }
+      const std::vector<float> base = awkward_floats(n + 1, n + 7);
+      std::vector<float> want(n), want_add(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        want[i] = static_cast<float>(q[i + 1]) * scales[i / block];
+        want_add[i] = base[i + 1] + want[i];  // no FMA on the baseline target: two roundings
+      }
+      for (bool scalar : paths()) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " block=" + std::to_string(block) +
+                     (scalar ? " scalar" : " vector"));
+        ScopedScalar mode(scalar);
+        std::vector<float> out(n + 1, 7.0f);
+        dequantize_int8_blocks(q.data() + 1, scales.data(), n, block, out.data());
+        ASSERT_TRUE(same_floats(out.data(), want.data(), n));
+        EXPECT_EQ(out[n], 7.0f);
+        std::vector<float> acc(base.begin() + 1, base.end());
+        acc.push_back(7.0f);
+        dequantize_int8_blocks_add(q.data() + 1, scales.data(), n, block, acc.data());
+        ASSERT_TRUE(same_floats(acc.data(), want_add.data(), n));
+        EXPECT_EQ(acc[n], 7.0f);
+      }
+    }
+  }
+}
+
+TEST(CodecKernels, DequantizeAddIsNotFusedAndCanonicalisesNaN) {
+  // 1 + 3 * (1/3 rounded): a fused multiply-add would round once and differ in the last bit
+  // for some of these; the kernels must round the product first.
+  std::vector<std::int8_t> q(64);
+  std::vector<float> out(64), want(64);
+  const float scale = 1.0f / 3.0f;
+  for (std::size_t i = 0; i < 64; ++i) {
+    q[i] = static_cast<std::int8_t>(i * 2 + 1);
+    out[i] = 1.0f + static_cast<float>(i) * 0x1p-20f;
+  }
+  std::vector<float> nan_out(9, NAN);
+  nan_out[0] = std::bit_cast<float>(0xFFC12345u);
+  const std::vector<std::int8_t> q9(9, 1);
+  const float inf_scale[1] = {INFINITY};
+  for (bool scalar : paths()) {
+    ScopedScalar mode(scalar);
+    std::vector<float> acc = out;
+    for (std::size_t i = 0; i < 64; ++i) want[i] = out[i] + static_cast<float>(q[i]) * scale;
+    dequantize_int8_blocks_add(q.data(), &scale, 64, 64, acc.data());
+    ASSERT_TRUE(same_floats(acc.data(), want.data(), 64));
+    std::vector<float> n9 = nan_out;
+    dequantize_int8_blocks_add(q9.data(), inf_scale, 9, 9, n9.data());
+    for (float f : n9) EXPECT_EQ(bits_of(f), 0x7FC00000u);
+  }
+}
+
+TEST(CodecKernels, PackSignsUsesTheSignBitLsbFirst) {
+  for (std::size_t n : kCodecCounts) {
+    std::vector<float> in = awkward_floats(n + 1, n + 11);
+    if (n > 3) in[3] = -NAN;  // sign set
+    if (n > 4) in[4] = NAN;
+    const std::size_t bytes = (n + 7) / 8;
+    std::vector<std::uint8_t> want(bytes, 0);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (std::signbit(in[i + 1]))
+        want[i / 8] = static_cast<std::uint8_t>(want[i / 8] | (1u << (i % 8)));
+    }
+    for (bool scalar : paths()) {
+      SCOPED_TRACE("n=" + std::to_string(n) + (scalar ? " scalar" : " vector"));
+      ScopedScalar mode(scalar);
+      std::vector<std::uint8_t> got(bytes + 1, 0xA5);
+      pack_signs(in.data() + 1, n, got.data());
+      for (std::size_t i = 0; i < bytes; ++i) ASSERT_EQ(got[i], want[i]) << "byte " << i;
+      EXPECT_EQ(got[bytes], 0xA5) << "wrote past ceil(n/8) bytes";
+    }
+  }
+  const float z[3] = {-0.0f, 0.0f, -1e-45f};
+  for (bool scalar : paths()) {
+    ScopedScalar mode(scalar);
+    std::uint8_t b = 0xFF;
+    pack_signs(z, 3, &b);
+    EXPECT_EQ(b, 0b101) << "-0 and negative denormals count as negative; high bits zero";
+  }
+}
+
+TEST(CodecKernels, UnpackSignsScaledWritesOrAccumulates) {
+  std::mt19937 rng(13);
+  for (std::size_t n : kCodecCounts) {
+    std::vector<std::uint8_t> bits((n + 7) / 8 + 1);
+    for (auto& b : bits) b = static_cast<std::uint8_t>(rng());
+    const std::vector<float> base = awkward_floats(n + 1, n + 5);
+    for (float scale : {0.25f, 1e-3f, -0.0f, 3e38f}) {
+      std::vector<float> want(n), want_add(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        want[i] = ((bits[1 + i / 8] >> (i % 8)) & 1) != 0 ? -scale : scale;
+        want_add[i] = base[i + 1] + want[i];
+        if (std::isnan(want_add[i])) want_add[i] = std::bit_cast<float>(0x7FC00000u);
+      }
+      for (bool scalar : paths()) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " scale=" + std::to_string(scale) +
+                     (scalar ? " scalar" : " vector"));
+        ScopedScalar mode(scalar);
+        std::vector<float> out(n + 1, 7.0f);
+        unpack_signs_scaled(bits.data() + 1, n, scale, out.data(), false);
+        ASSERT_TRUE(same_floats(out.data(), want.data(), n));
+        EXPECT_EQ(out[n], 7.0f);
+        std::vector<float> acc(base.begin() + 1, base.end());
+        acc.push_back(7.0f);
+        unpack_signs_scaled(bits.data() + 1, n, scale, acc.data(), true);
+        ASSERT_TRUE(same_floats(acc.data(), want_add.data(), n));
+        EXPECT_EQ(acc[n], 7.0f);
+      }
+    }
+  }
+}
+
+TEST(CodecKernels, PackThenUnpackRecoversSigns) {
+  constexpr std::size_t n = 4097;
+  const std::vector<float> in = awkward_floats(n, 21);
+  std::vector<std::uint8_t> bits((n + 7) / 8);
+  std::vector<float> out(n);
+  pack_signs(in.data(), n, bits.data());
+  unpack_signs_scaled(bits.data(), n, 2.0f, out.data(), false);
+  for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], std::signbit(in[i]) ? -2.0f : 2.0f) << i;
+}
+
+// The documented scheme: lane i % 32 in double, lanes folded pairwise (16, 8, 4, 2, 1).
+float ref_sum_abs_lanes(const float* in, std::size_t n) {
+  double lanes[32] = {};
+  for (std::size_t i = 0; i < n; ++i) lanes[i % 32] += std::fabs(static_cast<double>(in[i]));
+  for (std::size_t w = 16; w >= 1; w /= 2) {
+    for (std::size_t j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+  }
+  return static_cast<float>(lanes[0]);
+}
+
+TEST(CodecKernels, SumAbsIsTheL1NormIdenticalOnBothPaths) {
+  for (std::size_t n : kCodecCounts) {
+    std::vector<float> v = awkward_floats(n + 1, n + 17);
+    for (auto& x : v) {
+      if (std::fabs(x) > 1e30f) x = 0.25f;  // keep the plain double sum meaningful
+    }
+    const float* in = v.data() + 1;
+    double plain = 0;
+    for (std::size_t i = 0; i < n; ++i) plain += std::fabs(static_cast<double>(in[i]));
+    const float want = ref_sum_abs_lanes(in, n);
+    EXPECT_NEAR(want, plain, plain * 1e-6);
+    for (bool scalar : paths()) {
+      ScopedScalar mode(scalar);
+      EXPECT_EQ(bits_of(sum_abs(in, n)), bits_of(want)) << "n=" << n << " scalar=" << scalar;
+    }
+  }
+  // Where association shows: the exact sum 1 + 2^-24 + 2^-52 rounds up to 1 + 2^-23, but the
+  // documented lane tree adds 2^-53 to 1 + 2^-24 last (a double tie, to even) and gets 1.
+  std::vector<float> order(32, 0.0f);
+  order[13] = order[14] = 0x1p-53f;
+  order[29] = 1.0f;
+  order[31] = 0x1p-24f;
+  EXPECT_EQ(ref_sum_abs_lanes(order.data(), 32), 1.0f);
+  for (bool scalar : paths()) {
+    ScopedScalar mode(scalar);
+    EXPECT_EQ(sum_abs(order.data(), 32), 1.0f) << "scalar=" << scalar;
+  }
+  // A large sum of values with every exponent: still identical on both paths.
+  std::mt19937 rng(2);
+  std::vector<float> big(1000003);
+  for (auto& x : big) x = std::bit_cast<float>(static_cast<std::uint32_t>(rng()) & 0xBF7FFFFFu);
+  const float s = [&] {
+    ScopedScalar mode(true);
+    return sum_abs(big.data(), big.size());
+  }();
+  EXPECT_EQ(bits_of(sum_abs(big.data(), big.size())), bits_of(s));
+  EXPECT_EQ(bits_of(s), bits_of(ref_sum_abs_lanes(big.data(), big.size())));
+  for (bool scalar : paths()) {
+    ScopedScalar mode(scalar);
+    const float exact[5] = {1.0f, -2.0f, 3.0f, -0.0f, 1e-45f};
+    EXPECT_EQ(sum_abs(exact, 3), 6.0f);
+    EXPECT_EQ(bits_of(sum_abs(exact, 0)), 0u);
+    EXPECT_EQ(bits_of(sum_abs(exact + 3, 2)), 1u);  // a denormal survives
+    const float huge[2] = {3.4e38f, 3.4e38f};
+    EXPECT_EQ(sum_abs(huge, 2), INFINITY);  // exact in double, overflows only as float
+    const float with_nan[9] = {1, 2, 3, 4, 5, 6, 7, 8, -NAN};
+    EXPECT_EQ(bits_of(sum_abs(with_nan, 9)), 0x7FC00000u);
+  }
+}
+
+TEST(CodecKernels, MaxAbsPropagatesNaN) {
+  for (std::size_t n : kCodecCounts) {
+    const std::vector<float> v = awkward_floats(n + 1, n + 23);
+    const float* in = v.data() + 1;
+    float want = 0.0f;
+    for (std::size_t i = 0; i < n; ++i) want = std::max(want, std::fabs(in[i]));
+    for (bool scalar : paths()) {
+      ScopedScalar mode(scalar);
+      EXPECT_EQ(bits_of(max_abs(in, n)), bits_of(want)) << "n=" << n << " scalar=" << scalar;
+    }
+  }
+  for (bool scalar : paths()) {
+    ScopedScalar mode(scalar);
+    std::vector<float> v(33, -0.0f);
+    EXPECT_EQ(bits_of(max_abs(v.data(), v.size())), 0u) << "-0 gives +0";
+    v[32] = -INFINITY;
+    EXPECT_EQ(max_abs(v.data(), v.size()), INFINITY);
+    for (std::size_t at : {std::size_t{0}, std::size_t{7}, std::size_t{31}, std::size_t{32}}) {
+      std::vector<float> w(33, 1.0f);
+      w[at] = std::bit_cast<float>(0xFF800001u);  // a signalling NaN with the sign set
+      EXPECT_EQ(bits_of(max_abs(w.data(), w.size())), 0x7FC00000u) << at;
+    }
+  }
+}
+
+TEST(CodecKernels, FirstNonFiniteFindsTheFirstNaNOrInf) {
+  for (std::size_t n : kCodecCounts) {
+    std::vector<float> v = awkward_floats(n + 1, n + 29);  // finite: denormals, 3.4e38
+    for (bool scalar : paths()) {
+      ScopedScalar mode(scalar);
+      EXPECT_EQ(first_non_finite(v.data() + 1, n), n);
+      EXPECT_TRUE(all_finite(v.data() + 1, n));
+    }
+    for (std::size_t at : {std::size_t{0}, n / 2, n > 0 ? n - 1 : 0}) {
+      if (at >= n) continue;
+      for (float bad : {NAN, -NAN, INFINITY, -INFINITY, std::bit_cast<float>(0x7F800001u)}) {
+        std::vector<float> w = v;
+        w[at + 1] = bad;
+        if (at + 2 < n + 1) w[n] = NAN;  // a later one must not win
+        for (bool scalar : paths()) {
+          ScopedScalar mode(scalar);
+          EXPECT_EQ(first_non_finite(w.data() + 1, n), at) << "n=" << n << " scalar=" << scalar;
+          EXPECT_FALSE(all_finite(w.data() + 1, n));
+        }
+      }
+    }
+  }
+  const float edge[3] = {3.4028235e38f, -3.4028235e38f, std::bit_cast<float>(0x807FFFFFu)};
+  EXPECT_TRUE(all_finite(edge, 3));
+}
+
+TEST(CodecKernels, InvalidArgumentsThrow) {
+  float x[1] = {1.0f}, s[1];
+  std::int8_t q[1];
+  EXPECT_THROW(quantize_int8_blocks(x, 1, 0, s, q), Error);
+  EXPECT_THROW(dequantize_int8_blocks(q, s, 1, 0, x), Error);
+  EXPECT_THROW(dequantize_int8_blocks_add(q, s, 1, 0, x), Error);
+  EXPECT_THROW(quantize_int8_blocks(nullptr, 1, 4, s, q), Error);
+  EXPECT_THROW(pack_signs(x, 1, nullptr), Error);
+  EXPECT_THROW(unpack_signs_scaled(nullptr, 1, 1.0f, x, false), Error);
+  EXPECT_THROW(sum_abs(nullptr, 1), Error);
+  EXPECT_THROW(first_non_finite(nullptr, 1), Error);
+  // Zero count accepts null everywhere.
+  quantize_int8_blocks(nullptr, 0, 4, nullptr, nullptr);
+  dequantize_int8_blocks_add(nullptr, nullptr, 0, 4, nullptr);
+  pack_signs(nullptr, 0, nullptr);
+  unpack_signs_scaled(nullptr, 0, 1.0f, nullptr, true);
+  EXPECT_EQ(sum_abs(nullptr, 0), 0.0f);
+  EXPECT_EQ(max_abs(nullptr, 0), 0.0f);
+  EXPECT_TRUE(all_finite(nullptr, 0));
+}
+
+}  // namespace codec_kernels
 
 }  // namespace
 }  // namespace gradsync::kernels

@@ -15,8 +15,10 @@
 
 #include <cpuid.h>
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -272,6 +274,83 @@ void scalar_scale(void* data, std::size_t n, DataType dtype, int divisor) {
   }
 }
 
+// ---------------------------------------------------------------- scalar codec kernels
+
+// The int8 codec's rounding of x * inverse: nearest even (nearbyint under the default
+// rounding mode), NaN to 0 (a float-to-int cast of NaN is undefined), then the clamp.
+std::int8_t quantize_one(float t) {
+  float v = std::nearbyint(t);
+  if (v != v) v = 0.0f;
+  return static_cast<std::int8_t>(std::clamp(v, -127.0f, 127.0f));
+}
+
+void scalar_quantize_int8(const float* in, std::size_t n, std::size_t block, float* scales,
+                          std::int8_t* q) {
+  for (std::size_t b = 0, lo = 0; lo < n; ++b, lo += block) {
+    const std::size_t hi = n - lo < block ? n : lo + block;
+    float peak = 0.0f;
+    // std::max keeps `peak` when fabs(x) is NaN, as maxps(|x|, peak) does on the AVX2 path.
+    for (std::size_t i = lo; i < hi; ++i) peak = std::max(peak, std::fabs(in[i]));
+    const float scale = peak / 127.0f;
+    scales[b] = scale;
+    const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
+    for (std::size_t i = lo; i < hi; ++i) q[i] = quantize_one(in[i] * inverse);
+  }
+}
+
+// The multiply is its own statement and the baseline x86-64 target has no FMA, so the
+// product is rounded before the add, as on the AVX2 path.
+void scalar_dequantize_int8(const std::int8_t* q, const float* scales, std::size_t n,
+                            std::size_t block, float* out, bool accumulate) {
+  for (std::size_t b = 0, lo = 0; lo < n; ++b, lo += block) {
+    const std::size_t hi = n - lo < block ? n : lo + block;
+    const float scale = scales[b];
+    for (std::size_t i = lo; i < hi; ++i) {
+      const float v = static_cast<float>(q[i]) * scale;
+      out[i] = accumulate ? canon(out[i] + v) : v;
+    }
+  }
+}
+
+void scalar_pack_signs(const float* in, std::size_t n, std::uint8_t* bits) {
+  std::memset(bits, 0, (n + 7) / 8);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint32_t sign = std::bit_cast<std::uint32_t>(in[i]) >> 31;
+    bits[i / 8] = static_cast<std::uint8_t>(bits[i / 8] | (sign << (i % 8)));
+  }
+}
+
+void scalar_unpack_signs(const std::uint8_t* bits, std::size_t n, float scale, float* out,
+                         bool accumulate) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const float v = ((bits[i / 8] >> (i % 8)) & 1u) != 0 ? -scale : scale;
+    out[i] = accumulate ? canon(out[i] + v) : v;
+  }
+}
+
+constexpr std::size_t kSumLanes = 32;
+
+// Lane j sums |in[i]| for i % 32 == j in index order: exactly what the AVX2 path's eight
+// four-double accumulators do, so each lane's sequence of double additions is the same.
+void scalar_sum_abs_lanes(const float* in, std::size_t n, double lanes[kSumLanes]) {
+  for (std::size_t i = 0; i < n; ++i) lanes[i % kSumLanes] += std::fabs(static_cast<double>(in[i]));
+}
+
+std::uint32_t scalar_max_abs_bits(const float* in, std::size_t n) {
+  std::uint32_t m = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    m = std::max(m, std::bit_cast<std::uint32_t>(in[i]) & 0x7FFFFFFFu);
+  }
+  return m;
+}
+
+std::size_t scalar_first_non_finite(const float* in, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    if ((std::bit_cast<std::uint32_t>(in[i]) & 0x7F800000u) == 0x7F800000u) return i;
+  }
+  return n;
+}
+
 // ---------------------------------------------------------------- dispatch
 
 struct Cpu {
@@ -344,6 +423,13 @@ void check_ptr(const void* p, std::size_t count, std::size_t elem, const char* w
   if (p == nullptr && count != 0) {
     throw Error(ErrorKind::kInvalidArgument, std::string("null ") + what + " buffer",
                 Error::kUnknownRank, Error::kNoPeer, fn, count * elem);
+  }
+}
+
+void check_block(std::size_t block, const char* fn) {
+  if (block == 0) {
+    throw Error(ErrorKind::kInvalidArgument, "block must be >= 1, got 0", Error::kUnknownRank,
+                Error::kNoPeer, fn);
   }
 }
 
@@ -432,6 +518,89 @@ void float_from_16bit(const std::uint16_t* src, float* dst, std::size_t count,
   } else {
     half_to_float(src, dst, count);
   }
+}
+
+void quantize_int8_blocks(const float* in, std::size_t count, std::size_t block, float* scales,
+                          std::int8_t* q) {
+  check_block(block, "quantize_int8_blocks");
+  check_ptr(in, count, 4, "in", "quantize_int8_blocks");
+  check_ptr(scales, count, 4, "scales", "quantize_int8_blocks");
+  check_ptr(q, count, 1, "q", "quantize_int8_blocks");
+  if (count == 0) return;
+  if (use_avx2()) return avx2::quantize_int8_blocks(in, count, block, scales, q);
+  scalar_quantize_int8(in, count, block, scales, q);
+}
+
+void dequantize_int8_blocks(const std::int8_t* q, const float* scales, std::size_t count,
+                            std::size_t block, float* out) {
+  check_block(block, "dequantize_int8_blocks");
+  check_ptr(q, count, 1, "q", "dequantize_int8_blocks");
+  check_ptr(scales, count, 4, "scales", "dequantize_int8_blocks");
+  check_ptr(out, count, 4, "out", "dequantize_int8_blocks");
+  if (count == 0) return;
+  if (use_avx2()) return avx2::dequantize_int8_blocks(q, scales, count, block, out, false);
+  scalar_dequantize_int8(q, scales, count, block, out, false);
+}
+
+void dequantize_int8_blocks_add(const std::int8_t* q, const float* scales, std::size_t count,
+                                std::size_t block, float* out) {
+  check_block(block, "dequantize_int8_blocks_add");
+  check_ptr(q, count, 1, "q", "dequantize_int8_blocks_add");
+  check_ptr(scales, count, 4, "scales", "dequantize_int8_blocks_add");
+  check_ptr(out, count, 4, "out", "dequantize_int8_blocks_add");
+  if (count == 0) return;
+  if (use_avx2()) return avx2::dequantize_int8_blocks(q, scales, count, block, out, true);
+  scalar_dequantize_int8(q, scales, count, block, out, true);
+}
+
+void pack_signs(const float* in, std::size_t count, std::uint8_t* bits) {
+  check_ptr(in, count, 4, "in", "pack_signs");
+  check_ptr(bits, count, 1, "bits", "pack_signs");
+  if (count == 0) return;
+  if (use_avx2()) return avx2::pack_signs(in, count, bits);
+  scalar_pack_signs(in, count, bits);
+}
+
+void unpack_signs_scaled(const std::uint8_t* bits, std::size_t count, float scale, float* out,
+                         bool accumulate) {
+  check_ptr(bits, count, 1, "bits", "unpack_signs_scaled");
+  check_ptr(out, count, 4, "out", "unpack_signs_scaled");
+  if (count == 0) return;
+  if (use_avx2()) return avx2::unpack_signs_scaled(bits, count, scale, out, accumulate);
+  scalar_unpack_signs(bits, count, scale, out, accumulate);
+}
+
+float sum_abs(const float* in, std::size_t count) {
+  check_ptr(in, count, 4, "in", "sum_abs");
+  double lanes[kSumLanes] = {};
+  if (count != 0 && use_avx2()) {
+    avx2::sum_abs_lanes(in, count, lanes);
+  } else {
+    scalar_sum_abs_lanes(in, count, lanes);
+  }
+  // One fixed pairwise order for both paths.
+  for (std::size_t width = kSumLanes / 2; width >= 1; width /= 2) {
+    for (std::size_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  }
+  return canon(static_cast<float>(lanes[0]));
+}
+
+float max_abs(const float* in, std::size_t count) {
+  check_ptr(in, count, 4, "in", "max_abs");
+  const std::uint32_t m =
+      count != 0 && use_avx2() ? avx2::max_abs_bits(in, count) : scalar_max_abs_bits(in, count);
+  return m > 0x7F800000u ? qnan<float>() : std::bit_cast<float>(m);
+}
+
+std::size_t first_non_finite(const float* in, std::size_t count) {
+  check_ptr(in, count, 4, "in", "first_non_finite");
+  if (count == 0) return 0;
+  if (use_avx2()) return avx2::first_non_finite(in, count);
+  return scalar_first_non_finite(in, count);
+}
+
+bool all_finite(const float* in, std::size_t count) {
+  return first_non_finite(in, count) == count;
 }
 
 const char* isa_name() { return use_avx2() ? "avx2+f16c" : "scalar"; }

@@ -31,6 +31,51 @@ void bfloat16_to_float(const std::uint16_t* src, float* dst, std::size_t count);
 void float_to_16bit(const float* src, std::uint16_t* dst, std::size_t count, DataType to);
 void float_from_16bit(const std::uint16_t* src, float* dst, std::size_t count, DataType from);
 
+// ---------------------------------------------------------------- gradient codecs
+// Building blocks of the gradient codecs (src/compress/). Both paths give identical bits
+// for every input, NaN and Inf included, so every rank encodes and decodes alike whatever
+// its CPU. Inputs are not checked for NaN/Inf (callers that must refuse them use
+// first_non_finite); such inputs still never cause out-of-bounds access or undefined
+// behaviour. `block` must be >= 1 (throws Error(kInvalidArgument) otherwise); a null pointer
+// with count > 0 throws too.
+
+// Symmetric int8 with one scale per block of `block` elements (the last block may be
+// short), so one outlier costs precision only within its block: scales[b] = max|x| / 127
+// over block b (0 for an all-zero block; NaN elements do not count towards the max), and
+// q[i] = clamp(nearbyint(x * (1.0f / scale)), -127, 127), rounding ties to even, computed in
+// float exactly in that order; a NaN product (NaN input, or 0 * Inf when 1/scale overflows
+// for a denormal peak) quantises to 0. Writes ceil(count / block) scales and count values.
+void quantize_int8_blocks(const float* in, std::size_t count, std::size_t block, float* scales,
+                          std::int8_t* q);
+// The inverse: out[i] = float(q[i]) * scales[i / block].
+void dequantize_int8_blocks(const std::int8_t* q, const float* scales, std::size_t count,
+                            std::size_t block, float* out);
+// out[i] += float(q[i]) * scales[i / block] (multiply, then add: never fused), so decoded
+// payloads are summed without a temporary; a NaN sum is the canonical quiet NaN.
+void dequantize_int8_blocks_add(const std::int8_t* q, const float* scales, std::size_t count,
+                                std::size_t block, float* out);
+
+// Sign bits for 1-bit codecs: bit i (LSB first in byte i / 8) is in[i]'s sign bit, so -0.0f
+// and NaNs with the sign set count as negative. Writes ceil(count / 8) bytes; the unused
+// high bits of the last byte are zero, so payloads compare equal byte for byte.
+void pack_signs(const float* in, std::size_t count, std::uint8_t* bits);
+// out[i] = bit i ? -scale : +scale (or += that when `accumulate`, to sum decoded payloads in
+// place; a NaN sum is the canonical quiet NaN). Reads ceil(count / 8) bytes.
+void unpack_signs_scaled(const std::uint8_t* bits, std::size_t count, float scale, float* out,
+                         bool accumulate);
+
+// L1 norm, summed in double over 32 lanes (lane i % 32) added in a fixed order, then
+// rounded to float: the same bits on every path and machine, which a scale every rank must
+// agree on needs more than the last bit of speed. NaN anywhere gives the canonical NaN.
+float sum_abs(const float* in, std::size_t count);
+// max |in[i]| (0 for count 0). NaN anywhere gives the canonical quiet NaN (propagated, not
+// skipped: a scale computed from it must not look healthy).
+float max_abs(const float* in, std::size_t count);
+// Whether no element is NaN or Inf (exponent bits all ones), to report a bad gradient
+// before it is encoded; first_non_finite says where (count if all are finite).
+bool all_finite(const float* in, std::size_t count);
+std::size_t first_non_finite(const float* in, std::size_t count);
+
 // Scalar conversions (reference and tests).
 std::uint16_t float_to_half(float f);
 float half_to_float(std::uint16_t h);
