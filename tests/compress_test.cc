@@ -54,12 +54,13 @@ TEST(CodecSpec, ParsesCanonicalizesAndNamesWhatIsWrong) {
     const char* spec;
     const char* says;
   };
-  for (const Bad& b : {Bad{"", "no codec name"}, Bad{"zstd", "unknown codec 'zstd'"},
-                       Bad{"int8:", "nothing after ':'"}, Bad{"int8:block", "not key=value"},
-                       Bad{"fp16:block=4", "takes no 'block'"}, Bad{"int8:block=x", "not a number"},
-                       Bad{"int8:block=0", "block is a whole number"},
-                       Bad{"int8:block=2.5", "block is a whole number"},
-                       Bad{"int8:ef=2", "ef is 0 or 1"}, Bad{"int8:ef=1,ef=0", "given twice"}}) {
+  for (const Bad& b :
+       {Bad{"", "no codec name"}, Bad{"zstd", "unknown codec 'zstd'"},
+        Bad{"int8:", "nothing after ':'"}, Bad{"int8:block", "not key=value"},
+        Bad{"fp16:block=4", "takes no 'block'"}, Bad{"int8:block=x", "not a number"},
+        Bad{"int8:block=0", "block is a whole number"},
+        Bad{"int8:block=2.5", "block is a whole number"},
+        Bad{"int8:ef=2", "ef is a whole number 0..1"}, Bad{"int8:ef=1,ef=0", "given twice"}}) {
     Error e = expect_error(ErrorKind::kInvalidArgument, [&] { make_codec(b.spec); });
     EXPECT_TRUE(contains(e.what(), b.says)) << b.spec << ": " << e.what();
     EXPECT_TRUE(contains(e.what(), "'" + std::string(b.spec) + "'")) << e.what();
@@ -339,36 +340,557 @@ TEST(CompressedAllreduce, HalfOnSharedMemoryIsTheFloat32SumRoundedOnce) {
   }
 }
 
-// Any other codec: the result is exactly "decode every rank's payload and sum in rank order",
-// on every rank.
-TEST(CompressedAllreduce, EqualsDecodeEveryPayloadAndSum) {
-  for (int n : {1, 2, 3, 5}) {
-    const std::size_t count = 4099;
-    // The reference, from fresh codecs (no feedback, so no state).
-    std::vector<float> want(count, 0.0f), decoded(count);
-    for (int r = 0; r < n; ++r) {
-      auto codec = make_codec("int8:ef=0,block=32");
-      std::vector<std::uint8_t> payload;
-      codec->encode("w", gradient(count, 70 + static_cast<unsigned>(r)), payload);
-      codec->decode(payload, decoded);
-      if (r == 0) {
-        want = decoded;
-      } else {
-        kernels::reduce_into(want.data(), decoded.data(), count, DataType::kFloat32,
-                             ReduceOp::kSum);
+// Entry `key` of a codec's saved state (format in src/compress/codecs.h: magic, u32 entries,
+// per entry u32 name bytes, name, u64 floats, floats); empty if absent.
+std::vector<float> state_entry(const std::vector<std::uint8_t>& state, const std::string& key) {
+  if (state.size() < 8) return {};  // a codec without state
+  std::size_t at = 4;
+  std::uint32_t entries;
+  std::memcpy(&entries, state.data() + at, 4);
+  at += 4;
+  for (std::uint32_t e = 0; e < entries; ++e) {
+    std::uint32_t len;
+    std::memcpy(&len, state.data() + at, 4);
+    const std::string name(reinterpret_cast<const char*>(state.data() + at + 4), len);
+    at += 4 + len;
+    std::uint64_t floats;
+    std::memcpy(&floats, state.data() + at, 8);
+    at += 8;
+    std::vector<float> v(floats);
+    if (floats) std::memcpy(v.data(), state.data() + at, 4 * floats);
+    at += 4 * floats;
+    if (name == key) return v;
+  }
+  return {};
+}
+
+// QSGD is unbiased: the mean of many independently seeded decodes converges to the input (to
+// within 5 standard deviations of the mean, sigma <= step / 2 / sqrt(T)), and every single
+// decode is within one step. Same seed and stream: the same payload.
+TEST(Codecs, QsgdIsUnbiasedAndReproducible) {
+  const std::size_t n = 1000, block = 64, trials = 2000;
+  const float levels = 4;
+  const auto g = gradient(n, 11);
+  auto codec = make_codec("qsgd:levels=4,block=64");
+  EXPECT_EQ(codec->spec(), "qsgd:block=64,levels=4,seed=0");
+  std::vector<double> mean(n, 0.0);
+  std::vector<float> step(n);
+  for (std::size_t b = 0; b * block < n; ++b) {
+    double sq = 0;
+    for (std::size_t i = b * block; i < std::min(n, (b + 1) * block); ++i)
+      sq += double(g[i]) * g[i];
+    for (std::size_t i = b * block; i < std::min(n, (b + 1) * block); ++i) {
+      step[i] = static_cast<float>(std::sqrt(sq)) / levels;
+    }
+  }
+  for (std::size_t t = 0; t < trials; ++t) {  // each encode is a new step: new draws
+    const auto out = round_trip(*codec, g);
+    for (std::size_t i = 0; i < n; ++i) {
+      ASSERT_LE(std::fabs(out[i] - g[i]), step[i] * 1.0001f) << i;
+      mean[i] += out[i] / static_cast<double>(trials);
+    }
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    EXPECT_LE(std::fabs(mean[i] - g[i]), 5 * step[i] / 2 / std::sqrt(double(trials)) + 1e-9) << i;
+  }
+  std::vector<std::uint8_t> a, b, c;
+  make_codec("qsgd:seed=7")->encode("w", g, a);
+  make_codec("qsgd:seed=7")->encode("w", g, b);
+  auto other = make_codec("qsgd:seed=7");
+  other->set_stream(1);
+  other->encode("w", g, c);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+}
+
+// Top-k: exactly the k = ceil(ratio n) largest magnitudes, ties to the lower index, indices
+// ascending; the sampled-threshold path (large tensors) picks the same elements as exact=1.
+TEST(Codecs, TopKIsTheKLargestWithTiesToTheLowerIndex) {
+  auto picks = [](compress::Codec& codec, const std::vector<float>& g) {
+    std::vector<std::uint8_t> payload;
+    codec.encode("t", g, payload);
+    std::uint32_t pairs;
+    std::memcpy(&pairs, payload.data() + 4, 4);
+    EXPECT_EQ(payload.size(), 8 + 8 * std::size_t{pairs});
+    std::vector<std::uint32_t> idx(pairs);
+    if (pairs) std::memcpy(idx.data(), payload.data() + 8, 4 * pairs);
+    return idx;
+  };
+  const std::vector<float> tied = {1, -3, 3, 2, -3, 0, 3};
+  EXPECT_EQ(picks(*make_codec("topk:ratio=0.25,ef=0"), tied), (std::vector<std::uint32_t>{1, 2}));
+  EXPECT_EQ(picks(*make_codec("topk:ratio=0.5,ef=0"), tied),
+            (std::vector<std::uint32_t>{1, 2, 4, 6}));
+  EXPECT_EQ(picks(*make_codec("topk:ratio=0.01,ef=0"), tied), (std::vector<std::uint32_t>{1}));
+  for (std::size_t n : {std::size_t{1000}, std::size_t{200003}}) {
+    // Magnitudes on a coarse grid: many ties, some straddling the k-th value.
+    auto g = gradient(n, 12);
+    for (float& x : g) x = std::round(x * 2e4f) / 2e4f;
+    for (double ratio : {0.001, 0.01, 0.1}) {
+      const std::size_t k = static_cast<std::size_t>(std::ceil(ratio * static_cast<double>(n)));
+      std::vector<std::uint32_t> order(n);
+      for (std::size_t i = 0; i < n; ++i) order[i] = static_cast<std::uint32_t>(i);
+      std::stable_sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
+        return std::fabs(g[a]) > std::fabs(g[b]);
+      });
+      std::vector<std::uint32_t> want(order.begin(), order.begin() + static_cast<long>(k));
+      std::sort(want.begin(), want.end());
+      const std::string r = std::to_string(ratio);
+      EXPECT_EQ(picks(*make_codec("topk:ef=0,ratio=" + r), g), want) << n << " " << ratio;
+      EXPECT_EQ(picks(*make_codec("topk:ef=0,exact=1,ratio=" + r), g), want) << n << " " << ratio;
+    }
+  }
+  EXPECT_TRUE(picks(*make_codec("topk:ratio=0.5"), {}).empty());
+}
+
+TEST(Codecs, ThresholdKeepsExactlyTheElementsAtOrAboveTheCut) {
+  const auto g = gradient(5000, 13);
+  float peak = 0;
+  for (float x : g) peak = std::max(peak, std::fabs(x));
+  auto codec = make_codec("threshold:rel=0.25,ef=0");
+  const auto out = round_trip(*codec, g);
+  const float cut = 0.25f * peak;
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    const bool keep = std::fabs(g[i]) >= cut;
+    kept += keep;
+    ASSERT_EQ(out[i], keep ? g[i] : 0.0f) << i;
+  }
+  EXPECT_GT(kept, 0u);
+  EXPECT_LT(kept, g.size() / 10);
+  EXPECT_TRUE(codec->size_varies());
+  std::size_t bytes = 0;
+  round_trip(*codec, std::vector<float>(100, 0.0f), &bytes);
+  EXPECT_EQ(bytes, 8u);  // nothing above the cut of an all-zero gradient
+}
+
+// Random-k: k values at one index per stratum, the same indices for every codec with the same
+// seed (every rank), new ones at every step; the payload carries no indices.
+TEST(Codecs, RandomKDrawsTheSameIndicesEverywhereAndNewOnesEachStep) {
+  const std::size_t n = 10007;
+  std::vector<float> g(n);
+  for (std::size_t i = 0; i < n; ++i) g[i] = 1.0f + static_cast<float>(i);  // no zeros
+  auto a = make_codec("randomk:ratio=0.01,ef=0"), b = make_codec("randomk:ratio=0.01,ef=0");
+  std::vector<std::uint32_t> previous;
+  for (int step = 0; step < 3; ++step) {
+    std::size_t bytes = 0;
+    const auto out_a = round_trip(*a, g, &bytes);
+    const auto out_b = round_trip(*b, g);
+    EXPECT_EQ(out_a, out_b);
+    const std::size_t k = 101;  // ceil(0.01 * 10007)
+    EXPECT_EQ(bytes, 16 + 4 * k);
+    std::vector<std::uint32_t> picked;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (out_a[i] != 0) {
+        ASSERT_EQ(out_a[i], g[i]);
+        picked.push_back(static_cast<std::uint32_t>(i));
       }
     }
-    testing::run_inproc_contexts(n, [&](Context& ctx) {
-      auto codec = make_codec("int8:ef=0,block=32");
-      std::vector<float> data = gradient(count, 70 + static_cast<unsigned>(ctx.rank()));
-      compress::compressed_allreduce(ctx, data, *codec, "w");
-      EXPECT_EQ(0, std::memcmp(data.data(), want.data(), count * 4)) << "n=" << n;
-      Error e = expect_error(ErrorKind::kInvalidArgument, [&] {
-        compress::compressed_allreduce(ctx, data, *codec, "w", ReduceOp::kMax);
+    ASSERT_EQ(picked.size(), k);
+    for (std::size_t j = 0; j < k; ++j) {  // one per stratum [j n / k, (j + 1) n / k)
+      EXPECT_GE(picked[j], j * n / k);
+      EXPECT_LT(picked[j], (j + 1) * n / k);
+    }
+    EXPECT_NE(picked, previous);
+    previous = picked;
+  }
+  auto seeded = make_codec("randomk:ratio=0.01,ef=0,seed=5");
+  EXPECT_NE(round_trip(*seeded, g), round_trip(*make_codec("randomk:ratio=0.01,ef=0"), g));
+}
+
+TEST(Codecs, SignIsOneBitPerElementAndTheMeanMagnitude) {
+  const auto g = gradient(1001, 14);
+  double mean = 0;
+  for (float x : g) mean += std::fabs(x) / static_cast<double>(g.size());
+  std::size_t bytes = 0;
+  const auto out = round_trip(*make_codec("sign:ef=0"), g, &bytes);
+  EXPECT_EQ(bytes, 8 + (1001 + 7) / 8);
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    ASSERT_NEAR(std::fabs(out[i]), mean, mean * 1e-6) << i;
+    ASSERT_EQ(std::signbit(out[i]), std::signbit(g[i])) << i;
+  }
+}
+
+// PowerSGD: an exactly rank-R matrix comes back (to float rounding); with a smaller rank it
+// cannot; vectors travel as float32. Payload: header + P (rows x R) + Q (cols x R).
+TEST(Codecs, PowerSgdReconstructsAnExactlyRankRMatrix) {
+  const std::size_t rows = 60, cols = 40, r = 3;
+  std::mt19937 rng(15);
+  std::normal_distribution<float> normal;
+  std::vector<float> a(rows * r), b(cols * r), m(rows * cols, 0.0f);
+  for (float& x : a) x = normal(rng);
+  for (float& x : b) x = normal(rng);
+  float peak = 0;
+  for (std::size_t i = 0; i < rows; ++i) {
+    for (std::size_t c = 0; c < cols; ++c) {
+      for (std::size_t j = 0; j < r; ++j) m[i * cols + c] += a[i * r + j] * b[c * r + j];
+      peak = std::max(peak, std::fabs(m[i * cols + c]));
+    }
+  }
+  auto worst_error = [&](const char* spec, std::size_t* bytes) {
+    auto codec = make_codec(spec);
+    std::vector<std::uint8_t> payload;
+    codec->encode(compress::Tensor("w", rows), m, payload);
+    *bytes = payload.size();
+    std::vector<float> out(m.size());
+    codec->decode(payload, out);
+    float worst = 0;
+    for (std::size_t i = 0; i < m.size(); ++i) worst = std::max(worst, std::fabs(out[i] - m[i]));
+    return worst;
+  };
+  std::size_t bytes = 0;
+  EXPECT_LT(worst_error("powersgd:rank=3,ef=0", &bytes), peak * 1e-4f);
+  EXPECT_EQ(bytes, 12 + 4 * (rows + cols) * r);
+  EXPECT_GT(worst_error("powersgd:rank=2,ef=0", &bytes), peak * 1e-2f);
+  auto codec = make_codec("powersgd:rank=4");
+  const auto v = gradient(77, 16);
+  EXPECT_EQ(round_trip(*codec, v, &bytes), v);  // a vector: float32
+  EXPECT_EQ(bytes, 12 + 4 * v.size());
+}
+
+// Error feedback conserves mass for every biased codec: after T steps, what the wire carried
+// plus the residual equals the sum of the inputs.
+TEST(ErrorFeedback, ConservesMassForEveryBiasedCodec) {
+  const std::size_t rows = 32, n = 32 * 24;
+  for (const char* spec : {"topk:ratio=0.05", "randomk:ratio=0.05", "threshold:rel=0.5", "sign",
+                           "powersgd:rank=2", "qsgd:levels=2,ef=1"}) {
+    auto codec = make_codec(spec);
+    const compress::Tensor tensor("layer.w", rows);
+    std::vector<double> sent(n, 0), fed(n, 0);
+    std::vector<std::uint8_t> payload;
+    std::vector<float> decoded(n);
+    for (unsigned step = 0; step < 50; ++step) {
+      const auto g = gradient(n, 200 + step);
+      codec->encode(tensor, g, payload);
+      codec->decode(payload, decoded);
+      for (std::size_t i = 0; i < n; ++i) {
+        sent[i] += decoded[i];
+        fed[i] += g[i];
+      }
+    }
+    const bool power = std::string(spec).rfind("powersgd", 0) == 0;
+    const auto residual = state_entry(codec->save_state(), power ? "r:layer.w" : "layer.w");
+    ASSERT_EQ(residual.size(), n) << spec;
+    double worst = 0, scale = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      worst = std::max(worst, std::fabs(sent[i] + residual[i] - fed[i]));
+      scale = std::max(scale, std::fabs(fed[i]));
+    }
+    EXPECT_LT(worst, scale * 1e-4) << spec;
+  }
+}
+
+// Malformed payloads of the new codecs: refused, naming what is wrong.
+TEST(Codecs, MalformedSparseSignAndLowRankPayloadsAreRefused) {
+  const auto g = gradient(1000, 17);
+  std::vector<float> out(1000);
+  auto topk = make_codec("topk:ratio=0.01,ef=0");
+  std::vector<std::uint8_t> payload;
+  topk->encode("t", g, payload);
+  auto out_of_range = payload;
+  const std::uint32_t big = 1000;
+  std::memcpy(out_of_range.data() + 8 + 4 * 9, &big, 4);
+  Error e = expect_error(ErrorKind::kProtocol, [&] { topk->decode(out_of_range, out); });
+  EXPECT_TRUE(contains(e.what(), "index 1000 at pair 9 is out of range")) << e.what();
+  auto repeated = payload;
+  std::memcpy(repeated.data() + 8 + 4 * 3, repeated.data() + 8 + 4 * 2, 4);
+  e = expect_error(ErrorKind::kProtocol, [&] { topk->decode_add(repeated, out); });
+  EXPECT_TRUE(contains(e.what(), "not ascending")) << e.what();
+  auto too_many = payload;
+  too_many[4] = 0xff;
+  expect_error(ErrorKind::kProtocol, [&] { topk->decode(too_many, out); });
+
+  auto sign = make_codec("sign:ef=0");
+  sign->encode("t", g, payload);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(payload.data() + 4, &nan, 4);
+  e = expect_error(ErrorKind::kProtocol, [&] { sign->decode(payload, out); });
+  EXPECT_TRUE(contains(e.what(), "sign payload: scale")) << e.what();
+
+  auto randomk = make_codec("randomk:ratio=0.1,ef=0");
+  randomk->encode("t", g, payload);
+  payload[4] = 7;  // k
+  expect_error(ErrorKind::kProtocol, [&] { randomk->decode(payload, out); });
+
+  auto power = make_codec("powersgd:rank=2,ef=0");
+  power->encode(compress::Tensor("m", 40), g, payload);
+  auto high_rank = payload;
+  high_rank[8] = 41;
+  e = expect_error(ErrorKind::kProtocol, [&] { power->decode(high_rank, out); });
+  EXPECT_TRUE(contains(e.what(), "rank 41 above")) << e.what();
+  auto nan_p = payload;
+  std::memcpy(nan_p.data() + 12, &nan, 4);
+  expect_error(ErrorKind::kProtocol, [&] { power->decode(nan_p, out); });
+  auto other_shape = payload;
+  other_shape[0] = 41;
+  expect_error(ErrorKind::kProtocol, [&] { power->decode(other_shape, out); });
+
+  for (const char* spec : {"topk:ratio=0.1", "threshold:rel=0.1", "sign", "qsgd"}) {
+    auto with_inf = g;
+    with_inf[5] = std::numeric_limits<float>::infinity();
+    e = expect_error(ErrorKind::kInvalidArgument,
+                     [&] { make_codec(spec)->encode("layer9.w", with_inf, payload); });
+    EXPECT_TRUE(contains(e.what(), "tensor 'layer9.w' has Inf at element 5")) << e.what();
+  }
+  for (const char* bad : {"topk", "topk:ratio=0", "topk:ratio=1.5", "qsgd:levels=128",
+                          "powersgd:rank=0", "threshold:rel=-1", "randomk:ratio=0.1,seed=-1"}) {
+    expect_error(ErrorKind::kInvalidArgument, [&] { make_codec(bad); });
+  }
+}
+
+// The ranks' inputs of one all-reduce test.
+std::vector<std::vector<float>> inputs_of(int n, std::size_t count, unsigned seed) {
+  std::vector<std::vector<float>> inputs;
+  for (int r = 0; r < n; ++r) inputs.push_back(gradient(count, seed + static_cast<unsigned>(r)));
+  return inputs;
+}
+
+// "Decode every rank's payload and sum in rank order", from fresh codecs (the first step of
+// a codec with feedback encodes like one without).
+std::vector<float> decode_and_sum(const std::string& spec,
+                                  const std::vector<std::vector<float>>& inputs) {
+  const std::size_t count = inputs[0].size();
+  std::vector<float> sum(count, 0.0f);
+  for (std::size_t r = 0; r < inputs.size(); ++r) {
+    auto codec = make_codec(spec);
+    codec->set_stream(r);
+    std::vector<std::uint8_t> payload;
+    codec->encode("w", inputs[r], payload);
+    if (r == 0) {
+      codec->decode(payload, sum);
+    } else {
+      codec->decode_add(payload, sum);
+    }
+  }
+  return sum;
+}
+
+class CompressedAllreduceWorlds : public ::testing::TestWithParam<int> {};
+
+// Codecs that all-gather payloads: exactly "decode every payload and sum", the same bits on
+// every rank, and the bytes of a ring all-gather of the payloads ((N-1) payloads per rank,
+// plus the 8-byte finiteness check). Tiny tensors may go dense (cheaper than the all-gather's
+// steps): the same sum to rounding.
+TEST_P(CompressedAllreduceWorlds, GatheredCodecsEqualDecodeEveryPayloadAndSum) {
+  const int n = GetParam();
+  for (const char* spec :
+       {"topk:ratio=0.01", "topk:ratio=0.02,ef=0", "threshold:rel=0.3", "sign", "sign:ef=0"}) {
+    for (std::size_t count : {std::size_t{1}, static_cast<std::size_t>(n + 2), std::size_t{4099}}) {
+      const bool large = count == 4099;
+      const auto inputs = inputs_of(n, count, 70);
+      const auto want = decode_and_sum(spec, inputs);
+      std::vector<std::vector<float>> results(static_cast<std::size_t>(n));
+      testing::run_inproc_contexts(n, [&](Context& ctx) {
+        auto codec = make_codec(spec);
+        std::vector<float> data = inputs[static_cast<std::size_t>(ctx.rank())];
+        std::vector<std::uint8_t> payload;
+        make_codec(spec)->encode("w", data, payload);
+        const auto before = ctx.total_traffic().bytes_sent;
+        EXPECT_TRUE(compress::compressed_allreduce(ctx, data, *codec, "w"));
+        const auto sent = ctx.total_traffic().bytes_sent - before;
+        if (large && !codec->size_varies()) {
+          EXPECT_EQ(sent, static_cast<std::uint64_t>(n - 1) * (payload.size() + 8)) << spec;
+        }
+        results[static_cast<std::size_t>(ctx.rank())] = data;
       });
-      EXPECT_TRUE(contains(e.what(), "sums or averages")) << e.what();
+      for (int r = 0; r < n; ++r) {
+        const auto& got = results[static_cast<std::size_t>(r)];
+        ASSERT_EQ(got, results[0]) << spec << " count " << count << " rank " << r;
+        if (large) {
+          ASSERT_EQ(0, std::memcmp(got.data(), want.data(), count * 4)) << spec << " rank " << r;
+        }
+        for (std::size_t i = 0; i < count; ++i) {
+          ASSERT_NEAR(got[i], want[i], 1e-6f * (1 + std::fabs(want[i]))) << spec << " " << i;
+        }
+      }
+    }
+  }
+}
+
+// int8 and qsgd are quantised again at every hop: the result is within one quantisation step
+// per hop of the exact sum, the same bits everywhere, at a quarter of the float32 ring's
+// bytes plus the scales; with feedback, residuals + result = the sum of the inputs over all
+// ranks.
+TEST_P(CompressedAllreduceWorlds, QuantisedRingIsAQuarterOfTheBytesAndConservesMass) {
+  const int n = GetParam();
+  for (const char* spec : {"int8:block=64", "int8:ef=0,block=256", "qsgd:levels=127,block=64"}) {
+    for (std::size_t count :
+         {std::size_t{1}, static_cast<std::size_t>(n + 2), std::size_t{40009}}) {
+      const auto inputs = inputs_of(n, count, 80);
+      std::vector<std::vector<float>> results(static_cast<std::size_t>(n)),
+          residuals(results.size());
+      std::vector<double> ratio(results.size());
+      testing::run_inproc_contexts(n, [&](Context& ctx) {
+        const auto r = static_cast<std::size_t>(ctx.rank());
+        auto codec = make_codec(spec);
+        std::vector<float> data = inputs[r];
+        auto before = ctx.total_traffic().bytes_sent;
+        compress::compressed_allreduce(ctx, data, *codec, "w");
+        const auto sent = ctx.total_traffic().bytes_sent - before;
+        results[r] = data;
+        residuals[r] = state_entry(codec->save_state(), "w");
+        std::vector<float> plain = inputs[r];
+        before = ctx.total_traffic().bytes_sent;
+        ctx.allreduce(plain.data(), plain.data(), count, DataType::kFloat32, ReduceOp::kSum,
+                      Algorithm::kRing);
+        ratio[r] = static_cast<double>(sent) / static_cast<double>(std::max<std::uint64_t>(
+                                                   1, ctx.total_traffic().bytes_sent - before));
+      });
+      float peak = 0;
+      for (const auto& x : inputs)
+        for (float v : x) peak = std::max(peak, std::fabs(v));
+      const bool feedback = contains(make_codec(spec)->spec(), "ef=1");
+      for (std::size_t i = 0; i < count; ++i) {
+        double exact = 0, conserved = 0;
+        for (int r = 0; r < n; ++r) {
+          exact += inputs[static_cast<std::size_t>(r)][i];
+          if (feedback) conserved += residuals[static_cast<std::size_t>(r)][i];
+        }
+        // Every hop's partial sum is at most n peak: a step is that / 127 (qsgd: block norm,
+        // at most sqrt(block) n peak, / levels), n encodings touch each element.
+        const double hop_step =
+            n * peak * (std::string(spec).rfind("qsgd", 0) == 0 ? 8.0 : 1.0) / 127;
+        ASSERT_LE(std::fabs(results[0][i] - exact), n * hop_step) << spec << " i " << i;
+        if (feedback) {
+          ASSERT_NEAR(conserved + results[0][i], exact, 1e-5 * n * peak) << spec << " i " << i;
+        }
+      }
+      for (int r = 1; r < n; ++r) {
+        ASSERT_EQ(results[static_cast<std::size_t>(r)], results[0]) << spec << " rank " << r;
+      }
+      if (count == 40009 && n > 1) {
+        const double block = std::string(spec).find("256") != std::string::npos ? 256 : 64;
+        EXPECT_NEAR(ratio[0], (1 + 4 / block) / 4, 0.01) << spec << " n=" << n;
+      }
+    }
+  }
+}
+
+// randomk all-reduces its k values (no indices travel); powersgd all-reduces P and Q. Both:
+// the same bits everywhere, the bytes of those all-reduces.
+TEST_P(CompressedAllreduceWorlds, RandomKAndPowerSgdAllreduceOnlyTheirFactors) {
+  const int n = GetParam();
+  const std::size_t count = 9000;
+  const auto inputs = inputs_of(n, count, 90);
+  const auto want = decode_and_sum("randomk:ratio=0.05", inputs);
+  // PowerSGD on matrices that share a column space A (rows x 2): their sum has rank 2.
+  const std::size_t rows = 90, cols = count / rows;
+  std::vector<std::vector<float>> matrices;
+  std::mt19937 rng(91);
+  std::normal_distribution<float> normal;
+  std::vector<float> a(rows * 2);
+  for (float& x : a) x = normal(rng);
+  std::vector<double> exact(count, 0.0);
+  for (int r = 0; r < n; ++r) {
+    std::vector<float> b(cols * 2), m(count, 0.0f);
+    for (float& x : b) x = normal(rng);
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t c = 0; c < cols; ++c)
+        for (std::size_t j = 0; j < 2; ++j) m[i * cols + c] += a[i * 2 + j] * b[c * 2 + j];
+    for (std::size_t i = 0; i < count; ++i) exact[i] += m[i];
+    matrices.push_back(m);
+  }
+  std::vector<std::vector<float>> random_results(static_cast<std::size_t>(n)),
+      power_results(random_results.size());
+  testing::run_inproc_contexts(n, [&](Context& ctx) {
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    auto randomk = make_codec("randomk:ratio=0.05");
+    std::vector<float> data = inputs[r];
+    compress::compressed_allreduce(ctx, data, *randomk, "w");
+    random_results[r] = data;
+    for (std::size_t i = 0; i < count; ++i) {
+      ASSERT_NEAR(data[i], want[i], 1e-6f * (1 + std::fabs(want[i]))) << i;
+    }
+    auto power = make_codec("powersgd:rank=2");
+    data = matrices[r];
+    const auto before = ctx.total_traffic().bytes_sent;
+    compress::compressed_allreduce(ctx, data, *power, compress::Tensor("m", rows), ReduceOp::kAvg);
+    const auto sent = ctx.total_traffic().bytes_sent - before;
+    power_results[r] = data;
+    for (std::size_t i = 0; i < count; ++i) {
+      ASSERT_NEAR(data[i], exact[i] / n, 1e-3 * (1 + std::fabs(exact[i]))) << i;
+    }
+    if (n > 1) {  // a ring all-reduce of (rows + cols) x 2 floats moves ~2 (N-1)/N of them
+      const double factors = 4.0 * (rows + cols) * 2 * 2 * (n - 1) / n;
+      EXPECT_LT(static_cast<double>(sent), factors * 1.5 + 4096);
+    }
+  });
+  for (int r = 1; r < n; ++r) {
+    ASSERT_EQ(random_results[static_cast<std::size_t>(r)], random_results[0]);
+    ASSERT_EQ(power_results[static_cast<std::size_t>(r)], power_results[0]);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, CompressedAllreduceWorlds, ::testing::Values(1, 2, 3, 4, 5, 8),
+                         [](const auto& p) { return "n" + std::to_string(p.param); });
+
+// When the payloads together outweigh the tensor (top-k of everything), the cost model sends
+// the decoded tensor through a float32 all-reduce instead: fewer bytes than the all-gather,
+// the same sum to rounding, the same bits everywhere.
+TEST(CompressedAllreduce, DenseUnionGoesThroughTheFloat32Allreduce) {
+  const int n = 4;
+  const std::size_t count = 20000;
+  const auto inputs = inputs_of(n, count, 95);
+  const auto want = decode_and_sum("topk:ratio=1,ef=0", inputs);
+  std::vector<std::vector<float>> results(n);
+  testing::run_inproc_contexts(n, [&](Context& ctx) {
+    auto codec = make_codec("topk:ratio=1,ef=0");
+    std::vector<float> data = inputs[static_cast<std::size_t>(ctx.rank())];
+    const auto before = ctx.total_traffic().bytes_sent;
+    compress::compressed_allreduce(ctx, data, *codec, "w");
+    const auto sent = ctx.total_traffic().bytes_sent - before;
+    EXPECT_LT(sent, (n - 1) * (8 + 8 * count) / 2) << "the all-gather would send 3 payloads";
+    for (std::size_t i = 0; i < count; ++i) ASSERT_NEAR(data[i], want[i], 1e-6f);
+    results[static_cast<std::size_t>(ctx.rank())] = data;
+  });
+  for (int r = 1; r < n; ++r) EXPECT_EQ(results[static_cast<std::size_t>(r)], results[0]);
+}
+
+// NaN or Inf on one rank: every rank throws naming the tensor, the rank and the element
+// (kThrow), or every rank skips the step with its data untouched (kSkip).
+TEST(CompressedAllreduce, NonFiniteGradientsAreReportedOrSkippedOnEveryRank) {
+  const int n = 3;
+  const std::size_t count = 1000;
+  for (const char* spec : {"none", "fp16", "int8", "topk:ratio=0.1", "powersgd:rank=2"}) {
+    testing::run_inproc_contexts(n, [&](Context& ctx) {
+      auto codec = make_codec(spec);
+      std::vector<float> data = gradient(count, 3);
+      if (ctx.rank() == 2) data[17] = std::numeric_limits<float>::quiet_NaN();
+      if (ctx.rank() == 1) data[999] = -std::numeric_limits<float>::infinity();
+      const auto original = data;
+      Error e = expect_error(ErrorKind::kInvalidArgument, [&] {
+        compress::compressed_allreduce(ctx, data, *codec, compress::Tensor("fc2.weight", 10));
+      });
+      EXPECT_TRUE(contains(e.what(),
+                           "tensor 'fc2.weight' has Inf on rank 1 (element 999), NaN "
+                           "on rank 2 (element 17)"))
+          << e.what();
+      EXPECT_FALSE(compress::compressed_allreduce(ctx, data, *codec,
+                                                  compress::Tensor("fc2.weight", 10),
+                                                  ReduceOp::kAvg, compress::NonFinite::kSkip));
+      EXPECT_EQ(0, std::memcmp(data.data(), original.data(), count * 4)) << spec;
+      // The context is still usable: a clean step goes through.
+      std::vector<float> clean(count, 1.0f);
+      EXPECT_TRUE(
+          compress::compressed_allreduce(ctx, clean, *codec, compress::Tensor("fc2.weight", 10)));
     });
   }
+}
+
+// Ranks that pass different codecs to the same call fail with a mismatch, not garbage: the
+// rank that sees it first gets kMismatch, the other kAborted carrying that reason.
+TEST(CompressedAllreduce, DifferentCodecsOnDifferentRanksAreAMismatch) {
+  testing::run_inproc_contexts(2, [&](Context& ctx) {
+    auto codec = make_codec(ctx.rank() == 0 ? "int8:block=256" : "int8:block=128");
+    std::vector<float> data = gradient(4096, 4);
+    try {
+      compress::compressed_allreduce(ctx, data, *codec, "w");
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.kind() == ErrorKind::kMismatch || e.kind() == ErrorKind::kAborted) << e.what();
+      EXPECT_TRUE(contains(e.what(), "mismatched call in compressed_allreduce")) << e.what();
+      EXPECT_TRUE(contains(e.what(), "codec#")) << e.what();
+    }
+  });
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // Gradient codecs: what a float32 gradient becomes on the wire, configured by a spec string
-// users write in flags and config files ("fp16", "int8:block=256", "int8,ef=1").
+// users write in flags and config files ("fp16", "int8:block=256", "topk:ratio=0.01,ef=1").
 //
 // A codec turns `count` floats into a self-describing byte payload and back. Decoding
 // validates the payload (length, header, scales) and throws gradsync::Error(kProtocol) naming
@@ -17,6 +17,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "gradsync/gradsync.h"
@@ -34,6 +35,17 @@ struct CodecSpec {
   std::string to_string() const;  // canonical form, round-trips through parse
 };
 
+// The tensor a codec works on: a stable name, under which its state (error-feedback residual,
+// PowerSGD's Q, random-k's step count) is kept whatever bucket it travels in, and for a
+// matrix its number of rows (PowerSGD compresses rows x count/rows; 0 = a vector).
+struct Tensor {
+  Tensor(std::string tensor_name, std::size_t matrix_rows = 0)
+      : name(std::move(tensor_name)), rows(matrix_rows) {}
+  Tensor(const char* tensor_name) : name(tensor_name) {}
+  std::string name;
+  std::size_t rows = 0;
+};
+
 class Codec {
  public:
   virtual ~Codec() = default;
@@ -42,15 +54,25 @@ class Codec {
   virtual std::string spec() const = 0;
   // True if decode(encode(g)) is not g in expectation: such codecs need error feedback.
   virtual bool biased() const = 0;
-  // Bytes of the payload of `count` floats (exact for the dense codecs).
+  // Bytes of the payload of `count` floats: exact unless size_varies() (then an upper bound).
   virtual std::size_t encoded_bytes(std::size_t count) const = 0;
+  // True if the payload size depends on the values (threshold sparsification).
+  virtual bool size_varies() const { return false; }
 
-  // Encodes `in` (the gradient of tensor `tensor`) into `out`, replacing its contents.
-  virtual void encode(const std::string& tensor, std::span<const float> in,
+  // Encodes `in` (the gradient of `tensor`) into `out`, replacing its contents.
+  virtual void encode(const Tensor& tensor, std::span<const float> in,
                       std::vector<std::uint8_t>& out) = 0;
   // Decodes a payload of `out.size()` floats into `out`. Throws Error(kProtocol) if the
   // payload is malformed or does not hold exactly out.size() floats.
   virtual void decode(std::span<const std::uint8_t> payload, std::span<float> out) const = 0;
+  // out += decode(payload): how all-reduce sums the payloads of every rank. Sparse and sign
+  // codecs add in place, without a dense scratch copy.
+  virtual void decode_add(std::span<const std::uint8_t> payload, std::span<float> out) const;
+
+  // Stochastic codecs (qsgd) draw their randomness from (seed, stream, tensor, step):
+  // compressed_allreduce sets the stream to the rank, so ranks round independently and runs
+  // repeat exactly.
+  virtual void set_stream(std::uint64_t stream) { (void)stream; }
 
   // Per-tensor state (error-feedback residuals...), as bytes for a checkpoint, and back.
   // load_state throws Error(kProtocol) on bytes it did not write.
@@ -58,17 +80,43 @@ class Codec {
   virtual void load_state(std::span<const std::uint8_t> state) { (void)state; }
 };
 
-// The codec a spec names: none, fp16, bf16, int8[:block=B] (per-block scale, B elements per
-// block, default 256), each with an optional ef=0|1 (error feedback; default on for biased
-// codecs, i.e. int8). Throws Error(kInvalidArgument) for an unknown or malformed spec.
+// The codec a spec names. Each takes ef=0|1 (error feedback; on by default for the biased
+// codecs: int8, topk, randomk, threshold, sign, powersgd).
+//   none                   float32
+//   fp16, bf16             half-size floats, rounded to nearest even
+//   int8[:block=B]         symmetric 8-bit, one scale per block of B elements (default 256)
+//   qsgd[:levels=S,block=B,seed=X]  stochastic rounding to S levels (1..127, default 127) of
+//                          each block's L2 norm (default block 512): unbiased
+//   topk:ratio=R[,exact=1] the k = ceil(R n) largest magnitudes as (index, value) pairs, ties
+//                          to the lower index. By default a sampled threshold (Deep Gradient
+//                          Compression) narrows the candidates first: the same k elements,
+//                          faster on large tensors; exact=1 selects over the whole tensor
+//   randomk:ratio=R[,seed=X]  k values at indices drawn from (seed, tensor, step), the same on
+//                          every rank, so no indices travel
+//   threshold:rel=R        every element with |g| >= R max|g| (0 < R <= 1)
+//   sign                   one bit per element and one scale (mean |g|): EF-SignSGD
+//   powersgd:rank=R        rows x cols matrices as P (rows x R) and Q (cols x R), Q warm-started
+//                          from the last step; vectors travel as float32
+// Throws Error(kInvalidArgument) for an unknown or malformed spec.
 std::unique_ptr<Codec> make_codec(std::string_view spec);
 
-// All-reduce (kSum or kAvg) of float32 gradients `data` of tensor `tensor` through `codec`,
-// collective over the context; every rank passes the same spec and tensor. fp16 and bf16
-// travel half-size through a ring that adds in float32 at every hop; other codecs encode
-// once per rank, all-gather the payloads and sum what every rank decodes, in rank order.
-// Every rank ends with bitwise-identical data.
-void compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec,
-                          const std::string& tensor, ReduceOp op = ReduceOp::kSum);
+// What compressed_allreduce does when a rank's gradient holds NaN or Inf.
+enum class NonFinite {
+  kThrow,      // every rank throws Error(kInvalidArgument) naming the tensor and the ranks
+  kSkip,       // every rank leaves its data as it was and returns false (skip the step)
+  kPropagate,  // no check: the NaN reaches every rank (saves one pass and one small exchange)
+};
+
+// All-reduce (kSum or kAvg) of float32 gradients `data` of `tensor` through `codec`,
+// collective over the context; every rank passes the same spec and tensor. The pattern
+// follows the codec: fp16/bf16 travel half-size through a ring that adds in float32 at
+// every hop; int8/qsgd are quantised again at every hop of a ring (scales travel with the
+// values); topk/threshold all-gather (index, value) pairs, or go dense when the union is
+// dense enough that a float32 all-reduce is cheaper (the cost model decides); randomk
+// all-reduces just its k values; sign all-gathers packed bits and scales; powersgd
+// all-reduces P and Q. Every rank ends with bitwise-identical data. Returns false only when
+// `non_finite` is kSkip and some rank's data held NaN or Inf.
+bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& tensor,
+                          ReduceOp op = ReduceOp::kSum, NonFinite non_finite = NonFinite::kThrow);
 
 }  // namespace gradsync::compress

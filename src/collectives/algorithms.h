@@ -42,10 +42,12 @@ void halving_doubling_allreduce(Comm& c, const void* send, void* recv, std::size
 void parameter_server_allreduce(Comm& c, const void* send, void* recv, std::size_t count,
                                 DataType dtype, ReduceOp op);
 // Ranks that all share `arena` reduce straight out of each other's staging buffers: user
-// memory is read once and written once (see shared_memory.cc).
+// memory is read once and written once (see shared_memory.cc). `round_through`, for float32
+// data only, names a 16-bit float type every finished element is rounded through before the
+// ranks copy it out (fp16/bf16 compression at the cost of a pass over 1/N of the data).
 void shm_direct_allreduce(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
                           std::size_t count, DataType dtype, ReduceOp op,
-                          const AlgorithmConfig& cfg);
+                          const AlgorithmConfig& cfg, DataType round_through = DataType::kFloat32);
 
 // Ring reduce-scatter: `send` holds size() blocks of `block_counts[i]` elements packed in
 // rank order; `recv` receives this rank's reduced block. kAvg finished inside.
@@ -73,12 +75,26 @@ void hierarchical_allgatherv(Comm& c, const void* send, void* recv,
                              std::span<const std::size_t> block_counts, DataType dtype,
                              const AlgorithmConfig& cfg);
 
-// Ring all-reduce of float32 data whose messages travel as float16 or bfloat16 (`wire`): half
-// the bytes of a float32 ring, but every hop adds in float32 (a partial sum is rounded to the
-// wire format once per hop, never summed in it). The owner of each segment rounds the final
-// sum once and every rank, the owner included, ends with that rounded value: identical bits
-// everywhere. kSum or kAvg.
-void ring_allreduce_half_wire(Comm& c, float* data, std::size_t count, DataType wire, ReduceOp op);
+// How ring_allreduce_wire's messages carry a segment of float32 partial sums: a cast to a
+// 16-bit float, or a quantisation with scales (compress/ defines them).
+class WireFormat {
+ public:
+  virtual ~WireFormat() = default;
+  // Bytes of a message of `count` floats. Segments lie back to back in one buffer: a format
+  // that stores floats keeps this a multiple of 4 so that every segment stays aligned.
+  virtual std::size_t bytes(std::size_t count) const = 0;
+  virtual void encode(const float* in, std::size_t count, std::uint8_t* wire) = 0;
+  virtual void decode(const std::uint8_t* wire, std::size_t count, float* out) const = 0;
+  virtual void decode_add(const std::uint8_t* wire, std::size_t count, float* out) const = 0;
+};
+
+// Ring all-reduce (sum) of float32 data whose messages travel in `wire`'s format: every hop
+// decodes and adds in float32 (a partial sum is encoded once per hop, never summed in the
+// wire format). The owner of each segment encodes the final sum once and every rank, the
+// owner included, decodes that message: identical bits everywhere. If `lost` is not null it
+// receives (+=) what each of this rank's encodings dropped, element by element, so error
+// feedback can carry it into the next step: over all ranks, sum(lost) + result = sum(data).
+void ring_allreduce_wire(Comm& c, float* data, std::size_t count, WireFormat& wire, float* lost);
 
 // Broadcast from `root`: binomial tree for small messages, pipelined chain for large ones.
 void broadcast(Comm& c, void* data, std::size_t count, DataType dtype, int root,

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "collectives/algorithms.h"
 #include "kernels/kernels.h"
@@ -82,7 +83,8 @@ void copy_streaming(unsigned char* dst, const unsigned char* src, std::size_t by
 class SharedMemoryAllreduce {
  public:
   SharedMemoryAllreduce(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
-                        std::size_t count, DataType dtype, ReduceOp op, const AlgorithmConfig& cfg)
+                        std::size_t count, DataType dtype, ReduceOp op, const AlgorithmConfig& cfg,
+                        DataType round_through)
       : c_(c),
         arena_(arena),
         send_(static_cast<const unsigned char*>(send)),
@@ -95,7 +97,8 @@ class SharedMemoryAllreduce {
         me_(arena.member_index()),
         chunk_bytes_(chunk_size(cfg.shared_memory_chunk_bytes, arena.region_bytes())),
         chunks_(std::max<std::size_t>(1, (bytes_ + chunk_bytes_ - 1) / chunk_bytes_)),
-        streaming_(bytes_ * static_cast<std::size_t>(n_) >= cfg.shared_memory_streaming_bytes) {
+        streaming_(bytes_ * static_cast<std::size_t>(n_) >= cfg.shared_memory_streaming_bytes),
+        round_through_(dtype == DataType::kFloat32 ? round_through : DataType::kFloat32) {
     if (n_ != c.size() || me_ != c.rank()) {
       throw Error(ErrorKind::kInvalidArgument,
                   "shared arena of " + std::to_string(n_) + " members (this rank member " +
@@ -216,6 +219,12 @@ class SharedMemoryAllreduce {
         kernels::reduce(dst + offset, accumulator, input(n_ - 1, offset), count, dtype_, op_);
       }
       if (op_ == ReduceOp::kAvg) kernels::scale_for_average(dst + offset, count, dtype_, n_);
+      if (round_through_ != DataType::kFloat32) {
+        std::uint16_t narrow[kTileBytes / sizeof(float)];
+        auto* values = reinterpret_cast<float*>(dst + offset);
+        kernels::float_to_16bit(values, narrow, count, round_through_);
+        kernels::float_from_16bit(narrow, values, count, round_through_);
+      }
     }
   }
 
@@ -245,6 +254,7 @@ class SharedMemoryAllreduce {
   const std::size_t chunk_bytes_;
   const std::size_t chunks_;  // at least one, so an empty call still checks signatures
   const bool streaming_;
+  const DataType round_through_;  // kFloat32: no rounding
   std::uint64_t base_ = 0;
 };
 
@@ -252,12 +262,18 @@ class SharedMemoryAllreduce {
 
 void shm_direct_allreduce(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
                           std::size_t count, DataType dtype, ReduceOp op,
-                          const AlgorithmConfig& cfg) {
+                          const AlgorithmConfig& cfg, DataType round_through) {
   if (c.size() == 1) {
     if (send != recv && count) std::memcpy(recv, send, count * dtype_size(dtype));
+    if (dtype == DataType::kFloat32 && round_through != DataType::kFloat32 && count) {
+      auto* values = static_cast<float*>(recv);
+      std::vector<std::uint16_t> narrow(count);
+      kernels::float_to_16bit(values, narrow.data(), count, round_through);
+      kernels::float_from_16bit(narrow.data(), values, count, round_through);
+    }
     return;
   }
-  SharedMemoryAllreduce(c, arena, send, recv, count, dtype, op, cfg).run();
+  SharedMemoryAllreduce(c, arena, send, recv, count, dtype, op, cfg, round_through).run();
 }
 
 }  // namespace gradsync::collectives

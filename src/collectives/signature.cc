@@ -71,6 +71,7 @@ std::string describe(const CallSignature& s) {
   if (s.kind == CollectiveKind::kBroadcast || s.kind == CollectiveKind::kReduce) {
     o << " root=" << s.root;
   }
+  if (s.kind == CollectiveKind::kCompressedAllreduce) o << " codec#" << s.root;  // spec hash
   o << ")";
   return o.str();
 }

@@ -20,7 +20,8 @@ enum class CollectiveKind : std::uint8_t {
   kReduce,
   kBarrier,
   kInternal,             // context set-up traffic (cost-model probes)
-  kCompressedAllreduce,  // compress/: dtype is the wire format, count the float32 elements
+  kCompressedAllreduce,  // compress/: dtype is the wire format, count the float32 elements,
+                         // root a hash of the codec's spec
 };
 const char* to_string(CollectiveKind kind);
 

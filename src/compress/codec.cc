@@ -1,13 +1,13 @@
-// Spec parsing, the dense codecs (none, fp16, bf16, int8 with per-block scales) and the
-// error-feedback wrapper.
+// Spec parsing, the codecs that are plain casts (none, fp16, bf16), the error-feedback
+// wrapper, the per-tensor state format, and make_codec.
 #include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <set>
 
-#include "gradsync/compress.h"
-#include "gradsync/error.h"
+#include "compress/codecs.h"
 #include "kernels/kernels.h"
 
 namespace gradsync::compress {
@@ -17,38 +17,51 @@ namespace {
 [[noreturn]] void bad_spec(std::string_view spec, const std::string& why) {
   throw Error(ErrorKind::kInvalidArgument,
               "codec spec '" + std::string(spec) + "': " + why +
-                  " (like \"none\", \"fp16\", \"bf16\", \"int8:block=256\", \"int8:ef=0\")");
+                  " (like \"none\", \"fp16\", \"bf16\", \"int8:block=256\", \"qsgd:levels=15\", "
+                  "\"topk:ratio=0.01\", \"randomk:ratio=0.01\", \"threshold:rel=0.1\", \"sign\", "
+                  "\"powersgd:rank=4\", each with an optional ef=0|1)");
 }
 
-[[noreturn]] void bad_payload(const std::string& codec, const std::string& why) {
-  throw Error(ErrorKind::kProtocol, codec + " payload: " + why, Error::kUnknownRank, Error::kNoPeer,
-              "decode");
+// What a key admits: [low, high], whole numbers only or not, and low itself excluded or not.
+struct KeyRange {
+  double low, high;
+  bool whole;
+  bool low_open = false;
+};
+
+const std::map<std::string, KeyRange>& key_ranges() {
+  static const std::map<std::string, KeyRange> ranges = {
+      {"ef", {0, 1, true}},           {"block", {1, 1 << 24, true}},
+      {"levels", {1, 127, true}},     {"seed", {0, 9007199254740992.0, true}},
+      {"ratio", {0, 1, false, true}}, {"exact", {0, 1, true}},
+      {"rel", {0, 1, false, true}},   {"rank", {1, 1024, true}},
+  };
+  return ranges;
 }
 
 // Keys each codec takes. ef (error feedback) goes with every codec.
 const std::set<std::string>& keys_of(const std::string& name) {
   static const std::map<std::string, std::set<std::string>> keys = {
-      {"none", {"ef"}}, {"fp16", {"ef"}}, {"bf16", {"ef"}}, {"int8", {"block", "ef"}}};
+      {"none", {"ef"}},
+      {"fp16", {"ef"}},
+      {"bf16", {"ef"}},
+      {"int8", {"block", "ef"}},
+      {"qsgd", {"levels", "block", "seed", "ef"}},
+      {"topk", {"ratio", "exact", "ef"}},
+      {"randomk", {"ratio", "seed", "ef"}},
+      {"threshold", {"rel", "ef"}},
+      {"sign", {"ef"}},
+      {"powersgd", {"rank", "ef"}}};
   static const std::set<std::string> none;
   auto it = keys.find(name);
   return it == keys.end() ? none : it->second;
 }
 
-void put_u32(std::vector<std::uint8_t>& out, std::size_t at, std::uint32_t v) {
-  std::memcpy(out.data() + at, &v, sizeof v);
-}
-std::uint32_t get_u32(std::span<const std::uint8_t> in, std::size_t at) {
-  std::uint32_t v;
-  std::memcpy(&v, in.data() + at, sizeof v);
-  return v;
-}
-
-void expect_bytes(const std::string& codec, std::span<const std::uint8_t> payload, std::size_t want,
-                  std::size_t count) {
-  if (payload.size() != want) {
-    bad_payload(codec, std::to_string(payload.size()) + " bytes, but " + std::to_string(count) +
-                           " elements take " + std::to_string(want));
-  }
+// Keys a codec cannot do without.
+const char* required_key(const std::string& name) {
+  if (name == "topk" || name == "randomk") return "ratio";
+  if (name == "threshold") return "rel";
+  return nullptr;
 }
 
 class NoneCodec final : public Codec {
@@ -56,8 +69,7 @@ class NoneCodec final : public Codec {
   std::string spec() const override { return "none"; }
   bool biased() const override { return false; }
   std::size_t encoded_bytes(std::size_t count) const override { return count * 4; }
-  void encode(const std::string&, std::span<const float> in,
-              std::vector<std::uint8_t>& out) override {
+  void encode(const Tensor&, std::span<const float> in, std::vector<std::uint8_t>& out) override {
     out.resize(in.size_bytes());
     if (!in.empty()) std::memcpy(out.data(), in.data(), in.size_bytes());
   }
@@ -74,8 +86,7 @@ class HalfCodec final : public Codec {
   std::string spec() const override { return wire_ == DataType::kBFloat16 ? "bf16" : "fp16"; }
   bool biased() const override { return false; }
   std::size_t encoded_bytes(std::size_t count) const override { return count * 2; }
-  void encode(const std::string&, std::span<const float> in,
-              std::vector<std::uint8_t>& out) override {
+  void encode(const Tensor&, std::span<const float> in, std::vector<std::uint8_t>& out) override {
     out.resize(in.size() * 2);
     kernels::float_to_16bit(in.data(), reinterpret_cast<std::uint16_t*>(out.data()), in.size(),
                             wire_);
@@ -90,174 +101,150 @@ class HalfCodec final : public Codec {
   DataType wire_;
 };
 
-// Symmetric 8-bit quantisation with one float32 scale per block of `block` elements:
-// q = round(x / s) with s = max|x| / 127 over the block, so every element is off by at most
-// half a step (s / 2). Payload: u32 count, u32 block, the scales, then the int8 values.
-class Int8Codec final : public Codec {
- public:
-  explicit Int8Codec(std::size_t block) : block_(block) {}
-  std::string spec() const override { return "int8:block=" + std::to_string(block_); }
-  bool biased() const override { return true; }
-  std::size_t encoded_bytes(std::size_t count) const override {
-    return 8 + 4 * blocks(count) + count;
-  }
-  void encode(const std::string& tensor, std::span<const float> in,
-              std::vector<std::uint8_t>& out) override {
-    const std::size_t n = in.size(), nb = blocks(n);
-    out.assign(encoded_bytes(n), 0);
-    put_u32(out, 0, static_cast<std::uint32_t>(n));
-    put_u32(out, 4, static_cast<std::uint32_t>(block_));
-    auto* q = reinterpret_cast<std::int8_t*>(out.data() + 8 + 4 * nb);
-    for (std::size_t b = 0; b < nb; ++b) {
-      const std::size_t lo = b * block_, hi = std::min(n, lo + block_);
-      float peak = 0;
-      for (std::size_t i = lo; i < hi; ++i) {
-        if (!std::isfinite(in[i])) {
-          throw Error(ErrorKind::kInvalidArgument,
-                      "tensor '" + tensor + "' has " + (std::isnan(in[i]) ? "NaN" : "Inf") +
-                          " at element " + std::to_string(i) + ": int8 cannot carry it",
-                      Error::kUnknownRank, Error::kNoPeer, "encode");
-        }
-        peak = std::max(peak, std::fabs(in[i]));
-      }
-      const float scale = peak / 127.0f;
-      std::memcpy(out.data() + 8 + 4 * b, &scale, 4);
-      const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
-      for (std::size_t i = lo; i < hi; ++i) {
-        const float v = std::nearbyint(in[i] * inverse);
-        q[i] = static_cast<std::int8_t>(std::clamp(v, -127.0f, 127.0f));
-      }
-    }
-  }
-  void decode(std::span<const std::uint8_t> payload, std::span<float> out) const override {
-    if (payload.size() < 8) bad_payload("int8", "shorter than its 8-byte header");
-    const std::size_t n = get_u32(payload, 0), block = get_u32(payload, 4);
-    if (n != out.size()) {
-      bad_payload("int8", "holds " + std::to_string(n) + " elements, expected " +
-                              std::to_string(out.size()));
-    }
-    if (block != block_) {
-      bad_payload("int8",
-                  "block " + std::to_string(block) + ", expected " + std::to_string(block_));
-    }
-    expect_bytes("int8", payload, encoded_bytes(n), n);
-    const std::size_t nb = blocks(n);
-    const auto* q = reinterpret_cast<const std::int8_t*>(payload.data() + 8 + 4 * nb);
-    for (std::size_t b = 0; b < nb; ++b) {
-      float scale;
-      std::memcpy(&scale, payload.data() + 8 + 4 * b, 4);
-      if (!std::isfinite(scale) || scale < 0) {
-        bad_payload("int8", "block " + std::to_string(b) + " has scale " + std::to_string(scale));
-      }
-      const std::size_t lo = b * block_, hi = std::min(n, lo + block_);
-      for (std::size_t i = lo; i < hi; ++i) out[i] = static_cast<float>(q[i]) * scale;
-    }
-  }
+std::string with_key(const std::string& spec, const std::string& kv) {
+  return spec + (spec.find(':') == std::string::npos ? ":" : ",") + kv;
+}
 
- private:
-  std::size_t blocks(std::size_t n) const { return (n + block_ - 1) / block_; }
-  std::size_t block_;
-};
-
-// Error feedback (Seide et al. 2014; Karimireddy et al. 2019, EF-SignSGD): the part of each
-// step's gradient the wire could not carry is kept per tensor and added to the next step's
-// before encoding, so over T steps transmitted + residual = the sum of the inputs.
-class ErrorFeedback final : public Codec {
- public:
-  explicit ErrorFeedback(std::unique_ptr<Codec> inner) : inner_(std::move(inner)) {}
-  std::string spec() const override { return with_key(inner_->spec(), "ef=1"); }
-  bool biased() const override { return false; }  // over time, nothing is lost
-  std::size_t encoded_bytes(std::size_t count) const override {
-    return inner_->encoded_bytes(count);
-  }
-  void encode(const std::string& tensor, std::span<const float> in,
-              std::vector<std::uint8_t>& out) override {
-    std::vector<float>& residual = residuals_[tensor];
-    if (residual.empty()) residual.assign(in.size(), 0.0f);
-    if (residual.size() != in.size()) {
-      throw Error(ErrorKind::kInvalidArgument,
-                  "tensor '" + tensor + "' has " + std::to_string(in.size()) +
-                      " elements, its error-feedback residual " + std::to_string(residual.size()) +
-                      ": one name per tensor",
-                  Error::kUnknownRank, Error::kNoPeer, "encode");
-    }
-    // What is owed now; the residual changes only once the encoding succeeded.
-    owed_.resize(in.size());
-    for (std::size_t i = 0; i < in.size(); ++i) owed_[i] = residual[i] + in[i];
-    inner_->encode(tensor, owed_, out);
-    sent_.resize(in.size());
-    inner_->decode(out, sent_);
-    for (std::size_t i = 0; i < in.size(); ++i) residual[i] = owed_[i] - sent_[i];
-  }
-  void decode(std::span<const std::uint8_t> payload, std::span<float> out) const override {
-    inner_->decode(payload, out);
-  }
-
-  // "GSEF", u32 tensors, then per tensor: u32 name bytes, name, u64 floats, floats.
-  std::vector<std::uint8_t> save_state() const override {
-    std::vector<std::uint8_t> s;
-    auto append = [&](const void* p, std::size_t n) {
-      const std::size_t at = s.size();
-      s.resize(at + n);
-      if (n) std::memcpy(s.data() + at, p, n);
-    };
-    append(kMagic, 4);
-    const auto tensors = static_cast<std::uint32_t>(residuals_.size());
-    append(&tensors, 4);
-    for (const auto& [name, r] : residuals_) {
-      const auto len = static_cast<std::uint32_t>(name.size());
-      const std::uint64_t floats = r.size();
-      append(&len, 4);
-      append(name.data(), name.size());
-      append(&floats, 8);
-      append(r.data(), r.size() * 4);
-    }
-    return s;
-  }
-  void load_state(std::span<const std::uint8_t> s) override {
-    std::size_t at = 0;
-    auto take = [&](void* p, std::size_t n) {
-      if (s.size() - at < n) {
-        bad_payload("error-feedback state", "truncated at byte " + std::to_string(at));
-      }
-      if (n) std::memcpy(p, s.data() + at, n);  // an empty name or residual has no buffer
-      at += n;
-    };
-    char magic[4];
-    take(magic, 4);
-    if (std::memcmp(magic, kMagic, 4) != 0) bad_payload("error-feedback state", "not one (magic)");
-    std::uint32_t tensors;
-    take(&tensors, 4);
-    std::map<std::string, std::vector<float>> loaded;
-    for (std::uint32_t t = 0; t < tensors; ++t) {
-      std::uint32_t len;
-      take(&len, 4);
-      std::string name(len <= s.size() - at ? len : 0, '\0');
-      if (name.size() != len) bad_payload("error-feedback state", "name longer than the state");
-      take(name.data(), len);
-      std::uint64_t floats;
-      take(&floats, 8);
-      if (floats > (s.size() - at) / 4)
-        bad_payload("error-feedback state", "residual longer than the state");
-      std::vector<float> r(floats);
-      take(r.data(), floats * 4);
-      loaded[name] = std::move(r);
-    }
-    if (at != s.size()) bad_payload("error-feedback state", "trailing bytes");
-    residuals_ = std::move(loaded);
-  }
-
- private:
-  static constexpr char kMagic[4] = {'G', 'S', 'E', 'F'};
-  static std::string with_key(const std::string& spec, const std::string& kv) {
-    return spec + (spec.find(':') == std::string::npos ? ":" : ",") + kv;
-  }
-  std::unique_ptr<Codec> inner_;
-  std::map<std::string, std::vector<float>> residuals_;
-  std::vector<float> owed_, sent_;  // scratch: residual + input, what the wire carried
-};
+constexpr char kFeedbackMagic[4] = {'G', 'S', 'E', 'F'};
 
 }  // namespace
+
+[[noreturn]] void bad_payload(const std::string& codec, const std::string& why) {
+  throw Error(ErrorKind::kProtocol, codec + " payload: " + why, Error::kUnknownRank, Error::kNoPeer,
+              "decode");
+}
+
+void check_encodable(const std::string& codec, const Tensor& tensor, std::size_t count) {
+  if (count > std::numeric_limits<std::uint32_t>::max()) {
+    throw Error(ErrorKind::kInvalidArgument,
+                codec + " encodes at most 2^32-1 elements; tensor '" + tensor.name + "' has " +
+                    std::to_string(count),
+                Error::kUnknownRank, Error::kNoPeer, "encode", count * 4);
+  }
+}
+
+void expect_bytes(const std::string& codec, std::span<const std::uint8_t> payload, std::size_t want,
+                  std::size_t count) {
+  if (payload.size() != want) {
+    bad_payload(codec, std::to_string(payload.size()) + " bytes, but " + std::to_string(count) +
+                           " elements take " + std::to_string(want));
+  }
+}
+
+void Codec::decode_add(std::span<const std::uint8_t> payload, std::span<float> out) const {
+  thread_local std::vector<float> decoded;
+  decoded.resize(out.size());
+  decode(payload, decoded);
+  if (!out.empty()) {
+    kernels::reduce_into(out.data(), decoded.data(), out.size(), DataType::kFloat32,
+                         ReduceOp::kSum);
+  }
+}
+
+std::vector<std::uint8_t> save_tensor_state(const char magic[4],
+                                            const std::map<std::string, std::vector<float>>& m) {
+  std::vector<std::uint8_t> s;
+  auto append = [&](const void* p, std::size_t n) {
+    const std::size_t at = s.size();
+    s.resize(at + n);
+    if (n) std::memcpy(s.data() + at, p, n);
+  };
+  append(magic, 4);
+  const auto entries = static_cast<std::uint32_t>(m.size());
+  append(&entries, 4);
+  for (const auto& [name, v] : m) {
+    const auto len = static_cast<std::uint32_t>(name.size());
+    const std::uint64_t floats = v.size();
+    append(&len, 4);
+    append(name.data(), name.size());
+    append(&floats, 8);
+    append(v.data(), v.size() * 4);
+  }
+  return s;
+}
+
+std::map<std::string, std::vector<float>> load_tensor_state(const char magic[4],
+                                                            std::span<const std::uint8_t> s) {
+  const std::string what = "codec state '" + std::string(magic, 4) + "'";
+  std::size_t at = 0;
+  auto take = [&](void* p, std::size_t n) {
+    if (s.size() - at < n) bad_payload(what, "truncated at byte " + std::to_string(at));
+    if (n) std::memcpy(p, s.data() + at, n);  // an empty name or vector has no buffer
+    at += n;
+  };
+  char found[4];
+  take(found, 4);
+  if (std::memcmp(found, magic, 4) != 0) bad_payload(what, "not one (magic)");
+  std::uint32_t entries;
+  take(&entries, 4);
+  std::map<std::string, std::vector<float>> loaded;
+  for (std::uint32_t t = 0; t < entries; ++t) {
+    std::uint32_t len;
+    take(&len, 4);
+    std::string name(len <= s.size() - at ? len : 0, '\0');
+    if (name.size() != len) bad_payload(what, "name longer than the state");
+    take(name.data(), len);
+    // Written in name order, each once: anything else is not a state this wrote.
+    if (!loaded.empty() && name <= loaded.rbegin()->first) {
+      bad_payload(what, "entry '" + name + "' out of order");
+    }
+    std::uint64_t floats;
+    take(&floats, 8);
+    if (floats > (s.size() - at) / 4) bad_payload(what, "entry longer than the state");
+    std::vector<float> v(floats);
+    take(v.data(), floats * 4);
+    loaded[name] = std::move(v);
+  }
+  if (at != s.size()) bad_payload(what, "trailing bytes");
+  return loaded;
+}
+
+std::uint64_t next_step(std::map<std::string, std::vector<float>>& steps, const std::string& name) {
+  std::vector<float>& v = steps[name];
+  if (v.size() != 2) v.assign(2, 0.0f);
+  const std::uint64_t step =
+      static_cast<std::uint64_t>(v[0]) * (1ull << 24) + static_cast<std::uint64_t>(v[1]);
+  v[0] = static_cast<float>((step + 1) >> 24);
+  v[1] = static_cast<float>((step + 1) & ((1ull << 24) - 1));
+  return step;
+}
+
+std::string ErrorFeedback::spec() const {
+  return with_key(inner_->spec(), "ef=1");
+}
+
+std::vector<float>& ErrorFeedback::residual(const Tensor& tensor, std::size_t count) {
+  std::vector<float>& r = residuals_[tensor.name];
+  if (r.empty()) r.assign(count, 0.0f);
+  if (r.size() != count) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "tensor '" + tensor.name + "' has " + std::to_string(count) +
+                    " elements, its error-feedback residual " + std::to_string(r.size()) +
+                    ": one name per tensor",
+                Error::kUnknownRank, Error::kNoPeer, "encode");
+  }
+  return r;
+}
+
+void ErrorFeedback::encode(const Tensor& tensor, std::span<const float> in,
+                           std::vector<std::uint8_t>& out) {
+  std::vector<float>& r = residual(tensor, in.size());
+  // What is owed now; the residual changes only once the encoding succeeded.
+  owed_.resize(in.size());
+  for (std::size_t i = 0; i < in.size(); ++i) owed_[i] = r[i] + in[i];
+  inner_->encode(tensor, owed_, out);
+  sent_.resize(in.size());
+  inner_->decode(out, sent_);
+  for (std::size_t i = 0; i < in.size(); ++i) r[i] = owed_[i] - sent_[i];
+}
+
+std::vector<std::uint8_t> ErrorFeedback::save_state() const {
+  return save_tensor_state(kFeedbackMagic, residuals_);
+}
+
+void ErrorFeedback::load_state(std::span<const std::uint8_t> state) {
+  residuals_ = load_tensor_state(kFeedbackMagic, state);
+}
 
 CodecSpec CodecSpec::parse(std::string_view spec) {
   CodecSpec s;
@@ -284,15 +271,21 @@ CodecSpec CodecSpec::parse(std::string_view spec) {
       bad_spec(spec, "'" + std::string(value) + "' is not a number");
     }
     if (s.params.count(key)) bad_spec(spec, "'" + key + "' given twice");
+    const KeyRange& r = key_ranges().at(key);
+    const bool inside = (r.low_open ? v > r.low : v >= r.low) && v <= r.high;
+    if (!inside || (r.whole && v != std::floor(v))) {
+      char low[32], high[32];
+      *std::to_chars(low, low + 31, r.low).ptr = '\0';
+      *std::to_chars(high, high + 31, r.high).ptr = '\0';
+      bad_spec(spec, key + " is " + (r.whole ? "a whole number " : "a number ") +
+                         (r.low_open ? "above " + std::string(low) + " up to "
+                                     : std::string(low) + "..") +
+                         high);
+    }
     s.params[key] = v;
   }
-  if (s.params.count("ef") && s.params["ef"] != 0 && s.params["ef"] != 1) {
-    bad_spec(spec, "ef is 0 or 1");
-  }
-  if (s.params.count("block")) {
-    const double b = s.params["block"];
-    if (b < 1 || b > (1 << 24) || b != std::floor(b))
-      bad_spec(spec, "block is a whole number 1..16777216");
+  if (const char* key = required_key(s.name); key && !s.params.count(key)) {
+    bad_spec(spec, "codec '" + s.name + "' needs " + key + "=");
   }
   return s;
 }
@@ -316,14 +309,28 @@ std::string CodecSpec::to_string() const {
 
 std::unique_ptr<Codec> make_codec(std::string_view text) {
   const CodecSpec s = CodecSpec::parse(text);
+  if (s.name == "powersgd") {  // keeps its own residuals: its all-reduce needs them
+    return std::make_unique<PowerSgd>(static_cast<std::size_t>(s.get("rank", 4)),
+                                      s.get("ef", 1) != 0);
+  }
   std::unique_ptr<Codec> codec;
   if (s.name == "none") {
     codec = std::make_unique<NoneCodec>();
   } else if (s.name == "fp16" || s.name == "bf16") {
     codec =
         std::make_unique<HalfCodec>(s.name == "bf16" ? DataType::kBFloat16 : DataType::kFloat16);
-  } else {  // int8: parse() admits no other names
-    codec = std::make_unique<Int8Codec>(static_cast<std::size_t>(s.get("block", 256)));
+  } else if (s.name == "int8") {
+    codec = make_int8(s);
+  } else if (s.name == "qsgd") {
+    codec = make_qsgd(s);
+  } else if (s.name == "sign") {
+    codec = make_sign(s);
+  } else if (s.name == "topk") {
+    codec = make_topk(s);
+  } else if (s.name == "randomk") {
+    codec = make_randomk(s);
+  } else {  // threshold: parse() admits no other names
+    codec = make_threshold(s);
   }
   const bool feedback = s.get("ef", codec->biased() ? 1 : 0) != 0;
   if (feedback) codec = std::make_unique<ErrorFeedback>(std::move(codec));

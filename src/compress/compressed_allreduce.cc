@@ -1,103 +1,281 @@
-// Compressed all-reduce: picks the communication pattern per codec (see compress.h).
-#include <cstring>
+// Compressed all-reduce: the communication pattern that suits each codec (see compress.h).
+#include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "collectives/algorithms.h"
+#include "compress/codecs.h"
 #include "core/context_impl.h"
-#include "gradsync/compress.h"
 #include "kernels/kernels.h"
 
 namespace gradsync::compress {
 
 namespace {
 
-// The wire type of a codec that is a plain cast without feedback, else nothing.
-std::optional<DataType> half_wire(const CodecSpec& s) {
-  if (s.params.count("ef")) return std::nullopt;
-  if (s.name == "fp16") return DataType::kFloat16;
-  if (s.name == "bf16") return DataType::kBFloat16;
-  return std::nullopt;
+constexpr const char* kOp = "compressed_allreduce";
+
+// float16/bfloat16 messages of a ring.
+class HalfWire final : public collectives::WireFormat {
+ public:
+  explicit HalfWire(DataType type) : type_(type) {}
+  std::size_t bytes(std::size_t count) const override { return 2 * count; }
+  void encode(const float* in, std::size_t count, std::uint8_t* wire) override {
+    kernels::float_to_16bit(in, reinterpret_cast<std::uint16_t*>(wire), count, type_);
+  }
+  void decode(const std::uint8_t* wire, std::size_t count, float* out) const override {
+    kernels::float_from_16bit(reinterpret_cast<const std::uint16_t*>(wire), out, count, type_);
+  }
+  void decode_add(const std::uint8_t* wire, std::size_t count, float* out) const override {
+    thread_local std::vector<float> widened;
+    widened.resize(count);
+    decode(wire, count, widened.data());
+    kernels::reduce_into(out, widened.data(), count, DataType::kFloat32, ReduceOp::kSum);
+  }
+
+ private:
+  DataType type_;
+};
+
+// int8-layout messages of a ring (int8, qsgd): the block scales, then a byte per value.
+class QuantizedWire final : public collectives::WireFormat {
+ public:
+  explicit QuantizedWire(BlockQuantizer& q) : q_(q) {}
+  std::size_t bytes(std::size_t count) const override {
+    return 4 * blocks(count) + (count + 3) / 4 * 4;
+  }
+  void encode(const float* in, std::size_t count, std::uint8_t* wire) override {
+    q_.quantize(in, count, reinterpret_cast<float*>(wire),
+                reinterpret_cast<std::int8_t*>(wire + 4 * blocks(count)));
+  }
+  void decode(const std::uint8_t* wire, std::size_t count, float* out) const override {
+    kernels::dequantize_int8_blocks(reinterpret_cast<const std::int8_t*>(wire + 4 * blocks(count)),
+                                    reinterpret_cast<const float*>(wire), count, q_.block(), out);
+  }
+  void decode_add(const std::uint8_t* wire, std::size_t count, float* out) const override {
+    kernels::dequantize_int8_blocks_add(
+        reinterpret_cast<const std::int8_t*>(wire + 4 * blocks(count)),
+        reinterpret_cast<const float*>(wire), count, q_.block(), out);
+  }
+
+ private:
+  std::size_t blocks(std::size_t count) const { return (count + q_.block() - 1) / q_.block(); }
+  BlockQuantizer& q_;
+};
+
+// The codec's spec, hashed into the call signature: ranks that pass different codecs to the
+// same call fail with kMismatch instead of decoding each other's bytes as their own format.
+std::int32_t spec_tag(const Codec& codec) {
+  return static_cast<std::int32_t>(name_hash(codec.spec()) & 0x7fffffff);
 }
 
-}  // namespace
+void ring(Context& ctx, std::span<float> data, Codec& codec, DataType wire_type,
+          collectives::WireFormat& wire, float* lost) {
+  const collectives::CallSignature sig{0,
+                                       collectives::CollectiveKind::kCompressedAllreduce,
+                                       wire_type,
+                                       ReduceOp::kSum,
+                                       Algorithm::kRing,
+                                       spec_tag(codec),
+                                       data.size()};
+  ctx.impl()
+      .submit(
+          sig,
+          [&](collectives::Comm& c) {
+            collectives::ring_allreduce_wire(c, data.data(), data.size(), wire, lost);
+          },
+          true)
+      .wait();
+}
 
-void compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec,
-                          const std::string& tensor, ReduceOp op) {
-  if (op != ReduceOp::kSum && op != ReduceOp::kAvg) {
-    throw Error(ErrorKind::kInvalidArgument,
-                std::string("compressed all-reduce sums or averages, not ") + to_string(op),
-                ctx.rank(), Error::kNoPeer, "compressed_allreduce");
+void finish_average(std::span<float> data, ReduceOp op, int n) {
+  if (op == ReduceOp::kAvg && !data.empty()) {
+    kernels::scale_for_average(data.data(), data.size(), DataType::kFloat32, n);
   }
+}
+
+// True if no rank's data holds NaN or Inf; otherwise throws on every rank (kThrow) or returns
+// false on every rank (kSkip). One 8-byte all-gather: each rank's first bad element.
+bool every_rank_finite(Context& ctx, std::span<const float> data, const Tensor& tensor,
+                       NonFinite policy) {
+  const std::size_t bad = kernels::first_non_finite(data.data(), data.size());
+  // -1, or the element times two plus one if it is a NaN.
+  const std::int64_t mine =
+      bad == data.size() ? -1
+                         : static_cast<std::int64_t>(2 * bad + (std::isnan(data[bad]) ? 1 : 0));
+  std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
+  ctx.allgather(&mine, all.data(), 1, DataType::kInt64);
+  std::string where;
+  for (int r = 0; r < ctx.size(); ++r) {
+    const std::int64_t v = all[static_cast<std::size_t>(r)];
+    if (v < 0) continue;
+    where += std::string(where.empty() ? "" : ", ") + (v % 2 ? "NaN" : "Inf") + " on rank " +
+             std::to_string(r) + " (element " + std::to_string(v / 2) + ")";
+  }
+  if (where.empty()) return true;
+  if (policy == NonFinite::kSkip) return false;
+  throw Error(ErrorKind::kInvalidArgument,
+              "tensor '" + tensor.name + "' has " + where + ": not reduced on any rank", ctx.rank(),
+              Error::kNoPeer, kOp, data.size_bytes());
+}
+
+// fp16/bf16 without feedback. Where every rank shares an arena and the cost model picks the
+// shared-memory all-reduce, bytes are not what limits the call: it sums in float32 and
+// rounds each finished element once, on its way out. Elsewhere the ring's messages are halves.
+void half_allreduce(Context& ctx, std::span<float> data, Codec& codec, DataType type, ReduceOp op) {
+  Context::Impl& impl = ctx.impl();
+  transport::SharedArena* arena = impl.transport->shared_arena();
+  if (arena) {
+    if (impl.pick_allreduce(data.size_bytes(), Algorithm::kAuto) == Algorithm::kSharedMemory) {
+      const collectives::CallSignature sig{0,
+                                           collectives::CollectiveKind::kCompressedAllreduce,
+                                           type,
+                                           op,
+                                           Algorithm::kSharedMemory,
+                                           spec_tag(codec),
+                                           data.size()};
+      const auto cfg = impl.config;
+      impl.submit(
+              sig,
+              [&](collectives::Comm& c) {
+                collectives::shm_direct_allreduce(c, *arena, data.data(), data.data(), data.size(),
+                                                  DataType::kFloat32, op, cfg, type);
+              },
+              true)
+          .wait();
+      return;
+    }
+    // Small messages: latency-bound algorithms, then one rounding pass.
+    ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
+    thread_local std::vector<std::uint16_t> narrow;
+    narrow.resize(data.size());
+    kernels::float_to_16bit(data.data(), narrow.data(), data.size(), type);
+    kernels::float_from_16bit(narrow.data(), data.data(), data.size(), type);
+    return;
+  }
+  HalfWire wire(type);
+  ring(ctx, data, codec, type, wire, nullptr);
+  finish_average(data, op, ctx.size());
+}
+
+// Every rank's payload to every rank, summed in rank order; or, when the payloads together are
+// large enough that a float32 all-reduce of the decoded tensor is cheaper (a dense union of
+// sparse picks, or many ranks of sign bits), that.
+void gather_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& tensor,
+                      ReduceOp op) {
   const int n = ctx.size();
-  const CodecSpec spec = CodecSpec::parse(codec.spec());
-  if (spec.name == "none") {  // float32 on the wire: the plain path
+  std::vector<std::uint8_t> mine;
+  codec.encode(tensor, data, mine);
+  std::vector<std::size_t> counts(static_cast<std::size_t>(n), mine.size());
+  if (codec.size_varies()) {
+    const auto my_bytes = static_cast<std::int64_t>(mine.size());
+    std::vector<std::int64_t> sizes(static_cast<std::size_t>(n));
+    ctx.allgather(&my_bytes, sizes.data(), 1, DataType::kInt64);
+    counts.assign(sizes.begin(), sizes.end());
+  }
+  const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+  Context::Impl& impl = ctx.impl();
+  const Algorithm dense = impl.pick_allreduce(data.size_bytes(), Algorithm::kAuto);
+  if (impl.cost.allreduce_us(dense, n, data.size_bytes(), ctx.hosts()) <
+      impl.cost.allgather_us(n, total, ctx.hosts())) {
+    codec.decode(mine, data);
     ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
     return;
   }
-  if (auto wire = half_wire(spec)) {
-    Context::Impl& impl = ctx.impl();
-    if (impl.transport->shared_arena()) {
-      // Every rank on one host: bytes are not what limits the call, and the float32
-      // shared-memory all-reduce beats a message ring of halves (4 ranks, 64 MiB: ~25 vs
-      // ~78 ms). Sum in float32, then round once: the numerics the wire format promises (no
-      // worse), the same bits everywhere.
-      ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
-      // Per thread and only grown: a fresh buffer per call would be fresh pages to fault in.
-      thread_local std::vector<std::uint8_t> payload;
-      codec.encode(tensor, data, payload);
-      codec.decode(payload, data);
-      return;
-    }
-    collectives::CallSignature sig{0,
-                                   collectives::CollectiveKind::kCompressedAllreduce,
-                                   *wire,
-                                   op,
-                                   Algorithm::kRing,
-                                   -1,
-                                   data.size()};
-    float* p = data.data();
-    const std::size_t count = data.size();
-    const DataType w = *wire;
-    impl.submit(
-            sig,
-            [=](collectives::Comm& c) {
-              collectives::ring_allreduce_half_wire(c, p, count, w, op);
-            },
-            true)
-        .wait();
-    return;
-  }
-  // Any codec: every rank's payload to every rank, decoded and summed in rank order.
-  std::vector<std::uint8_t> mine;
-  codec.encode(tensor, data, mine);
-  std::int64_t my_bytes = static_cast<std::int64_t>(mine.size());
-  std::vector<std::int64_t> sizes(static_cast<std::size_t>(n));
-  ctx.allgather(&my_bytes, sizes.data(), 1, DataType::kInt64);
-  std::vector<std::size_t> counts(sizes.begin(), sizes.end());
-  const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
   std::vector<std::uint8_t> all(total);
-  ctx.allgatherv(mine.data(), all.data(), counts, DataType::kUInt8);
-  std::vector<float> decoded(data.size());
+  if (codec.size_varies()) {
+    ctx.allgatherv(mine.data(), all.data(), counts, DataType::kUInt8);
+  } else {
+    ctx.allgather(mine.data(), all.data(), mine.size(), DataType::kUInt8);
+  }
   std::size_t at = 0;
   for (int r = 0; r < n; ++r) {
     const std::span<const std::uint8_t> payload(all.data() + at,
                                                 counts[static_cast<std::size_t>(r)]);
     at += payload.size();
     try {
-      codec.decode(payload, r == 0 ? data : std::span<float>(decoded));
+      if (r == 0) {
+        codec.decode(payload, data);
+      } else {
+        codec.decode_add(payload, data);
+      }
     } catch (const Error& e) {
       throw Error(
           e.kind(),
-          "rank " + std::to_string(r) + "'s payload of tensor '" + tensor + "': " + e.detail(),
-          ctx.rank(), r, "compressed_allreduce", payload.size());
-    }
-    if (r > 0) {
-      kernels::reduce_into(data.data(), decoded.data(), data.size(), DataType::kFloat32,
-                           ReduceOp::kSum);
+          "rank " + std::to_string(r) + "'s payload of tensor '" + tensor.name + "': " + e.detail(),
+          ctx.rank(), r, kOp, payload.size());
     }
   }
-  if (op == ReduceOp::kAvg)
-    kernels::scale_for_average(data.data(), data.size(), DataType::kFloat32, n);
+  finish_average(data, op, n);
+}
+
+// randomk: every rank drew the same indices, so the payloads add element by element: one
+// float32 all-reduce of the k values.
+void randomk_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& tensor,
+                       ReduceOp op) {
+  std::vector<std::uint8_t> payload;
+  codec.encode(tensor, data, payload);
+  const std::size_t at = randomk_values_offset(), k = (payload.size() - at) / 4;
+  // The values start 16 bytes into an operator-new buffer: float-aligned.
+  auto* values = reinterpret_cast<float*>(payload.data() + at);
+  ctx.allreduce(values, values, k, DataType::kFloat32, ReduceOp::kSum);
+  codec.decode(payload, data);
+  finish_average(data, op, ctx.size());
+}
+
+}  // namespace
+
+bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& tensor,
+                          ReduceOp op, NonFinite non_finite) {
+  if (op != ReduceOp::kSum && op != ReduceOp::kAvg) {
+    throw Error(ErrorKind::kInvalidArgument,
+                std::string("compressed all-reduce sums or averages, not ") + to_string(op),
+                ctx.rank(), Error::kNoPeer, kOp);
+  }
+  if (non_finite != NonFinite::kPropagate && !every_rank_finite(ctx, data, tensor, non_finite)) {
+    return false;
+  }
+  const int n = ctx.size();
+  codec.set_stream(static_cast<std::uint64_t>(ctx.rank()));
+  const CodecSpec spec = CodecSpec::parse(codec.spec());
+  auto* feedback = dynamic_cast<ErrorFeedback*>(&codec);
+  Codec& inner = feedback ? feedback->inner() : codec;
+
+  if (spec.name == "none") {  // float32 on the wire: the plain path
+    ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
+  } else if ((spec.name == "fp16" || spec.name == "bf16") && !feedback) {
+    half_allreduce(ctx, data, codec, spec.name == "bf16" ? DataType::kBFloat16 : DataType::kFloat16,
+                   op);
+  } else if (auto* power = dynamic_cast<PowerSgd*>(&codec)) {
+    if (!power->compresses(tensor, data.size())) {  // a vector: float32
+      ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
+    } else {
+      power->reduce(
+          tensor, data,
+          [&](std::span<float> v) {
+            ctx.allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+          },
+          n, op == ReduceOp::kAvg ? n : 1);
+    }
+  } else if (auto* quantizer = dynamic_cast<BlockQuantizer*>(&inner)) {
+    // int8 / qsgd: quantised again at every hop. With feedback the residual joins the data,
+    // and collects what every encoding of this rank drops.
+    float* lost = nullptr;
+    if (feedback) {
+      std::vector<float>& residual = feedback->residual(tensor, data.size());
+      for (std::size_t i = 0; i < data.size(); ++i) data[i] += residual[i];
+      std::fill(residual.begin(), residual.end(), 0.0f);
+      lost = residual.data();
+    }
+    quantizer->begin(tensor);
+    QuantizedWire wire(*quantizer);
+    ring(ctx, data, codec, DataType::kUInt8, wire, lost);
+    finish_average(data, op, n);
+  } else if (spec.name == "randomk") {
+    randomk_allreduce(ctx, data, codec, tensor, op);
+  } else {  // topk, threshold, sign, and casts with feedback
+    gather_allreduce(ctx, data, codec, tensor, op);
+  }
+  return true;
 }
 
 }  // namespace gradsync::compress

@@ -69,6 +69,15 @@ double memory_traffic_bytes(Algorithm a, int n, double S) {
 }
 }  // namespace
 
+double CostModel::allgather_us(int n, std::size_t total_bytes, int hosts) const {
+  if (n <= 1) return 0.0;
+  const double alpha = hosts > 1 && p_.inter_alpha_us > 0 ? p_.inter_alpha_us : p_.alpha_us;
+  const double gbps =
+      hosts > 1 && p_.inter_bandwidth_gbps > 0 ? p_.inter_bandwidth_gbps : p_.bandwidth_gbps;
+  const double frac = static_cast<double>(n - 1) / n;
+  return (n - 1) * alpha + frac * static_cast<double>(total_bytes) * 1e-3 / gbps;
+}
+
 double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes, int hosts) const {
   if (n <= 1) return 0.0;
   const bool spread = spread_evenly(n, hosts);

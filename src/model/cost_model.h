@@ -54,6 +54,10 @@ class CostModel {
   Algorithm choose_allreduce(int ranks, std::size_t bytes, bool shared_memory = false,
                              int hosts = 1) const;
 
+  // Predicted time of a ring all-gather after which every rank holds `total_bytes` (all ranks'
+  // blocks together): N-1 steps, each moving one rank's share.
+  double allgather_us(int ranks, std::size_t total_bytes, int hosts = 1) const;
+
   // "alpha_us=3,bandwidth_gbps=8,reduce_gbps=20,copy_gbps=10,cache_mib=32,shm_call_us=1,
   // inter_alpha_us=50,inter_bandwidth_gbps=0.12" (any subset); nullopt if malformed.
   static std::optional<LinkParams> parse(std::string_view spec, LinkParams base = {});
