@@ -34,9 +34,11 @@ constexpr const char* kUsage =
     "  --dtype T         float32 float64 float16 bfloat16 int32 int64 uint8 (default float32)\n"
     "  --op OP           sum avg min max prod (default sum; ignored by allgather/broadcast)\n"
     "  --algo A          auto ring rd hd ps shm hier, per allreduce call (default auto)\n"
-    "  --codec SPEC      allreduce float32 (sum/avg) through a gradient codec (none, fp16,\n"
-    "                    bf16, int8[:block=B][,ef=0|1]); each call copies the input first.\n"
-    "                    wire(x) = sent/rank over a float32 ring's 2(n-1)/n x size\n"
+    "  --codec SPEC      allreduce float32 (sum/avg) through a gradient codec: none, fp16,\n"
+    "                    bf16, int8[:block=B], qsgd[:levels=S], topk:ratio=R, randomk:ratio=R,\n"
+    "                    threshold:rel=R, sign, powersgd:rank=R (the tensor is a matrix of\n"
+    "                    about sqrt(count) rows), each [,ef=0|1]; each call copies the input\n"
+    "                    first. wire(x) = sent/rank over a float32 ring's 2(n-1)/n x size\n"
     "  --transport T     shm | tcp | \"\" for automatic (sets Options.transport)\n"
     "  --root R          broadcast root (default 0)\n"
     "  --iters N         timed calls per size (default 20)\n"
@@ -443,15 +445,25 @@ class Bench {
   }
 
  private:
+  // The largest power of two at most sqrt(count) that divides count.
+  static std::size_t matrix_rows(std::size_t count) {
+    std::size_t rows = 1;
+    while ((rows * 2) * (rows * 2) <= count && count % (rows * 2) == 0) rows *= 2;
+    return rows;
+  }
+
   void call(std::size_t count, std::size_t block) {
     switch (c_.coll) {
       case Collective::kAllreduce:
         if (codec_) {
           // Compressed all-reduce works in place: start every call from the same input.
           std::memcpy(recv_.data(), send_.data(), count * es_);
+          // One tensor per size (codec state is per tensor), a near-square matrix for
+          // codecs that compress matrices.
           gradsync::compress::compressed_allreduce(
               ctx_, std::span<float>(reinterpret_cast<float*>(recv_.data()), count), *codec_,
-              "bench-" + std::to_string(count), c_.op);  // one tensor per size: codec state
+              gradsync::compress::Tensor("bench-" + std::to_string(count), matrix_rows(count)),
+              c_.op);
         } else {
           ctx_.allreduce(send_.data(), recv_.data(), count, c_.dtype, c_.op, c_.algo);
         }

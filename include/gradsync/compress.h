@@ -95,7 +95,7 @@ class Codec {
 //                          every rank, so no indices travel
 //   threshold:rel=R        every element with |g| >= R max|g| (0 < R <= 1)
 //   sign                   one bit per element and one scale (mean |g|): EF-SignSGD
-//   powersgd:rank=R        rows x cols matrices as P (rows x R) and Q (cols x R), Q warm-started
+//   powersgd:rank=R        rows x cols matrices as P (rows x R) and Q (R x cols), Q warm-started
 //                          from the last step; vectors travel as float32
 // Throws Error(kInvalidArgument) for an unknown or malformed spec.
 std::unique_ptr<Codec> make_codec(std::string_view spec);

@@ -12,32 +12,41 @@ namespace {
 constexpr char kMagic[4] = {'G', 'S', 'P', 'W'};
 constexpr std::size_t kHeader = 12;  // u32 rows, u32 cols, u32 rank (0 = float32 values)
 
-// out (rows x r) = m (rows x cols) b (cols x r); all row-major.
-void multiply(const float* m, const float* b, float* out, std::size_t rows, std::size_t cols,
+// Q is kept transposed (r x cols), so that every loop below runs along a row of M with unit
+// stride: the dot products in independent lanes (no reassociation needed to vectorise, and
+// the same bits on every machine), the other two as axpy.
+constexpr std::size_t kLanes = 16;
+
+// p (rows x r) = m (rows x cols) qt^T, qt being r x cols.
+void multiply(const float* m, const float* qt, float* p, std::size_t rows, std::size_t cols,
               std::size_t r) {
-  std::fill(out, out + rows * r, 0.0f);
+  const std::size_t whole = cols / kLanes * kLanes;
   for (std::size_t i = 0; i < rows; ++i) {
-    float* o = out + i * r;
     const float* row = m + i * cols;
-    for (std::size_t c = 0; c < cols; ++c) {
-      const float x = row[c];
-      const float* bc = b + c * r;
-      for (std::size_t j = 0; j < r; ++j) o[j] += x * bc[j];
+    for (std::size_t j = 0; j < r; ++j) {
+      const float* q = qt + j * cols;
+      float lanes[kLanes] = {};
+      for (std::size_t c = 0; c < whole; c += kLanes) {
+        for (std::size_t l = 0; l < kLanes; ++l) lanes[l] += row[c + l] * q[c + l];
+      }
+      float sum = 0;
+      for (std::size_t c = whole; c < cols; ++c) sum += row[c] * q[c];
+      for (std::size_t l = 0; l < kLanes; ++l) sum += lanes[l];
+      p[i * r + j] = sum;
     }
   }
 }
 
-// out (cols x r) = m^T (cols x rows) p (rows x r).
-void multiply_transposed(const float* m, const float* p, float* out, std::size_t rows,
+// qt (r x cols) = (m^T p)^T: row j of qt accumulates p[i][j] times row i of m.
+void multiply_transposed(const float* m, const float* p, float* qt, std::size_t rows,
                          std::size_t cols, std::size_t r) {
-  std::fill(out, out + cols * r, 0.0f);
+  std::fill(qt, qt + cols * r, 0.0f);
   for (std::size_t i = 0; i < rows; ++i) {
     const float* row = m + i * cols;
-    const float* pi = p + i * r;
-    for (std::size_t c = 0; c < cols; ++c) {
-      const float x = row[c];
-      float* o = out + c * r;
-      for (std::size_t j = 0; j < r; ++j) o[j] += x * pi[j];
+    for (std::size_t j = 0; j < r; ++j) {
+      const float pij = p[i * r + j];
+      float* q = qt + j * cols;
+      for (std::size_t c = 0; c < cols; ++c) q[c] += pij * row[c];
     }
   }
 }
@@ -59,18 +68,20 @@ void orthonormalize(float* p, std::size_t rows, std::size_t r) {
   }
 }
 
-// out (rows x cols) = p (rows x r) q^T (r x cols), divided by `divisor`.
-void reconstruct(const float* p, const float* q, float* out, std::size_t rows, std::size_t cols,
+// out (rows x cols) = p (rows x r) qt (r x cols), divided by `divisor`.
+void reconstruct(const float* p, const float* qt, float* out, std::size_t rows, std::size_t cols,
                  std::size_t r, int divisor) {
   const float d = static_cast<float>(divisor);
   for (std::size_t i = 0; i < rows; ++i) {
-    const float* pi = p + i * r;
     float* o = out + i * cols;
-    for (std::size_t c = 0; c < cols; ++c) {
-      const float* qc = q + c * r;
-      float v = 0;
-      for (std::size_t j = 0; j < r; ++j) v += pi[j] * qc[j];
-      o[c] = divisor == 1 ? v : v / d;
+    std::fill(o, o + cols, 0.0f);
+    for (std::size_t j = 0; j < r; ++j) {
+      const float pij = p[i * r + j];
+      const float* q = qt + j * cols;
+      for (std::size_t c = 0; c < cols; ++c) o[c] += pij * q[c];
+    }
+    if (divisor != 1) {
+      for (std::size_t c = 0; c < cols; ++c) o[c] /= d;
     }
   }
 }
