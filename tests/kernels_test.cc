@@ -858,6 +858,21 @@ TEST(CodecKernels, QuantizeInt8RoundsTiesToEvenAndHandlesExtremes) {
     const std::int8_t want[] = {127, 0, 2, 2, 0, -2, -2, 126, -126, 4, 0, 0, 4, -127, 5, 6, 6};
     for (std::size_t i = 0; i < n; ++i) EXPECT_EQ(r.q[i], want[i]) << "element " << i;
 
+    // Every quarter step from -127 to 127 and the floats either side of each half step.
+    std::vector<float> sweep{127.0f};
+    for (int k = -508; k <= 508; ++k) {
+      const float x = static_cast<float>(k) / 4.0f;
+      sweep.push_back(x);
+      if (k % 2 != 0 && k % 4 != 0) {
+        sweep.push_back(std::nextafter(x, 0.0f));
+        sweep.push_back(std::nextafter(x, x * 2));
+      }
+    }
+    r = quantize(sweep.data(), sweep.size(), sweep.size());
+    for (std::size_t i = 0; i < sweep.size(); ++i) {
+      ASSERT_EQ(r.q[i], static_cast<std::int8_t>(std::nearbyint(sweep[i]))) << sweep[i];
+    }
+
     // Huge values: the scale is finite and the peak maps to +-127.
     const float huge[] = {1e38f, -3.4e38f, 3.4028235e38f, 1.0f, -1e30f};
     r = quantize(huge, 5, 5);

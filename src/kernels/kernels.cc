@@ -276,12 +276,15 @@ void scalar_scale(void* data, std::size_t n, DataType dtype, int divisor) {
 
 // ---------------------------------------------------------------- scalar codec kernels
 
-// The int8 codec's rounding of x * inverse: nearest even (nearbyint under the default
-// rounding mode), NaN to 0 (a float-to-int cast of NaN is undefined), then the clamp.
+// The int8 codec's clamp(nearbyint(t), -127, 127), NaN to 0 (a float-to-int cast of NaN is
+// undefined). Clamping first rounds the same (nearbyint is monotonic and maps +-127 to
+// themselves), and then adding and subtracting 1.5 * 2^23 rounds to nearest even exactly
+// (|t| < 2^22), without the libm call nearbyint is on baseline x86-64, 10x slower.
 std::int8_t quantize_one(float t) {
-  float v = std::nearbyint(t);
-  if (v != v) v = 0.0f;
-  return static_cast<std::int8_t>(std::clamp(v, -127.0f, 127.0f));
+  if (t != t) return 0;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  const float v = (std::clamp(t, -127.0f, 127.0f) + kRound) - kRound;
+  return static_cast<std::int8_t>(v);
 }
 
 void scalar_quantize_int8(const float* in, std::size_t n, std::size_t block, float* scales,
@@ -320,11 +323,19 @@ void scalar_pack_signs(const float* in, std::size_t n, std::uint8_t* bits) {
   }
 }
 
+// A byte at a time with the mode hoisted, so the compiler keeps the loop simple.
 void scalar_unpack_signs(const std::uint8_t* bits, std::size_t n, float scale, float* out,
                          bool accumulate) {
-  for (std::size_t i = 0; i < n; ++i) {
-    const float v = ((bits[i / 8] >> (i % 8)) & 1u) != 0 ? -scale : scale;
-    out[i] = accumulate ? canon(out[i] + v) : v;
+  const float pm[2] = {scale, -scale};
+  for (std::size_t i = 0; i < n; i += 8) {
+    const unsigned byte = bits[i / 8];
+    const std::size_t len = n - i < 8 ? n - i : 8;
+    float* o = out + i;
+    if (accumulate) {
+      for (std::size_t k = 0; k < len; ++k) o[k] = canon(o[k] + pm[(byte >> k) & 1u]);
+    } else {
+      for (std::size_t k = 0; k < len; ++k) o[k] = pm[(byte >> k) & 1u];
+    }
   }
 }
 
