@@ -8,6 +8,7 @@ packages=(
   googletest libgtest-dev libgmock-dev libbenchmark-dev   # tests and micro-benchmarks
   clang libclang-rt-14-dev                                # libFuzzer targets and sanitizer runtimes
   openmpi-bin libopenmpi-dev libgloo-dev                  # peers for side-by-side benchmarks
+  python3-torch libopenblas0                              # PyTorch peer (codec ops, DDP), fast BLAS
   iproute2 procps psmisc                                  # launcher/failure tests (ip, pkill, fuser),
                                                           # network-namespace hosts (ip netns, tc)
   gnuplot-nox                                             # bench/netns scaling plot

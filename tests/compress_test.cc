@@ -403,6 +403,26 @@ TEST(Codecs, QsgdIsUnbiasedAndReproducible) {
   EXPECT_NE(a, c);
 }
 
+// Extreme but finite gradients stay decodable: an L2 or L1 norm past FLT_MAX still gives a
+// finite scale, and a block of denormals keeps its zeros zero.
+TEST(Codecs, HugeAndDenormalGradientsRoundTrip) {
+  std::vector<float> huge(512, 3e38f), tiny(512, 0.0f);
+  for (std::size_t i = 0; i < tiny.size(); i += 3) tiny[i] = 1e-44f;
+  for (const char* spec : {"qsgd:levels=127,block=512", "sign:ef=0", "int8:ef=0"}) {
+    const auto out = round_trip(*make_codec(spec), huge);
+    for (float x : out) ASSERT_TRUE(std::isfinite(x)) << spec;
+    // Within one step: qsgd's is the block norm over the levels, sqrt(512) / 127 of each.
+    const float step = contains(spec, "qsgd") ? 0.18f : 0.02f;
+    EXPECT_NEAR(out[0], 3e38f, 3e38f * step) << spec;
+  }
+  const auto out = round_trip(*make_codec("qsgd:levels=127,block=512"), tiny);
+  for (std::size_t i = 0; i < tiny.size(); ++i) {
+    if (tiny[i] == 0.0f) {
+      ASSERT_EQ(out[i], 0.0f) << i;
+    }
+  }
+}
+
 // Top-k: exactly the k = ceil(ratio n) largest magnitudes, ties to the lower index, indices
 // ascending; the sampled-threshold path (large tensors) picks the same elements as exact=1.
 TEST(Codecs, TopKIsTheKLargestWithTiesToTheLowerIndex) {

@@ -3,7 +3,7 @@
 # scripts/netns-cluster.sh, one launcher per host, exactly as on separate machines. Needs root.
 # Prints markdown tables for BENCHMARKS.md. Run one benchmark at a time on this machine.
 #
-#   bench/netns/cluster_bench.sh [options] link|hier|scaling
+#   bench/netns/cluster_bench.sh [options] link|hier|scaling|codecs
 #
 #   link     4 hosts x 1 rank: gradsync (cost model's choice) and Gloo's chunked ring,
 #            alternating; busbw as a fraction of the link rate.
@@ -11,6 +11,9 @@
 #            each host sends to other hosts per call (transport counters).
 #   scaling  ring and parameter server at a fixed payload on 2, 3, 4, 6, 8 hosts x 1 rank;
 #            time per call. Writes DIR/scaling.dat and, with gnuplot, DIR/scaling.png.
+#   codecs   4 hosts x 1 rank: the uncompressed all-reduce and each codec of --codecs at the
+#            first of --sizes; time per call, wire ratio (bytes sent over a float32 ring's),
+#            and time over the uncompressed call: the time saved should follow the bytes.
 #
 # options:
 #   --build DIR      build directory (default build)
@@ -19,6 +22,7 @@
 #   --repeats R      runs of every point (default 3; medians reported)
 #   --iters N        timed calls per run (default 5)
 #   --out DIR        where scaling.dat / scaling.png go (default bench/netns)
+#   --codecs "fp16 int8"  codec specs of the codecs experiment (default: every codec)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -29,6 +33,7 @@ sizes="16M 64M"
 repeats=3
 iters=5
 out=$here
+codecs="fp16 bf16 int8 qsgd topk:ratio=0.01 randomk:ratio=0.01 threshold:rel=0.5 sign powersgd:rank=4"
 while [[ $# -gt 1 ]]; do
   case "$1" in
     --build) build=$2; shift 2 ;;
@@ -37,11 +42,12 @@ while [[ $# -gt 1 ]]; do
     --repeats) repeats=$2; shift 2 ;;
     --iters) iters=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
+    --codecs) codecs=$2; shift 2 ;;
     *) echo "cluster_bench: unknown option '$1'" >&2; exit 2 ;;
   esac
 done
 experiment=${1:-}
-[[ $experiment =~ ^(link|hier|scaling)$ ]] || { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[[ $experiment =~ ^(link|hier|scaling|codecs)$ ]] || { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $build = /* ]] || build=$root/$build
 cluster=$root/scripts/netns-cluster.sh
 prefix=gb
@@ -109,6 +115,7 @@ summarize() {  # python over $results/*.json: name = impl~hosts~perhost~bytes~re
   python3 - "$results" "$experiment" "$rate" "$@" <<'PY'
 import glob, json, os, re, statistics, sys
 results, experiment, rate = sys.argv[1], sys.argv[2], sys.argv[3]
+specs = os.environ.get("CODEC_SPECS", "").split()
 bits = float(re.match(r"(\d+)", rate).group(1)) * {"g": 1e9, "m": 1e6, "k": 1e3}[rate.lower().rstrip("bit")[-1]]
 link_gbps = bits / 8 / 1e9
 pts = {}
@@ -138,6 +145,18 @@ elif experiment == "hier":
             speed = f" ({ring / t:.2f}x ring)" if ring and impl != "ring" else ""
             name = impl if impl != "auto" else "auto (" + "/".join(sorted({r["algo"] for r in rs})) + ")"
             print(f"| {mib(b)} | {name} | {t / 1000:.1f} ms{speed} | {bw:.4f} GB/s | {per_host / 1048576:.1f} MiB | {per_host / b:.2f} |")
+elif experiment == "codecs":
+    (h, l, b), impls = next(iter(pts.items()))
+    plain = med(impls["plain"], "time_us")
+    print(f"{h} hosts x {l} rank, {mib(b)} of float32 per rank, {rate} links; median of {len(impls['plain'])} runs\n")
+    print("| codec | time per call | / uncompressed | wire (x float32 ring) |")
+    print("|:---|---:|---:|---:|")
+    print(f"| uncompressed ({'/'.join(sorted({r['algo'] for r in impls['plain']}))}) | {plain / 1000:.0f} ms | 1.00x | 1.000 |")
+    for i, spec in enumerate(specs):
+        if f"c{i}" not in impls: continue
+        rs = impls[f"c{i}"]
+        t = med(rs, "time_us")
+        print(f"| {spec} | {t / 1000:.0f} ms | {t / plain:.3f}x | {med(rs, 'wire_ratio'):.3f} |")
 else:
     out = sys.argv[4]
     rows = sorted({h for (h, l, b) in pts})
@@ -178,6 +197,20 @@ case "$experiment" in
       done
     done
     summarize ;;
+  codecs)
+    b=$(to_bytes "${sizes%% *}")
+    for ((rep = 0; rep < repeats; rep++)); do
+      echo "cluster_bench: codecs repeat $((rep + 1))/$repeats uncompressed" >&2
+      gradsync "plain~4~1~$b~$rep" 4 1 "$b" auto
+      i=0
+      for spec in $codecs; do
+        echo "cluster_bench: codecs repeat $((rep + 1))/$repeats $spec" >&2
+        job "c$i~4~1~$b~$rep" 4 1 "$b" -- "$build/tools/gradsync-bench" allreduce --min-bytes "$b" \
+          --max-bytes "$b" --iters "$iters" --warmup 1 --codec "$spec"
+        i=$((i + 1))
+      done
+    done
+    CODEC_SPECS="$codecs" summarize ;;
   scaling)
     b=$(to_bytes "${sizes%% *}")
     for ((rep = 0; rep < repeats; rep++)); do

@@ -105,13 +105,15 @@ class QsgdCodec final : public BlockQuantizer {
       const std::size_t hi = std::min(count, lo + block_);
       double sum_sq = 0;
       for (std::size_t i = lo; i < hi; ++i) sum_sq += static_cast<double>(in[i]) * in[i];
-      const auto norm = static_cast<float>(std::sqrt(sum_sq));
-      scales[b] = norm / s;
-      const float inverse = norm > 0 ? s / norm : 0.0f;
+      // In double: the norm of finite floats may pass FLT_MAX (its step, norm / S, need not),
+      // and the inverse of a denormal norm would overflow a float.
+      const double norm = std::sqrt(sum_sq);
+      scales[b] = static_cast<float>(norm / s);
+      const double inverse = norm > 0 ? s / norm : 0.0;
       for (std::size_t i = lo; i < hi; ++i) {
-        const float level = std::fabs(in[i]) * inverse;
-        const float below = std::floor(level);
-        const float l = std::min(s, below + (uniform01(rng_) < level - below ? 1.0f : 0.0f));
+        const double level = std::fabs(static_cast<double>(in[i])) * inverse;
+        const double below = std::floor(level);
+        const double l = std::min<double>(s, below + (uniform01(rng_) < level - below ? 1 : 0));
         q[i] = static_cast<std::int8_t>(std::signbit(in[i]) ? -l : l);
       }
     }

@@ -142,13 +142,19 @@ F float_max(F a, F b) {
 
 struct OpSum {
   template <class F>
-  static F f(F a, F b) { return canon(a + b); }
+  static F f(F a, F b) {
+    return canon(a + b);
+  }
   template <class U>
-  static U u(U a, U b) { return static_cast<U>(a + b); }
+  static U u(U a, U b) {
+    return static_cast<U>(a + b);
+  }
 };
 struct OpProd {
   template <class F>
-  static F f(F a, F b) { return canon(a * b); }
+  static F f(F a, F b) {
+    return canon(a * b);
+  }
   template <class U>
   static U u(U a, U b) {
     // uint8 promotes to int; 255*255 fits. Wider types are already unsigned.
@@ -157,11 +163,15 @@ struct OpProd {
 };
 struct OpMin {
   template <class F>
-  static F f(F a, F b) { return float_min(a, b); }
+  static F f(F a, F b) {
+    return float_min(a, b);
+  }
 };
 struct OpMax {
   template <class F>
-  static F f(F a, F b) { return float_max(a, b); }
+  static F f(F a, F b) {
+    return float_max(a, b);
+  }
 };
 
 template <class T, class Fn>
@@ -176,10 +186,14 @@ template <class F>
 void reduce_float(void* d, const void* a, const void* b, std::size_t n, ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAvg: return loop<F>(d, a, b, n, [](F x, F y) { return OpSum::f(x, y); });
-    case ReduceOp::kProd: return loop<F>(d, a, b, n, [](F x, F y) { return OpProd::f(x, y); });
-    case ReduceOp::kMin: return loop<F>(d, a, b, n, [](F x, F y) { return OpMin::f(x, y); });
-    case ReduceOp::kMax: return loop<F>(d, a, b, n, [](F x, F y) { return OpMax::f(x, y); });
+    case ReduceOp::kAvg:
+      return loop<F>(d, a, b, n, [](F x, F y) { return OpSum::f(x, y); });
+    case ReduceOp::kProd:
+      return loop<F>(d, a, b, n, [](F x, F y) { return OpProd::f(x, y); });
+    case ReduceOp::kMin:
+      return loop<F>(d, a, b, n, [](F x, F y) { return OpMin::f(x, y); });
+    case ReduceOp::kMax:
+      return loop<F>(d, a, b, n, [](F x, F y) { return OpMax::f(x, y); });
   }
 }
 
@@ -195,10 +209,14 @@ template <class Codec>
 void reduce_narrow(void* d, const void* a, const void* b, std::size_t n, ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAvg: return loop_narrow<Codec, OpSum>(d, a, b, n);
-    case ReduceOp::kProd: return loop_narrow<Codec, OpProd>(d, a, b, n);
-    case ReduceOp::kMin: return loop_narrow<Codec, OpMin>(d, a, b, n);
-    case ReduceOp::kMax: return loop_narrow<Codec, OpMax>(d, a, b, n);
+    case ReduceOp::kAvg:
+      return loop_narrow<Codec, OpSum>(d, a, b, n);
+    case ReduceOp::kProd:
+      return loop_narrow<Codec, OpProd>(d, a, b, n);
+    case ReduceOp::kMin:
+      return loop_narrow<Codec, OpMin>(d, a, b, n);
+    case ReduceOp::kMax:
+      return loop_narrow<Codec, OpMax>(d, a, b, n);
   }
 }
 
@@ -220,21 +238,30 @@ void reduce_int(void* d, const void* a, const void* b, std::size_t n, ReduceOp o
       return loop<U>(d, a, b, n, [](U x, U y) { return OpSum::u(x, y); });
     case ReduceOp::kProd:
       return loop<U>(d, a, b, n, [](U x, U y) { return OpProd::u(x, y); });
-    case ReduceOp::kMin: return loop<T>(d, a, b, n, [](T x, T y) { return y < x ? y : x; });
-    case ReduceOp::kMax: return loop<T>(d, a, b, n, [](T x, T y) { return y > x ? y : x; });
+    case ReduceOp::kMin:
+      return loop<T>(d, a, b, n, [](T x, T y) { return y < x ? y : x; });
+    case ReduceOp::kMax:
+      return loop<T>(d, a, b, n, [](T x, T y) { return y > x ? y : x; });
   }
 }
 
 void scalar_reduce(void* d, const void* a, const void* b, std::size_t n, DataType dtype,
                    ReduceOp op) {
   switch (dtype) {
-    case DataType::kFloat32: return reduce_float<float>(d, a, b, n, op);
-    case DataType::kFloat64: return reduce_float<double>(d, a, b, n, op);
-    case DataType::kFloat16: return reduce_narrow<HalfCodec>(d, a, b, n, op);
-    case DataType::kBFloat16: return reduce_narrow<BFloat16Codec>(d, a, b, n, op);
-    case DataType::kInt32: return reduce_int<std::int32_t, std::uint32_t>(d, a, b, n, op);
-    case DataType::kInt64: return reduce_int<std::int64_t, std::uint64_t>(d, a, b, n, op);
-    case DataType::kUInt8: return reduce_int<std::uint8_t, std::uint8_t>(d, a, b, n, op);
+    case DataType::kFloat32:
+      return reduce_float<float>(d, a, b, n, op);
+    case DataType::kFloat64:
+      return reduce_float<double>(d, a, b, n, op);
+    case DataType::kFloat16:
+      return reduce_narrow<HalfCodec>(d, a, b, n, op);
+    case DataType::kBFloat16:
+      return reduce_narrow<BFloat16Codec>(d, a, b, n, op);
+    case DataType::kInt32:
+      return reduce_int<std::int32_t, std::uint32_t>(d, a, b, n, op);
+    case DataType::kInt64:
+      return reduce_int<std::int64_t, std::uint64_t>(d, a, b, n, op);
+    case DataType::kUInt8:
+      return reduce_int<std::uint8_t, std::uint8_t>(d, a, b, n, op);
   }
 }
 
@@ -247,19 +274,18 @@ void map(void* data, std::size_t n, Fn fn) {
 void scalar_scale(void* data, std::size_t n, DataType dtype, int divisor) {
   const float fd = static_cast<float>(divisor);
   switch (dtype) {
-    case DataType::kFloat32: return map<float>(data, n, [fd](float x) { return x / fd; });
+    case DataType::kFloat32:
+      return map<float>(data, n, [fd](float x) { return x / fd; });
     case DataType::kFloat64: {
       const double dd = divisor;
       return map<double>(data, n, [dd](double x) { return x / dd; });
     }
     case DataType::kFloat16:
-      return map<std::uint16_t>(data, n, [fd](std::uint16_t h) {
-        return encode_half(decode_half(h) / fd);
-      });
+      return map<std::uint16_t>(data, n,
+                                [fd](std::uint16_t h) { return encode_half(decode_half(h) / fd); });
     case DataType::kBFloat16:
-      return map<std::uint16_t>(data, n, [fd](std::uint16_t h) {
-        return encode_bf16(decode_bf16(h) / fd);
-      });
+      return map<std::uint16_t>(data, n,
+                                [fd](std::uint16_t h) { return encode_bf16(decode_bf16(h) / fd); });
     // divisor >= 1 (checked), so INT_MIN / -1 cannot happen.
     case DataType::kInt32:
       return map<std::int32_t>(data, n, [divisor](std::int32_t x) { return x / divisor; });
@@ -268,9 +294,8 @@ void scalar_scale(void* data, std::size_t n, DataType dtype, int divisor) {
       return map<std::int64_t>(data, n, [d64](std::int64_t x) { return x / d64; });
     }
     case DataType::kUInt8:
-      return map<std::uint8_t>(data, n, [divisor](std::uint8_t x) {
-        return static_cast<std::uint8_t>(x / divisor);
-      });
+      return map<std::uint8_t>(
+          data, n, [divisor](std::uint8_t x) { return static_cast<std::uint8_t>(x / divisor); });
   }
 }
 
@@ -397,8 +422,8 @@ Cpu detect() {
       c.env_scalar = true;
       std::fprintf(stderr, "gradsync: GRADSYNC_KERNELS_ISA=scalar (default auto)\n");
     } else if (s != "auto") {
-      std::fprintf(stderr,
-                   "gradsync: ignoring GRADSYNC_KERNELS_ISA=%s (expected auto or scalar)\n", v);
+      std::fprintf(stderr, "gradsync: ignoring GRADSYNC_KERNELS_ISA=%s (expected auto or scalar)\n",
+                   v);
     }
   }
   return c;
@@ -419,8 +444,8 @@ bool use_avx2() {
 void check_dtype_op(DataType dtype, ReduceOp op, const char* fn) {
   if (static_cast<unsigned>(dtype) > static_cast<unsigned>(DataType::kUInt8)) {
     throw Error(ErrorKind::kInvalidArgument,
-                "unknown dtype " + std::to_string(static_cast<unsigned>(dtype)), Error::kUnknownRank,
-                Error::kNoPeer, fn);
+                "unknown dtype " + std::to_string(static_cast<unsigned>(dtype)),
+                Error::kUnknownRank, Error::kNoPeer, fn);
   }
   if (static_cast<unsigned>(op) > static_cast<unsigned>(ReduceOp::kProd)) {
     throw Error(ErrorKind::kInvalidArgument,
@@ -448,10 +473,18 @@ void check_block(std::size_t block, const char* fn) {
 
 // ---------------------------------------------------------------- public entry points
 
-std::uint16_t float_to_half(float f) { return encode_half(f); }
-float half_to_float(std::uint16_t h) { return decode_half(h); }
-std::uint16_t float_to_bfloat16(float f) { return encode_bf16(f); }
-float bfloat16_to_float(std::uint16_t h) { return decode_bf16(h); }
+std::uint16_t float_to_half(float f) {
+  return encode_half(f);
+}
+float half_to_float(std::uint16_t h) {
+  return decode_half(h);
+}
+std::uint16_t float_to_bfloat16(float f) {
+  return encode_bf16(f);
+}
+float bfloat16_to_float(std::uint16_t h) {
+  return decode_bf16(h);
+}
 
 void reduce(void* dst, const void* a, const void* b, std::size_t count, DataType dtype,
             ReduceOp op) {
@@ -473,9 +506,8 @@ void scale_for_average(void* data, std::size_t count, DataType dtype, int diviso
   check_dtype_op(dtype, ReduceOp::kAvg, "scale_for_average");
   check_ptr(data, count, dtype_size(dtype), "data", "scale_for_average");
   if (divisor < 1) {
-    throw Error(ErrorKind::kInvalidArgument,
-                "divisor must be >= 1, got " + std::to_string(divisor), Error::kUnknownRank,
-                Error::kNoPeer, "scale_for_average");
+    throw Error(ErrorKind::kInvalidArgument, "divisor must be >= 1, got " + std::to_string(divisor),
+                Error::kUnknownRank, Error::kNoPeer, "scale_for_average");
   }
   if (count == 0 || divisor == 1) return;
   if (use_avx2() && avx2::scale_for_average(data, count, dtype, divisor)) return;
@@ -522,8 +554,7 @@ void float_to_16bit(const float* src, std::uint16_t* dst, std::size_t count, Dat
   }
 }
 
-void float_from_16bit(const std::uint16_t* src, float* dst, std::size_t count,
-                         DataType from) {
+void float_from_16bit(const std::uint16_t* src, float* dst, std::size_t count, DataType from) {
   if (from == DataType::kBFloat16) {
     bfloat16_to_float(src, dst, count);
   } else {
@@ -581,7 +612,7 @@ void unpack_signs_scaled(const std::uint8_t* bits, std::size_t count, float scal
   scalar_unpack_signs(bits, count, scale, out, accumulate);
 }
 
-float sum_abs(const float* in, std::size_t count) {
+double sum_abs(const float* in, std::size_t count) {
   check_ptr(in, count, 4, "in", "sum_abs");
   double lanes[kSumLanes] = {};
   if (count != 0 && use_avx2()) {
@@ -593,7 +624,7 @@ float sum_abs(const float* in, std::size_t count) {
   for (std::size_t width = kSumLanes / 2; width >= 1; width /= 2) {
     for (std::size_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
   }
-  return canon(static_cast<float>(lanes[0]));
+  return std::isnan(lanes[0]) ? qnan<double>() : lanes[0];
 }
 
 float max_abs(const float* in, std::size_t count) {
@@ -614,8 +645,12 @@ bool all_finite(const float* in, std::size_t count) {
   return first_non_finite(in, count) == count;
 }
 
-const char* isa_name() { return use_avx2() ? "avx2+f16c" : "scalar"; }
+const char* isa_name() {
+  return use_avx2() ? "avx2+f16c" : "scalar";
+}
 
-void force_scalar(bool on) { g_force_scalar.store(on, std::memory_order_relaxed); }
+void force_scalar(bool on) {
+  g_force_scalar.store(on, std::memory_order_relaxed);
+}
 
 }  // namespace gradsync::kernels

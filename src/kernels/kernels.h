@@ -64,10 +64,11 @@ void pack_signs(const float* in, std::size_t count, std::uint8_t* bits);
 void unpack_signs_scaled(const std::uint8_t* bits, std::size_t count, float scale, float* out,
                          bool accumulate);
 
-// L1 norm, summed in double over 32 lanes (lane i % 32) added in a fixed order, then
-// rounded to float: the same bits on every path and machine, which a scale every rank must
-// agree on needs more than the last bit of speed. NaN anywhere gives the canonical NaN.
-float sum_abs(const float* in, std::size_t count);
+// L1 norm, summed in double over 32 lanes (lane i % 32) added in a fixed order: the same
+// bits on every path and machine, which a scale every rank must agree on needs more than the
+// last bit of speed. Returned in double: the norm of finite floats can pass FLT_MAX while
+// their mean does not. NaN anywhere gives NaN.
+double sum_abs(const float* in, std::size_t count);
 // max |in[i]| (0 for count 0). NaN anywhere gives the canonical quiet NaN (propagated, not
 // skipped: a scale computed from it must not look healthy).
 float max_abs(const float* in, std::size_t count);
