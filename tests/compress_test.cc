@@ -896,6 +896,46 @@ TEST(CompressedAllreduce, NonFiniteGradientsAreReportedOrSkippedOnEveryRank) {
   }
 }
 
+// On the shared-memory path the sums are searched instead of the inputs: the same report
+// (rank, element, NaN or Inf) on every rank, and finite inputs that overflow are named too.
+TEST(CompressedAllreduce, NonFiniteOnSharedMemoryIsFoundInTheSums) {
+  const std::size_t count = 1 << 20;
+  for (const char* spec : {"none", "fp16", "bf16"}) {
+    testing::run_shm_contexts(4, [&](Context& ctx) {
+      ASSERT_EQ(ctx.choose_allreduce_algorithm(count * 4), Algorithm::kSharedMemory);
+      auto codec = make_codec(spec);
+      std::vector<float> data = gradient(count, 5);
+      if (ctx.rank() == 3) data[count - 2] = std::numeric_limits<float>::quiet_NaN();
+      if (ctx.rank() == 0) data[123457] = std::numeric_limits<float>::infinity();
+      Error e = expect_error(ErrorKind::kInvalidArgument,
+                             [&] { compress::compressed_allreduce(ctx, data, *codec, "emb"); });
+      EXPECT_TRUE(contains(e.what(),
+                           "tensor 'emb' has Inf on rank 0 (element 123457), NaN on "
+                           "rank 3 (element " +
+                               std::to_string(count - 2) + ")"))
+          << e.what();
+      std::vector<float> again = gradient(count, 5);
+      if (ctx.rank() == 1) again[7] = -std::numeric_limits<float>::infinity();
+      EXPECT_FALSE(compress::compressed_allreduce(ctx, again, *codec, "emb", ReduceOp::kSum,
+                                                  compress::NonFinite::kSkip));
+      std::vector<float> big(count, 1.0f);
+      big[99] = 3e38f;  // finite everywhere, but four of them pass FLT_MAX
+      e = expect_error(ErrorKind::kInvalidArgument,
+                       [&] { compress::compressed_allreduce(ctx, big, *codec, "emb"); });
+      EXPECT_TRUE(contains(e.what(), "Inf in the sum of finite values (element 99)")) << e.what();
+      if (std::string(spec) == "fp16") {  // a sum past float16's 65504 is lost as well
+        std::vector<float> wide(count, 1.0f);
+        wide[5] = 40000.0f;
+        e = expect_error(ErrorKind::kInvalidArgument,
+                         [&] { compress::compressed_allreduce(ctx, wide, *codec, "emb"); });
+        EXPECT_TRUE(contains(e.what(), "in the sum of finite values (element 5)")) << e.what();
+      }
+      std::vector<float> clean = gradient(count, 6);
+      EXPECT_TRUE(compress::compressed_allreduce(ctx, clean, *codec, "emb"));
+    });
+  }
+}
+
 // Ranks that pass different codecs to the same call fail with a mismatch, not garbage: the
 // rank that sees it first gets kMismatch, the other kAborted carrying that reason.
 TEST(CompressedAllreduce, DifferentCodecsOnDifferentRanksAreAMismatch) {

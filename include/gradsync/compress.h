@@ -103,7 +103,9 @@ std::unique_ptr<Codec> make_codec(std::string_view spec);
 // What compressed_allreduce does when a rank's gradient holds NaN or Inf.
 enum class NonFinite {
   kThrow,      // every rank throws Error(kInvalidArgument) naming the tensor and the ranks
-  kSkip,       // every rank leaves its data as it was and returns false (skip the step)
+  kSkip,       // every rank returns false: skip the step. The data is then either as it was or
+               // already reduced (the shared-memory path finds NaN in the sums it makes, to
+               // spare a pass over the inputs): not a gradient to apply
   kPropagate,  // no check: the NaN reaches every rank (saves one pass and one small exchange)
 };
 

@@ -41,13 +41,25 @@ void halving_doubling_allreduce(Comm& c, const void* send, void* recv, std::size
                                 DataType dtype, ReduceOp op);
 void parameter_server_allreduce(Comm& c, const void* send, void* recv, std::size_t count,
                                 DataType dtype, ReduceOp op);
+// What compressed gradients ask of the shared-memory all-reduce (float32 data only), done on
+// each finished tile while it is in L1.
+struct ShmFloatExtras {
+  // A 16-bit float type every finished element is rounded through before the ranks copy it
+  // out (fp16/bf16 compression); kFloat32: none.
+  DataType round_through = DataType::kFloat32;
+  // If not null, size() + 1 entries, -1 or 2 x element + (1 if NaN): entry m, the first
+  // element at which member m's input holds NaN or Inf, among the elements this rank reduced;
+  // the last entry, an element where finite inputs summed past the float range (or past
+  // round_through's). A tile is searched
+  // only when its sum is not finite, so a healthy call pays one look at 1/N of the data.
+  std::int64_t* non_finite = nullptr;
+};
+
 // Ranks that all share `arena` reduce straight out of each other's staging buffers: user
-// memory is read once and written once (see shared_memory.cc). `round_through`, for float32
-// data only, names a 16-bit float type every finished element is rounded through before the
-// ranks copy it out (fp16/bf16 compression at the cost of a pass over 1/N of the data).
+// memory is read once and written once (see shared_memory.cc).
 void shm_direct_allreduce(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
                           std::size_t count, DataType dtype, ReduceOp op,
-                          const AlgorithmConfig& cfg, DataType round_through = DataType::kFloat32);
+                          const AlgorithmConfig& cfg, const ShmFloatExtras& extras = {});
 
 // Ring reduce-scatter: `send` holds size() blocks of `block_counts[i]` elements packed in
 // rank order; `recv` receives this rank's reduced block. kAvg finished inside.

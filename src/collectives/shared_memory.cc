@@ -26,6 +26,7 @@
 #include <emmintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -84,7 +85,7 @@ class SharedMemoryAllreduce {
  public:
   SharedMemoryAllreduce(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
                         std::size_t count, DataType dtype, ReduceOp op, const AlgorithmConfig& cfg,
-                        DataType round_through)
+                        const ShmFloatExtras& extras)
       : c_(c),
         arena_(arena),
         send_(static_cast<const unsigned char*>(send)),
@@ -98,7 +99,8 @@ class SharedMemoryAllreduce {
         chunk_bytes_(chunk_size(cfg.shared_memory_chunk_bytes, arena.region_bytes())),
         chunks_(std::max<std::size_t>(1, (bytes_ + chunk_bytes_ - 1) / chunk_bytes_)),
         streaming_(bytes_ * static_cast<std::size_t>(n_) >= cfg.shared_memory_streaming_bytes),
-        round_through_(dtype == DataType::kFloat32 ? round_through : DataType::kFloat32) {
+        round_through_(dtype == DataType::kFloat32 ? extras.round_through : DataType::kFloat32),
+        non_finite_(dtype == DataType::kFloat32 ? extras.non_finite : nullptr) {
     if (n_ != c.size() || me_ != c.rank()) {
       throw Error(ErrorKind::kInvalidArgument,
                   "shared arena of " + std::to_string(n_) + " members (this rank member " +
@@ -225,7 +227,35 @@ class SharedMemoryAllreduce {
         kernels::float_to_16bit(values, narrow, count, round_through_);
         kernels::float_from_16bit(narrow, values, count, round_through_);
       }
+      // After rounding: a sum past the 16-bit range is lost as surely as a NaN input.
+      if (non_finite_) {
+        const auto* sums = reinterpret_cast<const float*>(dst + offset);
+        const std::size_t bad = kernels::first_non_finite(sums, count);
+        if (bad != count)
+          find_non_finite(chunk_offset(k) + first + offset, bad, count, input, offset);
+      }
     }
+  }
+
+  // A tile (starting at byte `at` of the message) summed to NaN or Inf at element `bad`: which
+  // members' inputs hold one, or else an overflow.
+  template <typename Input>
+  void find_non_finite(std::size_t at, std::size_t bad, std::size_t count, const Input& input,
+                       std::size_t offset) {
+    auto note = [&](std::size_t entry, std::size_t element, bool nan) {
+      const auto e = static_cast<std::int64_t>(2 * (at / sizeof(float) + element) + nan);
+      if (non_finite_[entry] < 0 || e < non_finite_[entry]) non_finite_[entry] = e;
+    };
+    bool any = false;
+    for (int m = 0; m < n_; ++m) {
+      const auto* in = reinterpret_cast<const float*>(input(m, offset));
+      const std::size_t i = kernels::first_non_finite(in, count);
+      if (i != count) {
+        note(static_cast<std::size_t>(m), i, std::isnan(in[i]));
+        any = true;
+      }
+    }
+    if (!any) note(static_cast<std::size_t>(n_), bad, false);
   }
 
   void copy_out(std::size_t k) {
@@ -254,7 +284,8 @@ class SharedMemoryAllreduce {
   const std::size_t chunk_bytes_;
   const std::size_t chunks_;  // at least one, so an empty call still checks signatures
   const bool streaming_;
-  const DataType round_through_;  // kFloat32: no rounding
+  const DataType round_through_;    // kFloat32: no rounding
+  std::int64_t* const non_finite_;  // see ShmFloatExtras
   std::uint64_t base_ = 0;
 };
 
@@ -262,18 +293,27 @@ class SharedMemoryAllreduce {
 
 void shm_direct_allreduce(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
                           std::size_t count, DataType dtype, ReduceOp op,
-                          const AlgorithmConfig& cfg, DataType round_through) {
+                          const AlgorithmConfig& cfg, const ShmFloatExtras& extras) {
   if (c.size() == 1) {
     if (send != recv && count) std::memcpy(recv, send, count * dtype_size(dtype));
-    if (dtype == DataType::kFloat32 && round_through != DataType::kFloat32 && count) {
+    if (dtype != DataType::kFloat32) return;
+    const DataType round_through = extras.round_through;
+    if (round_through != DataType::kFloat32 && count) {
       auto* values = static_cast<float*>(recv);
       std::vector<std::uint16_t> narrow(count);
       kernels::float_to_16bit(values, narrow.data(), count, round_through);
       kernels::float_from_16bit(narrow.data(), values, count, round_through);
     }
+    if (extras.non_finite && count) {
+      const auto* values = static_cast<const float*>(recv);
+      const std::size_t bad = kernels::first_non_finite(values, count);
+      if (bad != count) {
+        extras.non_finite[0] = static_cast<std::int64_t>(2 * bad + std::isnan(values[bad]));
+      }
+    }
     return;
   }
-  SharedMemoryAllreduce(c, arena, send, recv, count, dtype, op, cfg, round_through).run();
+  SharedMemoryAllreduce(c, arena, send, recv, count, dtype, op, cfg, extras).run();
 }
 
 }  // namespace gradsync::collectives

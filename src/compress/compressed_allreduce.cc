@@ -93,58 +93,92 @@ void finish_average(std::span<float> data, ReduceOp op, int n) {
   }
 }
 
-// True if no rank's data holds NaN or Inf; otherwise throws on every rank (kThrow) or returns
-// false on every rank (kSkip). One 8-byte all-gather: each rank's first bad element.
+// Settles what the ranks found: codes[r] is -1 or 2 x element + (1 if NaN) of rank r's first
+// NaN or Inf, `overflow` the same for a sum of finite values past the float range. True if
+// nothing was found; otherwise every rank (they all hold the same codes) throws (kThrow) or
+// returns false (kSkip).
+bool settle_non_finite(Context& ctx, const Tensor& tensor, std::span<const std::int64_t> codes,
+                       std::int64_t overflow, NonFinite policy, std::size_t bytes) {
+  std::string where;
+  auto add = [&](std::int64_t code, const std::string& what) {
+    where += std::string(where.empty() ? "" : ", ") + (code % 2 ? "NaN" : "Inf") + what +
+             " (element " + std::to_string(code / 2) + ")";
+  };
+  for (std::size_t r = 0; r < codes.size(); ++r) {
+    if (codes[r] >= 0) add(codes[r], " on rank " + std::to_string(r));
+  }
+  if (overflow >= 0) add(overflow, " in the sum of finite values");
+  if (where.empty()) return true;
+  if (policy == NonFinite::kSkip) return false;
+  throw Error(ErrorKind::kInvalidArgument,
+              "tensor '" + tensor.name + "' has " + where + ": not reduced on any rank", ctx.rank(),
+              Error::kNoPeer, kOp, bytes);
+}
+
+// True if no rank's data holds NaN or Inf (see settle_non_finite). One pass over the data and
+// one 8-byte all-gather: each rank's first bad element.
 bool every_rank_finite(Context& ctx, std::span<const float> data, const Tensor& tensor,
                        NonFinite policy) {
   const std::size_t bad = kernels::first_non_finite(data.data(), data.size());
-  // -1, or the element times two plus one if it is a NaN.
   const std::int64_t mine =
       bad == data.size() ? -1
                          : static_cast<std::int64_t>(2 * bad + (std::isnan(data[bad]) ? 1 : 0));
   std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
   ctx.allgather(&mine, all.data(), 1, DataType::kInt64);
-  std::string where;
-  for (int r = 0; r < ctx.size(); ++r) {
-    const std::int64_t v = all[static_cast<std::size_t>(r)];
-    if (v < 0) continue;
-    where += std::string(where.empty() ? "" : ", ") + (v % 2 ? "NaN" : "Inf") + " on rank " +
-             std::to_string(r) + " (element " + std::to_string(v / 2) + ")";
-  }
-  if (where.empty()) return true;
-  if (policy == NonFinite::kSkip) return false;
-  throw Error(ErrorKind::kInvalidArgument,
-              "tensor '" + tensor.name + "' has " + where + ": not reduced on any rank", ctx.rank(),
-              Error::kNoPeer, kOp, data.size_bytes());
+  return settle_non_finite(ctx, tensor, all, -1, policy, data.size_bytes());
 }
 
-// fp16/bf16 without feedback. Where every rank shares an arena and the cost model picks the
-// shared-memory all-reduce, bytes are not what limits the call: it sums in float32 and
-// rounds each finished element once, on its way out. Elsewhere the ring's messages are halves.
-void half_allreduce(Context& ctx, std::span<float> data, Codec& codec, DataType type, ReduceOp op) {
+// float32 and fp16/bf16 (without feedback) where every rank shares an arena and the cost
+// model picks the shared-memory all-reduce: bytes are not what limits the call. It sums in
+// float32, rounds each finished element once on its way out, and looks for NaN/Inf in the
+// finished sums while they are in cache (an input pass would cost as much as half the call):
+// only a bad sum sends it to the inputs, to name the rank. Past that point the data is
+// reduced, so kSkip leaves the sums, not the inputs.
+bool shm_allreduce(Context& ctx, std::span<float> data, Codec& codec, DataType round_through,
+                   ReduceOp op, const Tensor& tensor, NonFinite policy) {
   Context::Impl& impl = ctx.impl();
+  const int n = ctx.size();
+  std::vector<std::int64_t> found(static_cast<std::size_t>(n) + 1, -1);
+  collectives::ShmFloatExtras extras;
+  extras.round_through = round_through;
+  if (policy != NonFinite::kPropagate) extras.non_finite = found.data();
+  const collectives::CallSignature sig{0,
+                                       collectives::CollectiveKind::kCompressedAllreduce,
+                                       round_through,
+                                       op,
+                                       Algorithm::kSharedMemory,
+                                       spec_tag(codec),
+                                       data.size()};
   transport::SharedArena* arena = impl.transport->shared_arena();
-  if (arena) {
-    if (impl.pick_allreduce(data.size_bytes(), Algorithm::kAuto) == Algorithm::kSharedMemory) {
-      const collectives::CallSignature sig{0,
-                                           collectives::CollectiveKind::kCompressedAllreduce,
-                                           type,
-                                           op,
-                                           Algorithm::kSharedMemory,
-                                           spec_tag(codec),
-                                           data.size()};
-      const auto cfg = impl.config;
-      impl.submit(
-              sig,
-              [&](collectives::Comm& c) {
-                collectives::shm_direct_allreduce(c, *arena, data.data(), data.data(), data.size(),
-                                                  DataType::kFloat32, op, cfg, type);
-              },
-              true)
-          .wait();
-      return;
-    }
-    // Small messages: latency-bound algorithms, then one rounding pass.
+  const auto cfg = impl.config;
+  impl.submit(
+          sig,
+          [&](collectives::Comm& c) {
+            collectives::shm_direct_allreduce(c, *arena, data.data(), data.data(), data.size(),
+                                              DataType::kFloat32, op, cfg, extras);
+          },
+          true)
+      .wait();
+  if (policy == NonFinite::kPropagate) return true;
+  std::vector<std::int64_t> all(found.size() * static_cast<std::size_t>(n));
+  ctx.allgather(found.data(), all.data(), found.size(), DataType::kInt64);
+  std::vector<std::int64_t> codes(static_cast<std::size_t>(n), -1);
+  std::int64_t overflow = -1;
+  auto keep_first = [](std::int64_t& into, std::int64_t code) {
+    if (code >= 0 && (into < 0 || code < into)) into = code;
+  };
+  for (std::size_t r = 0; r < static_cast<std::size_t>(n); ++r) {
+    for (std::size_t m = 0; m < codes.size(); ++m) keep_first(codes[m], all[r * found.size() + m]);
+    keep_first(overflow, all[r * found.size() + codes.size()]);
+  }
+  return settle_non_finite(ctx, tensor, codes, overflow, policy, data.size_bytes());
+}
+
+// fp16/bf16 without feedback, off the shared-memory path: where the ranks share an arena
+// (small messages), a latency-bound float32 all-reduce and one rounding pass; elsewhere a
+// ring whose messages are halves.
+void half_allreduce(Context& ctx, std::span<float> data, Codec& codec, DataType type, ReduceOp op) {
+  if (ctx.impl().transport->shared_arena()) {
     ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
     thread_local std::vector<std::uint16_t> narrow;
     narrow.resize(data.size());
@@ -231,18 +265,26 @@ bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, con
                 std::string("compressed all-reduce sums or averages, not ") + to_string(op),
                 ctx.rank(), Error::kNoPeer, kOp);
   }
-  if (non_finite != NonFinite::kPropagate && !every_rank_finite(ctx, data, tensor, non_finite)) {
-    return false;
-  }
   const int n = ctx.size();
   codec.set_stream(static_cast<std::uint64_t>(ctx.rank()));
   const CodecSpec spec = CodecSpec::parse(codec.spec());
   auto* feedback = dynamic_cast<ErrorFeedback*>(&codec);
   Codec& inner = feedback ? feedback->inner() : codec;
+  const bool half = (spec.name == "fp16" || spec.name == "bf16") && !feedback;
+  if ((spec.name == "none" || half) && ctx.impl().transport->shared_arena() &&
+      ctx.impl().pick_allreduce(data.size_bytes(), Algorithm::kAuto) == Algorithm::kSharedMemory) {
+    const DataType round_through = !half                 ? DataType::kFloat32
+                                   : spec.name == "bf16" ? DataType::kBFloat16
+                                                         : DataType::kFloat16;
+    return shm_allreduce(ctx, data, codec, round_through, op, tensor, non_finite);
+  }
+  if (non_finite != NonFinite::kPropagate && !every_rank_finite(ctx, data, tensor, non_finite)) {
+    return false;
+  }
 
   if (spec.name == "none") {  // float32 on the wire: the plain path
     ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
-  } else if ((spec.name == "fp16" || spec.name == "bf16") && !feedback) {
+  } else if (half) {
     half_allreduce(ctx, data, codec, spec.name == "bf16" ? DataType::kBFloat16 : DataType::kFloat16,
                    op);
   } else if (auto* power = dynamic_cast<PowerSgd*>(&codec)) {
