@@ -77,7 +77,7 @@ class Codec {
   // Per-tensor state (error-feedback residuals...), as bytes for a checkpoint, and back.
   // load_state throws Error(kProtocol) on bytes it did not write.
   virtual std::vector<std::uint8_t> save_state() const { return {}; }
-  virtual void load_state(std::span<const std::uint8_t> state) { (void)state; }
+  virtual void load_state(std::span<const std::uint8_t> state);
 };
 
 // The codec a spec names. Each takes ef=0|1 (error feedback; on by default for the biased

@@ -106,6 +106,7 @@ std::string with_key(const std::string& spec, const std::string& kv) {
 }
 
 constexpr char kFeedbackMagic[4] = {'G', 'S', 'E', 'F'};
+constexpr char kWrapperMagic[4] = {'G', 'S', 'E', 'W'};
 
 }  // namespace
 
@@ -129,6 +130,10 @@ void expect_bytes(const std::string& codec, std::span<const std::uint8_t> payloa
     bad_payload(codec, std::to_string(payload.size()) + " bytes, but " + std::to_string(count) +
                            " elements take " + std::to_string(want));
   }
+}
+
+void Codec::load_state(std::span<const std::uint8_t> state) {
+  if (!state.empty()) bad_payload(spec() + " state", "this codec keeps none");
 }
 
 void Codec::decode_add(std::span<const std::uint8_t> payload, std::span<float> out) const {
@@ -233,17 +238,39 @@ void ErrorFeedback::encode(const Tensor& tensor, std::span<const float> in,
   owed_.resize(in.size());
   for (std::size_t i = 0; i < in.size(); ++i) owed_[i] = r[i] + in[i];
   inner_->encode(tensor, owed_, out);
+  if (const auto* in_place = dynamic_cast<const SubtractsPayload*>(inner_.get())) {
+    in_place->subtract(out, owed_);
+    r.swap(owed_);
+    return;
+  }
   sent_.resize(in.size());
   inner_->decode(out, sent_);
   for (std::size_t i = 0; i < in.size(); ++i) r[i] = owed_[i] - sent_[i];
 }
 
+// "GSEW", u64 bytes of the inner codec's state, that state, then the residuals.
 std::vector<std::uint8_t> ErrorFeedback::save_state() const {
-  return save_tensor_state(kFeedbackMagic, residuals_);
+  const std::vector<std::uint8_t> inner = inner_->save_state();
+  const std::vector<std::uint8_t> residuals = save_tensor_state(kFeedbackMagic, residuals_);
+  std::vector<std::uint8_t> s(12 + inner.size() + residuals.size());
+  std::memcpy(s.data(), kWrapperMagic, 4);
+  const std::uint64_t inner_bytes = inner.size();
+  std::memcpy(s.data() + 4, &inner_bytes, 8);
+  if (!inner.empty()) std::memcpy(s.data() + 12, inner.data(), inner.size());
+  std::memcpy(s.data() + 12 + inner.size(), residuals.data(), residuals.size());
+  return s;
 }
 
 void ErrorFeedback::load_state(std::span<const std::uint8_t> state) {
-  residuals_ = load_tensor_state(kFeedbackMagic, state);
+  if (state.size() < 12 || std::memcmp(state.data(), kWrapperMagic, 4) != 0) {
+    bad_payload("error-feedback state", "not one (magic)");
+  }
+  std::uint64_t inner_bytes;
+  std::memcpy(&inner_bytes, state.data() + 4, 8);
+  if (inner_bytes > state.size() - 12) bad_payload("error-feedback state", "truncated");
+  auto residuals = load_tensor_state(kFeedbackMagic, state.subspan(12 + inner_bytes));
+  inner_->load_state(state.subspan(12, inner_bytes));  // may throw: residuals not yet replaced
+  residuals_ = std::move(residuals);
 }
 
 CodecSpec CodecSpec::parse(std::string_view spec) {

@@ -115,6 +115,17 @@ class BlockQuantizer : public Codec {
 // A NaN or Inf that `codec` cannot carry or rank: names the tensor and element.
 void refuse_non_finite(const Tensor& tensor, std::span<const float> in, const char* codec);
 
+// Codecs that can take what a payload carries off a tensor in place (sparse ones touch just
+// their k elements) instead of decoding it into a scratch copy to subtract: error feedback's
+// residual is what was owed minus what was sent.
+class SubtractsPayload {
+ public:
+  virtual void subtract(std::span<const std::uint8_t> payload, std::span<float> out) const = 0;
+
+ protected:
+  ~SubtractsPayload() = default;
+};
+
 // Error feedback (Seide et al. 2014; Karimireddy et al. 2019, EF-SignSGD): the part of each
 // step's gradient the wire could not carry is kept per tensor and added to the next step's
 // before encoding, so over T steps transmitted + residual = the sum of the inputs.

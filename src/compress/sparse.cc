@@ -13,13 +13,21 @@ namespace {
 
 // (index, value) payload: u32 count, u32 pairs, the indices (strictly ascending, each below
 // count), then the values.
-class SparseDecoder : public Codec {
+class SparseDecoder : public Codec, public SubtractsPayload {
  public:
   void decode(std::span<const std::uint8_t> payload, std::span<float> out) const override {
     std::fill(out.begin(), out.end(), 0.0f);
-    decode_add(payload, out);
+    accumulate(payload, out, false);
   }
   void decode_add(std::span<const std::uint8_t> payload, std::span<float> out) const override {
+    accumulate(payload, out, false);
+  }
+  void subtract(std::span<const std::uint8_t> payload, std::span<float> out) const override {
+    accumulate(payload, out, true);
+  }
+
+ private:
+  void accumulate(std::span<const std::uint8_t> payload, std::span<float> out, bool negate) const {
     const std::string name = spec();
     if (payload.size() < 8) bad_payload(name, "shorter than its 8-byte header");
     const std::size_t n = get_u32(payload, 0), pairs = get_u32(payload, 4);
@@ -42,7 +50,7 @@ class SparseDecoder : public Codec {
                               (i >= n ? " is out of range" : " is not ascending"));
       }
       previous = i;
-      out[i] += v;
+      out[i] += negate ? -v : v;
     }
   }
 
@@ -189,7 +197,7 @@ class ThresholdCodec final : public SparseDecoder {
 // elements, so the draws spread over the tensor and every rank draws the same without
 // exchanging them. Payload: u32 count, u32 k, u64 draw key, the k values (the only part that
 // differs between ranks, so all-reduce sums just those).
-class RandomKCodec final : public Codec {
+class RandomKCodec final : public Codec, public SubtractsPayload {
  public:
   RandomKCodec(double ratio, std::uint64_t seed) : ratio_(ratio), seed_(seed) {}
   std::string spec() const override {
@@ -215,9 +223,25 @@ class RandomKCodec final : public Codec {
   }
   void decode(std::span<const std::uint8_t> payload, std::span<float> out) const override {
     std::fill(out.begin(), out.end(), 0.0f);
-    decode_add(payload, out);
+    accumulate(payload, out, false);
   }
   void decode_add(std::span<const std::uint8_t> payload, std::span<float> out) const override {
+    accumulate(payload, out, false);
+  }
+  void subtract(std::span<const std::uint8_t> payload, std::span<float> out) const override {
+    accumulate(payload, out, true);
+  }
+  std::vector<std::uint8_t> save_state() const override {
+    return save_tensor_state(kMagic, steps_);
+  }
+  void load_state(std::span<const std::uint8_t> state) override {
+    steps_ = load_tensor_state(kMagic, state);
+  }
+
+  static constexpr std::size_t kValuesAt = 16;
+
+ private:
+  void accumulate(std::span<const std::uint8_t> payload, std::span<float> out, bool negate) const {
     if (payload.size() < kValuesAt) bad_payload("randomk", "shorter than its 16-byte header");
     const std::size_t n = get_u32(payload, 0), k = get_u32(payload, 4);
     if (n != out.size() || k != k_of(ratio_, n)) {
@@ -233,19 +257,9 @@ class RandomKCodec final : public Codec {
     for (std::size_t j = 0; j < k; ++j) {
       float v;
       std::memcpy(&v, payload.data() + kValuesAt + 4 * j, 4);
-      out[indices[j]] += v;
+      out[indices[j]] += negate ? -v : v;
     }
   }
-  std::vector<std::uint8_t> save_state() const override {
-    return save_tensor_state(kMagic, steps_);
-  }
-  void load_state(std::span<const std::uint8_t> state) override {
-    steps_ = load_tensor_state(kMagic, state);
-  }
-
-  static constexpr std::size_t kValuesAt = 16;
-
- private:
   static void draw(std::uint64_t key, std::size_t n, std::size_t k,
                    std::vector<std::uint32_t>& indices) {
     indices.resize(k);
