@@ -45,6 +45,9 @@ constexpr const char* kUsage =
     "  --iters N         timed calls per size (default 20)\n"
     "  --warmup N        untimed calls per size first (default 5)\n"
     "  --check           verify each size's result exactly; counts wrong elements\n"
+    "  --per-call        time each call alone after an untimed barrier (what --codec does),\n"
+    "                    to compare plain calls with codec calls like for like\n"
+    "  --non-finite P    --codec calls: throw (default), skip or propagate on NaN/Inf\n"
     "  --json FILE       rank 0 writes one record per size to FILE\n"
     "\n"
     "size(B) is the whole buffer: for reduce_scatter the input, for allgather the output\n"
@@ -70,6 +73,8 @@ struct Config {
   int iters = 20;
   int warmup = 5;
   bool check = false;
+  bool per_call = false;  // time each call alone, after a barrier (as --codec always does)
+  gradsync::compress::NonFinite non_finite = gradsync::compress::NonFinite::kThrow;
   std::string json;
   std::string codec;  // empty: plain allreduce
 };
@@ -159,6 +164,20 @@ Config parse_args(int argc, char** argv) {
       c.warmup = parse_count(a, value(), 0);
     else if (a == "--check")
       c.check = true;
+    else if (a == "--per-call")
+      c.per_call = true;
+    else if (a == "--non-finite") {
+      const std::string v = value();
+      if (v == "throw") {
+        c.non_finite = gradsync::compress::NonFinite::kThrow;
+      } else if (v == "skip") {
+        c.non_finite = gradsync::compress::NonFinite::kSkip;
+      } else if (v == "propagate") {
+        c.non_finite = gradsync::compress::NonFinite::kPropagate;
+      } else {
+        usage_error("--non-finite is throw, skip or propagate");
+      }
+    }
     else if (a == "--json")
       c.json = value();
     else if (a == "--codec") {
@@ -408,12 +427,12 @@ class Bench {
     const auto before = ctx_.total_traffic().bytes_sent;
     const auto across_before = sent_across_hosts();
     double seconds = 0;
-    if (codec_) {
+    if (codec_ || c_.per_call) {
       // Compressed all-reduce works in place: every call starts from the same input, copied
       // outside the timed call (as a trainer's gradients are simply there), and the ranks
       // start each call together.
       for (int k = 0; k < c_.iters; ++k) {
-        std::memcpy(recv_.data(), send_.data(), count * es_);
+        if (codec_) std::memcpy(recv_.data(), send_.data(), count * es_);
         ctx_.barrier();
         const auto t0 = Clock::now();
         call(count, block);
@@ -479,7 +498,7 @@ class Bench {
           gradsync::compress::compressed_allreduce(
               ctx_, std::span<float>(reinterpret_cast<float*>(recv_.data()), count), *codec_,
               gradsync::compress::Tensor("bench-" + std::to_string(count), matrix_rows(count)),
-              c_.op);
+              c_.op, c_.non_finite);
         } else {
           ctx_.allreduce(send_.data(), recv_.data(), count, c_.dtype, c_.op, c_.algo);
         }

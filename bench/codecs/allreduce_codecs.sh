@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Compressed all-reduce per codec on one host: N ranks over the shared-memory transport (the
 # default), or --transport tcp for loopback sockets. Every codec runs in turn, the
-# uncompressed all-reduce alongside in the same rounds, repeated; prints a markdown table of
+# uncompressed all-reduce alongside in the same rounds, repeated, every call timed alone
+# after a barrier (gradsync-bench --per-call, what codec calls need: they run in place); prints a markdown table of
 # median time per call, the ratio to the uncompressed call, and the wire ratio (bytes each
 # rank sent over a float32 ring's; 0 where the shared-memory arena carries the data and no
 # transport counts it). Holds /tmp/gradsync-bench.lock while it runs.
 #
 #   bench/codecs/allreduce_codecs.sh [--build DIR] [--ranks N] [--size 64M] [--repeats R]
 #                                    [--iters N] [--transport shm|tcp] [--codecs "fp16 int8 ..."]
+#   a codec written SPEC@propagate runs without the NaN/Inf check (gradsync-bench --non-finite)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -44,9 +46,11 @@ for ((rep = 0; rep < repeats; rep++)); do
   for spec in plain $codecs; do
     echo "allreduce_codecs: repeat $((rep + 1))/$repeats $spec" >&2
     codec_args=()
-    [[ $spec != plain ]] && codec_args=(--codec "$spec")
+    # SPEC@propagate: the codec without the NaN/Inf check.
+    [[ $spec != plain ]] && codec_args=(--codec "${spec%@*}")
+    [[ $spec == *@* ]] && codec_args+=(--non-finite "${spec#*@}")
     "$build/tools/gradsync-run" -n "$ranks" --no-prefix -- "$build/tools/gradsync-bench" \
-      allreduce --min-bytes "$size" --max-bytes "$size" --iters "$iters" --warmup 2 \
+      allreduce --min-bytes "$size" --max-bytes "$size" --iters "$iters" --warmup 2 --per-call \
       "${transport_args[@]}" "${codec_args[@]}" --json "$results/$i~$rep.json" >/dev/null
     i=$((i + 1))
   done
