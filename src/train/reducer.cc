@@ -1,0 +1,369 @@
+// The bucketed, overlapped gradient reducer (see reducer.h). Buckets launch strictly in
+// bucket order on every rank, on one worker thread, so ranks never issue mismatched
+// collectives; a step ends with one 8-byte all-reduce that makes every rank agree on whether
+// some rank left a parameter unready.
+#include "gradsync/reducer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "gradsync/compress.h"
+#include "gradsync/error.h"
+
+namespace gradsync {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+[[noreturn]] void misuse(const Context& ctx, const std::string& what) {
+  throw Error(ErrorKind::kInvalidArgument, what, ctx.rank(), Error::kNoPeer, "reducer");
+}
+}  // namespace
+
+struct Reducer::State {
+  struct Param {
+    std::string name;
+    std::size_t count = 0, rows = 0;
+    std::span<float> external;  // empty: the gradient lives in bucket memory
+    int bucket = -1;
+    std::size_t offset = 0;  // in the bucket, floats
+    bool ready = false;
+  };
+  struct Bucket {
+    std::vector<int> params;
+    std::vector<float> data;
+    std::size_t pending = 0;  // parameters not yet ready this step
+  };
+
+  State(Context& c, ReducerOptions o)
+      : ctx(c), options(std::move(o)), codec(compress::make_codec(options.codec)) {
+    const compress::CodecSpec spec = compress::CodecSpec::parse(codec->spec());
+    // Elementwise codecs without state reduce a bucket in one call; the others per
+    // parameter, where their state (residuals, PowerSGD's Q) and shape belong.
+    whole_buckets = (spec.name == "none" || spec.name == "fp16" || spec.name == "bf16") &&
+                    spec.get("ef", 0) == 0;
+    if (options.accumulate_steps < 1) misuse(ctx, "accumulate_steps must be at least 1");
+    worker = std::thread([this] { run_worker(); });
+  }
+
+  ~State() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    worker.join();
+  }
+
+  // Buckets over `order` (parameter ids, first to be ready first): the first one up to
+  // first_bucket_bytes, the others up to bucket_bytes; a parameter larger than the cap gets
+  // a bucket of its own. Gradients already in bucket memory move with their parameter.
+  void build(const std::vector<int>& order) {
+    std::vector<Bucket> fresh;
+    std::size_t cap = options.first_bucket_bytes;
+    for (int id : order) {
+      const std::size_t bytes = params[static_cast<std::size_t>(id)].count * sizeof(float);
+      if (fresh.empty() || (!fresh.back().params.empty() &&
+                            (fresh.back().data.size() * sizeof(float) + bytes > cap))) {
+        if (!fresh.empty()) cap = options.bucket_bytes;
+        fresh.emplace_back();
+      }
+      Bucket& b = fresh.back();
+      b.params.push_back(id);
+      b.data.resize(b.data.size() + params[static_cast<std::size_t>(id)].count);
+    }
+    for (std::size_t b = 0; b < fresh.size(); ++b) {
+      std::size_t offset = 0;
+      for (int id : fresh[b].params) {
+        Param& p = params[static_cast<std::size_t>(id)];
+        if (p.bucket >= 0 && p.count) {  // carry the gradient over
+          std::memcpy(fresh[b].data.data() + offset,
+                      buckets[static_cast<std::size_t>(p.bucket)].data.data() + p.offset,
+                      p.count * sizeof(float));
+        }
+        offset += p.count;
+      }
+    }
+    for (std::size_t b = 0; b < fresh.size(); ++b) {
+      std::size_t offset = 0;
+      for (int id : fresh[b].params) {
+        Param& p = params[static_cast<std::size_t>(id)];
+        p.bucket = static_cast<int>(b);
+        p.offset = offset;
+        offset += p.count;
+      }
+      fresh[b].pending = fresh[b].params.size();
+    }
+    buckets = std::move(fresh);
+  }
+
+  void ensure_built() {
+    if (!buckets.empty() || params.empty()) return;
+    std::vector<int> reverse;  // backward produces the last layers' gradients first
+    for (int id = static_cast<int>(params.size()) - 1; id >= 0; --id) reverse.push_back(id);
+    build(reverse);
+  }
+
+  std::span<float> slot(const Param& p) {
+    return {buckets[static_cast<std::size_t>(p.bucket)].data.data() + p.offset, p.count};
+  }
+
+  // Launches, in bucket order, every bucket whose parameters are all ready.
+  void launch_ready() {
+    std::lock_guard<std::mutex> lock(mu);
+    while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
+      queue.push_back(next_launch++);
+    }
+    cv.notify_all();
+  }
+
+  void reduce_bucket(std::size_t index) {
+    Bucket& b = buckets[index];
+    const auto t0 = Clock::now();
+    if (whole_buckets) {
+      std::string name = "bucket " + std::to_string(index) + " (";
+      for (std::size_t i = 0; i < b.params.size() && i < 3; ++i) {
+        name += (i ? ", " : "") + params[static_cast<std::size_t>(b.params[i])].name;
+      }
+      name += b.params.size() > 3 ? ", ...)" : ")";
+      compress::compressed_allreduce(ctx, b.data, *codec, name, ReduceOp::kAvg);
+      ++calls;
+    } else {
+      for (int id : b.params) {
+        Param& p = params[static_cast<std::size_t>(id)];
+        compress::compressed_allreduce(ctx, slot(p), *codec, compress::Tensor(p.name, p.rows),
+                                       ReduceOp::kAvg);
+        ++calls;
+      }
+    }
+    communication_s += seconds_between(t0, Clock::now());
+  }
+
+  void run_worker() {
+    std::unique_lock<std::mutex> lock(mu);
+    for (;;) {
+      cv.wait(lock, [&] { return stop || !queue.empty(); });
+      if (stop) return;
+      const std::size_t index = queue.front();
+      queue.pop_front();
+      lock.unlock();
+      std::exception_ptr failure;
+      if (!error) {  // after a failure the rest of the step is skipped, not run
+        try {
+          reduce_bucket(index);
+        } catch (...) {
+          failure = std::current_exception();
+        }
+      }
+      lock.lock();
+      if (failure && !error) error = failure;
+      ++finished;
+      cv.notify_all();
+    }
+  }
+
+  Context& ctx;
+  ReducerOptions options;
+  std::unique_ptr<compress::Codec> codec;
+  bool whole_buckets = false;
+  std::vector<Param> params;
+  std::vector<Bucket> buckets;
+
+  // Step state (the backward thread's).
+  bool in_step = false;
+  Clock::time_point step_start;
+  std::uint64_t bytes_at_start = 0;
+  int micro_step = 0;            // accumulation steps since the last communication
+  int reductions = 0;            // communicating steps so far
+  std::vector<int> ready_order;  // first communicating step's, for the rebuild
+
+  // Shared with the worker.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::size_t> queue;
+  std::size_t next_launch = 0, finished = 0;
+  std::exception_ptr error;
+  bool stop = false;
+  double communication_s = 0;  // written by the worker, read after it finished the step
+  std::size_t calls = 0;
+  std::thread worker;
+};
+
+Reducer::Reducer(Context& ctx, ReducerOptions options)
+    : s_(std::make_unique<State>(ctx, std::move(options))) {}
+
+Reducer::~Reducer() = default;
+
+int Reducer::add_parameter(std::string name, std::size_t count, std::span<float> grad,
+                           std::size_t rows) {
+  if (!s_->buckets.empty()) {
+    misuse(s_->ctx, "add_parameter('" + name +
+                        "') after the first step: register every "
+                        "parameter before training");
+  }
+  if (!grad.empty() && grad.size() != count) {
+    misuse(s_->ctx, "parameter '" + name + "': gradient of " + std::to_string(grad.size()) +
+                        " floats for a count of " + std::to_string(count));
+  }
+  for (const auto& p : s_->params) {
+    if (p.name == name) misuse(s_->ctx, "parameter '" + name + "' registered twice");
+  }
+  State::Param p;
+  p.name = std::move(name);
+  p.count = count;
+  p.rows = rows;
+  p.external = grad;
+  s_->params.push_back(std::move(p));
+  return static_cast<int>(s_->params.size()) - 1;
+}
+
+std::span<float> Reducer::gradient(int id) {
+  if (id < 0 || static_cast<std::size_t>(id) >= s_->params.size()) {
+    misuse(s_->ctx, "no parameter " + std::to_string(id));
+  }
+  s_->ensure_built();
+  State::Param& p = s_->params[static_cast<std::size_t>(id)];
+  return p.external.empty() ? s_->slot(p) : p.external;
+}
+
+void Reducer::mark_ready(int id) {
+  State& s = *s_;
+  if (id < 0 || static_cast<std::size_t>(id) >= s.params.size()) {
+    misuse(s.ctx, "mark_ready(" + std::to_string(id) + "): no such parameter");
+  }
+  s.ensure_built();
+  State::Param& p = s.params[static_cast<std::size_t>(id)];
+  if (p.ready) misuse(s.ctx, "parameter '" + p.name + "' marked ready twice in one step");
+  p.ready = true;
+  if (!s.in_step) {
+    s.in_step = true;
+    s.step_start = Clock::now();
+    s.bytes_at_start = s.ctx.total_traffic().bytes_sent;
+  }
+  const bool communicating = no_sync_depth_ == 0 && s.micro_step + 1 >= s.options.accumulate_steps;
+  if (!communicating) return;
+  if (s.reductions == 0 && s.options.rebuild_buckets) s.ready_order.push_back(id);
+  if (!p.external.empty()) {
+    std::memcpy(s.slot(p).data(), p.external.data(), p.count * sizeof(float));
+  }
+  State::Bucket& b = s.buckets[static_cast<std::size_t>(p.bucket)];
+  if (--b.pending == 0 && s.options.overlap) s.launch_ready();
+}
+
+StepStats Reducer::finish() {
+  State& s = *s_;
+  s.ensure_built();
+  StepStats stats;
+  stats.buckets = s.buckets.size();
+  const auto called = Clock::now();
+  if (!s.in_step) {  // nothing was marked ready: the step starts (and ends) here
+    s.step_start = called;
+    s.bytes_at_start = s.ctx.total_traffic().bytes_sent;
+  }
+  stats.compute_s = seconds_between(s.step_start, called);
+  s.in_step = false;
+  const bool communicating = no_sync_depth_ == 0 && s.micro_step + 1 >= s.options.accumulate_steps;
+  if (!communicating) {  // accumulation: gradients stay where they are
+    ++s.micro_step;
+    for (auto& p : s.params) p.ready = false;
+    return stats;
+  }
+  // Parameters nobody marked: reduced as zeros, so every rank launches every bucket in the
+  // same order; whether that was allowed is settled below, on every rank alike.
+  std::vector<std::string> unused;
+  for (auto& p : s.params) {
+    if (p.ready) continue;
+    unused.push_back(p.name);
+    std::fill(s.slot(p).begin(), s.slot(p).end(), 0.0f);
+    if (--s.buckets[static_cast<std::size_t>(p.bucket)].pending == 0 && s.options.overlap) {
+      s.launch_ready();
+    }
+  }
+  s.launch_ready();  // without overlap: everything now
+  {
+    std::unique_lock<std::mutex> lock(s.mu);
+    s.cv.wait(lock, [&] { return s.finished == s.buckets.size(); });
+  }
+  const auto done = Clock::now();
+  stats.exposed_s = seconds_between(called, done);
+  stats.communication_s = s.communication_s;
+  stats.allreduce_calls = s.calls;
+  for (auto& b : s.buckets) b.pending = b.params.size();
+  for (auto& p : s.params) p.ready = false;
+  s.next_launch = s.finished = 0;
+  // The order this step saw (kept only until the first reduction succeeds).
+  const std::vector<int> observed = std::move(s.ready_order);
+  s.ready_order.clear();
+  s.communication_s = 0;
+  s.calls = 0;
+  s.micro_step = 0;
+  if (s.error) {
+    std::exception_ptr e = s.error;
+    s.error = nullptr;
+    std::rethrow_exception(e);
+  }
+  // Did any rank leave a parameter unready (without find_unused_parameters)?
+  std::int64_t unready =
+      s.options.find_unused_parameters ? 0 : static_cast<std::int64_t>(unused.size());
+  s.ctx.allreduce(&unready, &unready, 1, DataType::kInt64, ReduceOp::kMax);
+  if (unready > 0) {
+    std::string names;
+    for (const auto& n : unused) names += (names.empty() ? "'" : ", '") + n + "'";
+    throw Error(ErrorKind::kInvalidArgument,
+                unused.empty() || s.options.find_unused_parameters
+                    ? "another rank left parameters unready this step (set "
+                      "find_unused_parameters if the model may skip some)"
+                    : "parameters never marked ready this step: " + names +
+                          " (set find_unused_parameters if the model may skip some)",
+                s.ctx.rank(), Error::kNoPeer, "reducer finish");
+  }
+  for (auto& p : s.params) {
+    if (!p.external.empty()) std::memcpy(p.external.data(), s.slot(p).data(), p.count * 4);
+  }
+  for (const auto& p : s.params) stats.raw_bytes += p.count * sizeof(float);
+  stats.communicated = true;
+  stats.bytes_sent = s.ctx.total_traffic().bytes_sent - s.bytes_at_start;
+  stats.overlap_fraction = stats.communication_s > 0
+                               ? std::clamp(1.0 - stats.exposed_s / stats.communication_s, 0.0, 1.0)
+                               : 0.0;
+  if (++s.reductions == 1 && s.options.rebuild_buckets) {
+    // Rank 0's ready order, then whatever it never saw (unused there), last registered first.
+    std::vector<std::int64_t> order(s.params.size(), -1);
+    for (std::size_t i = 0; i < observed.size() && i < order.size(); ++i) order[i] = observed[i];
+    s.ctx.broadcast(order.data(), order.size(), DataType::kInt64, 0);
+    std::vector<int> chosen;
+    std::vector<bool> seen(s.params.size(), false);
+    for (std::int64_t id : order) {
+      if (id >= 0 && !seen[static_cast<std::size_t>(id)]) {
+        chosen.push_back(static_cast<int>(id));
+        seen[static_cast<std::size_t>(id)] = true;
+      }
+    }
+    for (int id = static_cast<int>(s.params.size()) - 1; id >= 0; --id) {
+      if (!seen[static_cast<std::size_t>(id)]) chosen.push_back(id);
+    }
+    s.build(chosen);
+  }
+  return stats;
+}
+
+std::vector<std::vector<int>> Reducer::buckets() const {
+  s_->ensure_built();
+  std::vector<std::vector<int>> out;
+  for (const auto& b : s_->buckets) out.push_back(b.params);
+  return out;
+}
+
+std::string Reducer::codec_spec() const {
+  return s_->codec->spec();
+}
+
+}  // namespace gradsync
