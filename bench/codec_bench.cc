@@ -175,17 +175,19 @@ void BM_Memcpy(benchmark::State& state, std::size_t n) {
 // (64M floats of them are half a GiB) and filled with that gradient's encodings, so the
 // decoding kernels read real payloads.
 struct Buffers {
-  std::vector<std::uint16_t> half;
+  std::vector<std::uint16_t> half, bf16;
   std::vector<float> floats, scales;
   std::vector<std::int8_t> q;
   std::vector<std::uint8_t> bits;
   explicit Buffers(std::span<const float> in)
       : half(in.size()),
+        bf16(in.size()),
         floats(in.size()),
         scales(in.size() / 256 + 1),
         q(in.size()),
         bits(in.size() / 8 + 1) {
     kernels::float_to_half(in.data(), half.data(), in.size());
+    kernels::float_to_bfloat16(in.data(), bf16.data(), in.size());
     kernels::quantize_int8_blocks(in.data(), in.size(), 256, scales.data(), q.data());
     kernels::pack_signs(in.data(), in.size(), bits.data());
   }
@@ -225,6 +227,16 @@ void register_kernels() {
       {"float_to_bfloat16",
        [](std::span<const float> in, Buffers& b) {
          kernels::float_to_bfloat16(in.data(), b.half.data(), in.size());
+       }},
+      {"bfloat16_to_float",
+       [](std::span<const float> in, Buffers& b) {
+         kernels::bfloat16_to_float(b.bf16.data(), b.floats.data(), in.size());
+       }},
+      // qsgd's default block and levels; the key changes nothing about the work.
+      {"quantize_stochastic_int8_blocks",
+       [](std::span<const float> in, Buffers& b) {
+         kernels::quantize_stochastic_int8_blocks(in.data(), in.size(), 512, 127, 42,
+                                                  b.scales.data(), b.q.data());
        }},
       {"quantize_int8_blocks",
        [](std::span<const float> in, Buffers& b) {

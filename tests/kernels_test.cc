@@ -731,6 +731,73 @@ TEST(Kernels, ConversionTailsAndZeroCount) {
   reduce(nullptr, nullptr, nullptr, 0, DataType::kFloat32, ReduceOp::kSum);
 }
 
+// A NaN of each kind at every position of 40 finite floats: the vector path converts 16 at a
+// time and fixes NaNs up only in a group that holds one, so a NaN in either half of a
+// group, or in the tail, must still come out quiet with its sign and top payload bits.
+TEST(Kernels, FloatToBFloat16QuietsANaNAnywhere) {
+  const std::uint32_t nans[] = {0x7F800001u, 0xFF800001u, 0x7FFFFFFFu, 0xFFBFFFFFu,
+                                0x7FC00000u, 0x7F808000u, 0xFFFF8000u};
+  for (std::uint32_t nan : nans) {
+    for (std::size_t at = 0; at < 40; ++at) {
+      std::vector<float> in(40);
+      for (std::size_t i = 0; i < in.size(); ++i) {
+        in[i] = std::bit_cast<float>(0x3F808000u + (static_cast<std::uint32_t>(i) << 16));
+      }
+      in[at] = std::bit_cast<float>(nan);
+      for (bool scalar : paths()) {
+        ScopedScalar mode(scalar);
+        for (std::size_t n : {at + 1, std::size_t{40}}) {
+          std::vector<std::uint16_t> out(n);
+          float_to_bfloat16(in.data(), out.data(), n);
+          for (std::size_t i = 0; i < n; ++i) {
+            ASSERT_EQ(out[i], ref_encode(in[i], bf16_fmt()))
+                << "NaN " << std::hex << nan << std::dec << " at " << at << " n=" << n
+                << " element " << i << (scalar ? " scalar" : " vector");
+          }
+        }
+      }
+    }
+  }
+}
+
+// Calls past kStreamBytes write with streaming stores from the first 32-byte aligned output
+// element on: every offset of the output within 32 bytes, on both paths, for the rounding
+// probes (every high half with the low halves around the tie) and every bfloat16.
+TEST(Kernels, StreamedBFloat16ConversionsMatchTheScalarPath) {
+  const std::vector<float> probes = rounding_probe_floats();
+  const std::size_t n = kStreamBytes / 6 + 1001;  // odd: a tail after the vectors
+  std::vector<float> in(n + 16);
+  for (std::size_t i = 0; i < in.size(); ++i) in[i] = probes[(i * 7) % probes.size()];
+  std::vector<std::uint16_t> halves(n + 16);
+  for (std::size_t i = 0; i < halves.size(); ++i) halves[i] = static_cast<std::uint16_t>(i * 3);
+  std::vector<std::uint16_t> want16(n), got16(n + 16);
+  std::vector<float> want32(n), got32(n + 16);
+  for (std::size_t off : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{15}}) {
+    {
+      ScopedScalar mode(true);
+      float_to_bfloat16(in.data() + off, want16.data(), n);
+      bfloat16_to_float(halves.data() + off, want32.data(), n);
+    }
+    std::fill(got16.begin(), got16.end(), 0xABCD);
+    std::fill(got32.begin(), got32.end(), -1.0f);
+    float_to_bfloat16(in.data() + off, got16.data() + off, n);
+    bfloat16_to_float(halves.data() + off, got32.data() + off, n);
+    for (std::size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(got16[off + i], want16[i]) << "offset " << off << " element " << i;
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(got32[off + i]),
+                std::bit_cast<std::uint32_t>(want32[i]))
+          << "offset " << off << " element " << i;
+    }
+    for (std::size_t i = 0; i < off; ++i) ASSERT_EQ(got16[i], 0xABCD) << "wrote before dst";
+    for (std::size_t i = off + n; i < got16.size(); ++i) ASSERT_EQ(got16[i], 0xABCD);
+    for (std::size_t i = 0; i < off; ++i) ASSERT_EQ(got32[i], -1.0f) << "wrote before dst";
+    for (std::size_t i = off + n; i < got32.size(); ++i) ASSERT_EQ(got32[i], -1.0f);
+  }
+  for (std::size_t i = 0; i < n; i += 4099) {
+    ASSERT_EQ(want16[i], ref_encode(in[15 + i], bf16_fmt())) << i;
+  }
+}
+
 TEST(Kernels, ReduceDoesNotWritePastCount) {
   for (DataType t : kAllTypes) {
     const std::size_t sz = dtype_size(t);
@@ -1196,6 +1263,278 @@ TEST(CodecKernels, FirstNonFiniteFindsTheFirstNaNOrInf) {
   EXPECT_TRUE(all_finite(edge, 3));
 }
 
+// ---------------------------------------------------------------- qsgd
+
+// quantize_stochastic_int8_blocks as kernels.h specifies it, written out plainly (for calls
+// below 2^32 elements: one hash step and offset from the key).
+std::uint32_t ref_draw(std::uint64_t key, std::size_t i) {
+  std::uint64_t z = key + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  const std::uint32_t step = static_cast<std::uint32_t>(z) | 1u;
+  std::uint32_t h = static_cast<std::uint32_t>(i) * step + static_cast<std::uint32_t>(z >> 32);
+  h ^= h >> 16;
+  h *= 0x21F0AAADu;
+  h ^= h >> 15;
+  h *= 0x735A2D97u;
+  h ^= h >> 15;
+  return h >> 8;  // u * 2^24
+}
+
+void ref_qsgd(const float* in, std::size_t n, std::size_t block, int levels, std::uint64_t key,
+              float* scales, std::int8_t* q) {
+  for (std::size_t b = 0; b * block < n; ++b) {
+    const std::size_t lo = b * block, hi = std::min(n, lo + block);
+    double lanes[32] = {};
+    for (std::size_t i = lo; i < hi; ++i) {
+      lanes[(i - lo) % 32] += static_cast<double>(in[i]) * static_cast<double>(in[i]);
+    }
+    for (std::size_t w = 16; w >= 1; w /= 2) {
+      for (std::size_t j = 0; j < w; ++j) lanes[j] += lanes[j + w];
+    }
+    const double norm = std::sqrt(std::isnan(lanes[0]) ? NAN : lanes[0]);
+    scales[b] = static_cast<float>(norm / levels);
+    const double inverse = norm > 0 ? levels / norm : 0.0;
+    const float pre = inverse > 0x1p100                   ? 0x1p64f
+                      : inverse > 0 && inverse < 0x1p-100 ? 0x1p-64f
+                                                          : 1;
+    const auto post = static_cast<float>(inverse * 0x1p24 / pre);
+    const float top = static_cast<float>(levels) * 0x1p24f;
+    for (std::size_t i = lo; i < hi; ++i) {
+      const float t = std::fabs(in[i]) * pre;
+      float level = t * post;
+      if (!(level < top)) level = top;
+      const auto fixed = static_cast<std::uint32_t>(level);
+      const int l = static_cast<int>(fixed >> 24) + (ref_draw(key, i) < (fixed & 0xFFFFFFu));
+      q[i] = static_cast<std::int8_t>(std::signbit(in[i]) ? -l : l);
+    }
+  }
+}
+
+Quantized qsgd(const float* in, std::size_t n, std::size_t block, int levels, std::uint64_t key) {
+  Quantized r{std::vector<float>((n + block - 1) / block + 1, -1.0f),
+              std::vector<std::int8_t>(n + 1, 99)};
+  quantize_stochastic_int8_blocks(in, n, block, levels, key, r.scales.data(), r.q.data());
+  return r;
+}
+
+TEST(CodecKernels, QuantizeStochasticMatchesTheFormulaOnEveryPath) {
+  for (std::size_t n : kCodecCounts) {
+    std::vector<float> buf = awkward_floats(n + 1, n + 41);  // zeros, -0, denormals, 3.4e38
+    const float* in = buf.data() + 1;                        // unaligned
+    for (std::size_t block :
+         {std::size_t{1}, std::size_t{3}, std::size_t{33}, std::size_t{64}, std::size_t{512}}) {
+      for (int levels : {1, 4, 127}) {
+        for (std::uint64_t key : {std::uint64_t{0}, std::uint64_t{1}, ~std::uint64_t{0}}) {
+          const std::size_t nb = (n + block - 1) / block;
+          std::vector<float> want_s(nb);
+          std::vector<std::int8_t> want_q(n);
+          ref_qsgd(in, n, block, levels, key, want_s.data(), want_q.data());
+          for (bool scalar : paths()) {
+            SCOPED_TRACE("n=" + std::to_string(n) + " block=" + std::to_string(block) +
+                         " levels=" + std::to_string(levels) + " key=" + std::to_string(key) +
+                         (scalar ? " scalar" : " vector"));
+            ScopedScalar mode(scalar);
+            const Quantized got = qsgd(in, n, block, levels, key);
+            ASSERT_TRUE(same_floats(got.scales.data(), want_s.data(), nb));
+            for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(got.q[i], want_q[i]) << "element " << i;
+            EXPECT_EQ(got.scales[nb], -1.0f) << "wrote a scale past the last block";
+            EXPECT_EQ(got.q[n], 99) << "wrote a value past count";
+          }
+        }
+      }
+    }
+  }
+}
+
+// Both paths on a large gradient with every kind of value, NaN and Inf included (whose
+// blocks have a NaN or Inf scale, and values that are still defined).
+TEST(CodecKernels, QuantizeStochasticPathsAreBitIdentical) {
+  std::vector<float> v = awkward_floats(100003, 3);
+  std::mt19937 rng(4);
+  for (std::size_t i = 0; i < 2000; ++i)
+    v[rng() % v.size()] = std::bit_cast<float>(static_cast<std::uint32_t>(rng()));
+  v[5] = NAN;
+  v[700] = -INFINITY;
+  v[1500] = std::bit_cast<float>(0xFF800001u);
+  for (std::size_t block : {std::size_t{7}, std::size_t{512}, std::size_t{4096}}) {
+    const Quantized want = [&] {
+      ScopedScalar mode(true);
+      return qsgd(v.data(), v.size(), block, 127, 99);
+    }();
+    const Quantized got = qsgd(v.data(), v.size(), block, 127, 99);
+    ASSERT_TRUE(same_floats(got.scales.data(), want.scales.data(), want.scales.size()));
+    ASSERT_EQ(got.q, want.q) << "block " << block;
+    std::vector<float> want_s(want.scales.size() - 1);
+    std::vector<std::int8_t> want_q(v.size());
+    ref_qsgd(v.data(), v.size(), block, 127, 99, want_s.data(), want_q.data());
+    ASSERT_TRUE(same_floats(got.scales.data(), want_s.data(), want_s.size()));
+    ASSERT_TRUE(std::equal(want_q.begin(), want_q.end(), got.q.begin()));
+  }
+  for (bool scalar : paths()) {
+    ScopedScalar mode(scalar);
+    const float bad[4] = {1.0f, NAN, -INFINITY, -2.0f};
+    const Quantized r = qsgd(bad, 4, 4, 5, 1);
+    EXPECT_EQ(bits_of(r.scales[0]), 0x7FC00000u) << "the canonical NaN";
+    const std::int8_t want[4] = {0, 5, -5, 0};
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(r.q[i], want[i]) << i;
+    const float inf[2] = {INFINITY, 1.0f};
+    EXPECT_EQ(qsgd(inf, 2, 2, 5, 1).scales[0], INFINITY);
+  }
+}
+
+// The draw of element i depends on (key, i) only: a prefix quantised alone, in any number
+// of blocks, gets the same values; another key gets other draws.
+TEST(CodecKernels, QuantizeStochasticDrawsDependOnKeyAndIndexOnly) {
+  std::vector<float> v(4096);
+  std::mt19937 rng(8);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto& x : v) x = normal(rng);
+  for (bool scalar : paths()) {
+    ScopedScalar mode(scalar);
+    const Quantized all = qsgd(v.data(), v.size(), 64, 127, 5);
+    for (std::size_t prefix : {std::size_t{64}, std::size_t{64 * 7}, std::size_t{4032}}) {
+      const Quantized part = qsgd(v.data(), prefix, 64, 127, 5);
+      ASSERT_TRUE(
+          std::equal(part.q.begin(), part.q.begin() + static_cast<long>(prefix), all.q.begin()))
+          << prefix;
+    }
+    EXPECT_EQ(qsgd(v.data(), v.size(), 64, 127, 5).q, all.q) << "same key: same values";
+    std::size_t differ = 0;
+    const Quantized other = qsgd(v.data(), v.size(), 64, 127, 6);
+    for (std::size_t i = 0; i < v.size(); ++i) differ += other.q[i] != all.q[i];
+    EXPECT_GT(differ, v.size() / 4) << "the next key draws afresh";
+  }
+}
+
+// Zeros stay zero (also -0, also among denormals), a level with no fraction never rounds,
+// and extreme norms still give finite scales and values within a step.
+TEST(CodecKernels, QuantizeStochasticExtremes) {
+  for (bool scalar : paths()) {
+    ScopedScalar mode(scalar);
+    for (std::uint64_t key = 0; key < 50; ++key) {
+      // Norm 5, levels 5: the inverse is exactly 1, so every level is an integer.
+      const float exact[4] = {3.0f, -4.0f, 0.0f, -0.0f};
+      const Quantized e = qsgd(exact, 4, 4, 5, key);
+      EXPECT_EQ(e.scales[0], 1.0f);
+      EXPECT_EQ(e.q[0], 3);
+      EXPECT_EQ(e.q[1], -4);
+      EXPECT_EQ(e.q[2], 0);
+      EXPECT_EQ(e.q[3], 0);
+      // A single element is the whole norm: always the top level.
+      const float one[3] = {-2.5e-3f, 7.0f, 0x1p-149f};
+      const Quantized o = qsgd(one, 3, 1, 127, key);
+      EXPECT_EQ(o.q[0], -127);
+      EXPECT_EQ(o.q[1], 127);
+      EXPECT_EQ(o.q[2], 127);
+      EXPECT_EQ(o.scales[2], static_cast<float>(0x1p-149 / 127));
+    }
+    // Denormals (norm below levels * 2^-100): zeros stay zero, the rest decode within a step.
+    std::vector<float> tiny(512, 0.0f);
+    for (std::size_t i = 0; i < tiny.size(); i += 3) tiny[i] = i % 2 ? 1e-44f : -0x1p-149f;
+    // Past FLT_MAX (norm above levels * 2^100): the scale is still finite.
+    std::vector<float> huge(512, 3e38f);
+    std::vector<float> mixed(512, 1e-30f);
+    mixed[100] = -3.4e38f;
+    mixed[101] = 0.0f;
+    for (const auto* v : {&tiny, &huge, &mixed}) {
+      for (int levels : {1, 127}) {
+        for (std::uint64_t key = 0; key < 20; ++key) {
+          const Quantized r = qsgd(v->data(), v->size(), 512, levels, key);
+          ASSERT_TRUE(std::isfinite(r.scales[0]) || levels == 1) << levels;
+          if (!std::isfinite(r.scales[0])) continue;  // levels 1: 512 x 3e38 / 1 overflows
+          for (std::size_t i = 0; i < v->size(); ++i) {
+            const float x = (*v)[i], got = static_cast<float>(r.q[i]) * r.scales[0];
+            if (x == 0.0f) {
+              ASSERT_EQ(r.q[i], 0) << i;
+            }
+            // A step, and the scale's own rounding (a denormal scale is coarse) per level.
+            ASSERT_LE(std::fabs(static_cast<double>(got) - x),
+                      r.scales[0] * 1.0001 + (levels + 1) * 0x1p-150)
+                << i;
+            ASSERT_LE(std::abs(r.q[i]), levels);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Unbiased in aggregate: over many keys the mean of q * scale converges to x for every
+// element (within 5 standard deviations of the mean), and the spread of those means is what
+// independent draws give: correlated draws across keys would not average out.
+TEST(CodecKernels, QuantizeStochasticIsUnbiasedOverKeys) {
+  const std::size_t n = 1000, block = 64, trials = 4000;
+  const int levels = 4;  // coarse: levels near 1, every fraction is drawn
+  std::vector<float> v(n);
+  std::mt19937 rng(77);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto& x : v) x = normal(rng);
+  for (std::size_t i = 0; i < n; i += 37) v[i] = i % 2 ? 0.0f : -0.0f;
+  for (bool scalar : paths()) {
+    ScopedScalar mode(scalar);
+    std::vector<double> mean(n, 0.0);
+    Quantized first = qsgd(v.data(), n, block, levels, 0);
+    for (std::size_t t = 0; t < trials; ++t) {
+      const Quantized r = qsgd(v.data(), n, block, levels, t * 0x9E3779B97F4A7C15ull + 12345);
+      for (std::size_t i = 0; i < n; ++i) {
+        mean[i] += static_cast<double>(r.q[i]) * r.scales[i / block] / trials;
+      }
+    }
+    double chi = 0;
+    std::size_t dof = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const double step = first.scales[i / block];
+      const double level = std::fabs(v[i]) / step;
+      const double frac = level - std::floor(level);
+      const double sd = step * std::sqrt(frac * (1 - frac) / trials);
+      // For a fraction near 0 or 1, rounding up (or down) is a rare event, which a few
+      // occurrences more than expected do not make biased: allow 3 of them beyond 5 sd.
+      ASSERT_LE(std::fabs(mean[i] - v[i]), 5 * sd + 3 * step / trials) << "element " << i;
+      if (frac > 0.01 && frac < 0.99) {
+        chi += (mean[i] - v[i]) * (mean[i] - v[i]) / (sd * sd);
+        ++dof;
+      }
+    }
+    ASSERT_GT(dof, n / 2);
+    // chi / dof ~ 1 +- sqrt(2 / dof) for independent draws.
+    EXPECT_NEAR(chi / static_cast<double>(dof), 1.0, 6 * std::sqrt(2.0 / static_cast<double>(dof)))
+        << (scalar ? "scalar" : "vector");
+  }
+}
+
+// Level 1/2 for every element (64 equal values, norm 8x, levels 4): each rounds up half the
+// time, independently of its neighbours at lags 1, 8 (a vector) and 32 (an unrolled step).
+TEST(CodecKernels, QuantizeStochasticDrawsLookIndependent) {
+  const std::vector<float> v(64 * 256, -0.25f);
+  for (bool scalar : paths()) {
+    ScopedScalar mode(scalar);
+    std::size_t up = 0, total = 0;
+    std::size_t same[3] = {}, pairs[3] = {};
+    const std::size_t lags[3] = {1, 8, 32};
+    for (std::uint64_t key = 0; key < 40; ++key) {
+      const Quantized r = qsgd(v.data(), v.size(), 64, 4, key);
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        ASSERT_TRUE(r.q[i] == 0 || r.q[i] == -1) << int(r.q[i]);
+        up += r.q[i] != 0;
+        ++total;
+        for (int k = 0; k < 3; ++k) {
+          if (i + lags[k] < v.size()) {
+            same[k] += r.q[i] == r.q[i + lags[k]];
+            ++pairs[k];
+          }
+        }
+      }
+    }
+    const double sd = 0.5 / std::sqrt(static_cast<double>(total));
+    EXPECT_NEAR(static_cast<double>(up) / total, 0.5, 5 * sd);
+    for (int k = 0; k < 3; ++k) {
+      EXPECT_NEAR(static_cast<double>(same[k]) / pairs[k], 0.5, 5 * sd) << "lag " << lags[k];
+    }
+  }
+}
+
 TEST(CodecKernels, InvalidArgumentsThrow) {
   float x[1] = {1.0f}, s[1];
   std::int8_t q[1];
@@ -1207,7 +1546,13 @@ TEST(CodecKernels, InvalidArgumentsThrow) {
   EXPECT_THROW(unpack_signs_scaled(nullptr, 1, 1.0f, x, false), Error);
   EXPECT_THROW(sum_abs(nullptr, 1), Error);
   EXPECT_THROW(first_non_finite(nullptr, 1), Error);
+  EXPECT_THROW(quantize_stochastic_int8_blocks(x, 1, 0, 4, 0, s, q), Error);
+  EXPECT_THROW(quantize_stochastic_int8_blocks(x, 1, 4, 0, 0, s, q), Error);
+  EXPECT_THROW(quantize_stochastic_int8_blocks(x, 1, 4, 128, 0, s, q), Error);
+  EXPECT_THROW(quantize_stochastic_int8_blocks(x, 1, 4, 4, 0, nullptr, q), Error);
+  EXPECT_THROW(quantize_stochastic_int8_blocks(x, 1, 4, 4, 0, s, nullptr), Error);
   // Zero count accepts null everywhere.
+  quantize_stochastic_int8_blocks(nullptr, 0, 4, 4, 0, nullptr, nullptr);
   quantize_int8_blocks(nullptr, 0, 4, nullptr, nullptr);
   dequantize_int8_blocks_add(nullptr, nullptr, 0, 4, nullptr);
   pack_signs(nullptr, 0, nullptr);

@@ -99,24 +99,11 @@ class QsgdCodec final : public BlockQuantizer {
     rng_ = seed_ ^ name_hash(tensor.name) ^ (stream_ * 0xD1B54A32D192ED03ull) ^
            (next_step(steps_, tensor.name) * 0x8CB92BA72F3D8DD7ull);
   }
+  // The kernel's draws are a hash of (key, element index), so every call needs its own key:
+  // after one begin() the all-reduce ring quantises each hop's chunk with its own call.
   void quantize(const float* in, std::size_t count, float* scales, std::int8_t* q) override {
-    const auto s = static_cast<float>(levels_);
-    for (std::size_t lo = 0, b = 0; lo < count; lo += block_, ++b) {
-      const std::size_t hi = std::min(count, lo + block_);
-      double sum_sq = 0;
-      for (std::size_t i = lo; i < hi; ++i) sum_sq += static_cast<double>(in[i]) * in[i];
-      // In double: the norm of finite floats may pass FLT_MAX (its step, norm / S, need not),
-      // and the inverse of a denormal norm would overflow a float.
-      const double norm = std::sqrt(sum_sq);
-      scales[b] = static_cast<float>(norm / s);
-      const double inverse = norm > 0 ? s / norm : 0.0;
-      for (std::size_t i = lo; i < hi; ++i) {
-        const double level = std::fabs(static_cast<double>(in[i])) * inverse;
-        const double below = std::floor(level);
-        const double l = std::min<double>(s, below + (uniform01(rng_) < level - below ? 1 : 0));
-        q[i] = static_cast<std::int8_t>(std::signbit(in[i]) ? -l : l);
-      }
-    }
+    kernels::quantize_stochastic_int8_blocks(in, count, block_, static_cast<int>(levels_),
+                                             splitmix64(rng_), scales, q);
   }
   std::vector<std::uint8_t> save_state() const override {
     return save_tensor_state(kMagic, steps_);

@@ -372,6 +372,50 @@ void scalar_sum_abs_lanes(const float* in, std::size_t n, double lanes[kSumLanes
   for (std::size_t i = 0; i < n; ++i) lanes[i % kSumLanes] += std::fabs(static_cast<double>(in[i]));
 }
 
+// One fixed pairwise order for the 32 lanes of sum_abs and of qsgd's sums of squares (the
+// AVX2 sum_squares does the same additions in registers).
+double combine_lanes(double lanes[kSumLanes]) {
+  for (std::size_t width = kSumLanes / 2; width >= 1; width /= 2) {
+    for (std::size_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  }
+  return lanes[0];
+}
+
+// A float squared is exact in double (48 significant bits, exponents well inside double's
+// range), so a fused multiply-add here would round the same as this multiply, then add.
+double scalar_sum_squares(const float* in, std::size_t n) {
+  double lanes[kSumLanes] = {};
+  for (std::size_t i = 0; i < n; ++i) {
+    const double x = in[i];
+    lanes[i % kSumLanes] += x * x;
+  }
+  return combine_lanes(lanes);
+}
+
+std::uint32_t draw_hash(std::uint32_t h) {
+  h ^= h >> 16;
+  h *= kDrawMul1;
+  h ^= h >> 15;
+  h *= kDrawMul2;
+  return h ^ (h >> 15);
+}
+
+// The element rule of quantize_stochastic_int8_blocks, written as the AVX2 path computes
+// it: minps semantics for the clamp (a NaN level becomes the top one), truncation for the
+// float-to-int conversion (the level is >= 0), and 24-bit fixed point below 2^31.
+void scalar_stochastic_levels(const float* in, std::size_t n, float pre, float post, float top,
+                              std::uint32_t start, std::uint32_t step, std::int8_t* q) {
+  std::uint32_t input = start;
+  for (std::size_t j = 0; j < n; ++j, input += step) {
+    float level = (std::fabs(in[j]) * pre) * post;
+    level = level < top ? level : top;
+    const auto fixed = static_cast<std::uint32_t>(static_cast<std::int32_t>(level));
+    const std::uint32_t l = (fixed >> 24) + ((draw_hash(input) >> 8) < (fixed & 0xFFFFFFu) ? 1 : 0);
+    const auto v = static_cast<std::int8_t>(l);
+    q[j] = std::signbit(in[j]) ? static_cast<std::int8_t>(-v) : v;
+  }
+}
+
 std::uint32_t scalar_max_abs_bits(const float* in, std::size_t n) {
   std::uint32_t m = 0;
   for (std::size_t i = 0; i < n; ++i) {
@@ -595,6 +639,72 @@ void dequantize_int8_blocks_add(const std::int8_t* q, const float* scales, std::
   scalar_dequantize_int8(q, scales, count, block, out, true);
 }
 
+void quantize_stochastic_int8_blocks(const float* in, std::size_t count, std::size_t block,
+                                     int levels, std::uint64_t key, float* scales, std::int8_t* q) {
+  const char* fn = "quantize_stochastic_int8_blocks";
+  check_block(block, fn);
+  if (levels < 1 || levels > 127) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "levels must be in 1..127, got " + std::to_string(levels), Error::kUnknownRank,
+                Error::kNoPeer, fn);
+  }
+  check_ptr(in, count, 4, "in", fn);
+  check_ptr(scales, count, 4, "scales", fn);
+  check_ptr(q, count, 1, "q", fn);
+  if (count == 0) return;
+  const bool vector = use_avx2();
+  const double s = levels;
+  const auto top = static_cast<float>(levels) * 0x1p24f;  // < 2^31: fits an int32
+  // The hash input of element i is (i mod 2^32) * step + offset, with step (odd) and offset
+  // drawn per 2^32 elements from the key by a splitmix64 finaliser: a Weyl sequence through
+  // a 32-bit mixer, so that another key (another rank, step or hop) gives unrelated draws.
+  std::uint64_t segment = ~std::uint64_t{0};
+  std::uint32_t step = 0, offset = 0;
+  for (std::size_t b = 0, lo = 0; lo < count; ++b, lo += block) {
+    const std::size_t hi = count - lo < block ? count : lo + block;
+    double sum_sq =
+        vector ? avx2::sum_squares(in + lo, hi - lo) : scalar_sum_squares(in + lo, hi - lo);
+    if (std::isnan(sum_sq)) sum_sq = qnan<double>();  // x86 keeps an operand's payload
+    // In double: the norm of finite floats can pass FLT_MAX (the scale, norm / levels,
+    // need not), and the inverse of a denormal norm would overflow a float.
+    const double norm = std::sqrt(sum_sq);
+    scales[b] = static_cast<float>(norm / s);
+    const double inverse = norm > 0 ? s / norm : 0.0;
+    // Levels are computed in float, 8 lanes a vector, as level * 2^24 = (|x| * pre) * post
+    // with post normal. pre = 2^64 only for a norm below levels * 2^-100, whose elements are
+    // all that small, so |x| * pre is exact; pre = 2^-64 only for a norm above levels *
+    // 2^100, where an element that |x| * pre takes below 2^-126 has a level under 2^-150.
+    float pre = 1.0f;
+    if (inverse > 0x1p100) {
+      pre = 0x1p64f;
+    } else if (inverse > 0 && inverse < 0x1p-100) {
+      pre = 0x1p-64f;
+    }
+    const auto post = static_cast<float>(inverse * 0x1p24 / pre);
+    for (std::size_t i = lo; i < hi;) {
+      const std::uint64_t seg = static_cast<std::uint64_t>(i) >> 32;
+      if (seg != segment) {
+        segment = seg;
+        std::uint64_t z = key + (seg + 1) * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        step = static_cast<std::uint32_t>(z) | 1u;
+        offset = static_cast<std::uint32_t>(z >> 32);
+      }
+      const std::uint64_t seg_end = seg < 0xFFFFFFFFu ? (seg + 1) << 32 : ~std::uint64_t{0};
+      const std::size_t end = std::min<std::uint64_t>(hi, seg_end);
+      const std::uint32_t start = static_cast<std::uint32_t>(i) * step + offset;
+      if (vector) {
+        avx2::stochastic_levels(in + i, end - i, pre, post, top, start, step, q + i);
+      } else {
+        scalar_stochastic_levels(in + i, end - i, pre, post, top, start, step, q + i);
+      }
+      i = end;
+    }
+  }
+}
+
 void pack_signs(const float* in, std::size_t count, std::uint8_t* bits) {
   check_ptr(in, count, 4, "in", "pack_signs");
   check_ptr(bits, count, 1, "bits", "pack_signs");
@@ -620,11 +730,8 @@ double sum_abs(const float* in, std::size_t count) {
   } else {
     scalar_sum_abs_lanes(in, count, lanes);
   }
-  // One fixed pairwise order for both paths.
-  for (std::size_t width = kSumLanes / 2; width >= 1; width /= 2) {
-    for (std::size_t j = 0; j < width; ++j) lanes[j] += lanes[j + width];
-  }
-  return std::isnan(lanes[0]) ? qnan<double>() : lanes[0];
+  const double sum = combine_lanes(lanes);
+  return std::isnan(sum) ? qnan<double>() : sum;
 }
 
 float max_abs(const float* in, std::size_t count) {

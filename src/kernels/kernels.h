@@ -25,8 +25,13 @@ void scale_for_average(void* data, std::size_t count, DataType dtype, int diviso
 
 void float_to_half(const float* src, std::uint16_t* dst, std::size_t count);
 void half_to_float(const std::uint16_t* src, float* dst, std::size_t count);
+// On the vector path, a call that reads and writes kStreamBytes or more in all stores its
+// output with non-temporal stores: the same bits, not left in cache. Past about that size
+// (a core's share of last-level cache) it would not stay there anyway, and a plain store
+// first reads every output line it overwrites.
 void float_to_bfloat16(const float* src, std::uint16_t* dst, std::size_t count);
 void bfloat16_to_float(const std::uint16_t* src, float* dst, std::size_t count);
+inline constexpr std::size_t kStreamBytes = std::size_t{16} << 20;
 // The same, for a 16-bit float type chosen at run time (kFloat16 or kBFloat16).
 void float_to_16bit(const float* src, std::uint16_t* dst, std::size_t count, DataType to);
 void float_from_16bit(const std::uint16_t* src, float* dst, std::size_t count, DataType from);
@@ -54,6 +59,26 @@ void dequantize_int8_blocks(const std::int8_t* q, const float* scales, std::size
 // payloads are summed without a temporary; a NaN sum is the canonical quiet NaN.
 void dequantize_int8_blocks_add(const std::int8_t* q, const float* scales, std::size_t count,
                                 std::size_t block, float* out);
+
+// QSGD's stochastic rounding to `levels` (1..127) levels a sign, one scale per block of
+// `block` elements (the last may be short). Per block: norm = sqrt(sum of x^2), squared and
+// summed in double in 32 lanes (lane k % 32 for the block's k-th element) combined in
+// sum_abs's fixed order; scales[b] = float(norm / levels); inverse = norm > 0 ?
+// levels / norm : 0, in double. Per element: level = |x| * inverse clamped to [0, levels],
+// q = sign(x) * (floor(level) + (u < level - floor(level) ? 1 : 0)) with u uniform in
+// [0, 1), so E[q * scale] = x up to rounding. u is a hash of (key, the element's index in this
+// call): it does not depend on order, path or block size. Both are 24-bit fixed point: the level is
+// float(level * 2^24) truncated to an integer, u the top 24 bits of the hash, so an element
+// rounds up with probability frac(level) to within 2^-24, and never when the level has no
+// fraction (a zero stays zero).
+// level * 2^24 is (|x| * pre) * post in float, pre a power of two (1, 2^64 or 2^-64) that
+// keeps post = inverse * 2^24 / pre normal: a norm past FLT_MAX or a denormal one still
+// gives finite levels, and no precision goes to a denormal inverse.
+// A block holding NaN or Inf gets a NaN or Inf scale (values: +-levels for its NaN and Inf
+// elements, 0 for the rest). Writes ceil(count / block) scales and count values; levels
+// outside 1..127 throw Error(kInvalidArgument).
+void quantize_stochastic_int8_blocks(const float* in, std::size_t count, std::size_t block,
+                                     int levels, std::uint64_t key, float* scales, std::int8_t* q);
 
 // Sign bits for 1-bit codecs: bit i (LSB first in byte i / 8) is in[i]'s sign bit, so -0.0f
 // and NaNs with the sign set count as negative. Writes ceil(count / 8) bytes; the unused

@@ -12,7 +12,10 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
 #include <cstring>
+
+#include "kernels/kernels.h"  // declarations and kStreamBytes only: nothing inline to merge
 
 namespace gradsync::kernels::avx2 {
 namespace {
@@ -178,6 +181,16 @@ inline __m256i bf16_round_to_high_half(__m256 v) {  // rounded bf16 in bits 16..
   return _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
 }
 
+// bfloat16 of 8 floats in the low half of each 32-bit lane, for any input: NaNs of any
+// payload are quieted, keeping the top payload bits (a payload such as 0x7FFFFFFF would
+// otherwise carry into the sign).
+inline __m256i bf16_narrow(__m256 v) {
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i quiet = _mm256_or_si256(x, _mm256_set1_epi32(0x00400000));
+  return _mm256_srli_epi32(_mm256_blendv_epi8(bf16_round_to_high_half(v), quiet, nan), 16);
+}
+
 struct BF16PairLane {
   using T = std::uint16_t;
   static constexpr std::size_t kWidth = 16;
@@ -195,8 +208,7 @@ struct BF16PairLane {
   }
 };
 
-// bfloat16 <-> float32 conversion, 8 at a time, with NaN of any payload: quieted, keeping
-// the top payload bits (a payload such as 0x7FFFFFFF would otherwise carry into the sign).
+// bfloat16 <-> float32 conversion, 8 at a time, with NaN of any payload (bf16_narrow).
 struct BF16Lane {
   using T = std::uint16_t;
   static constexpr std::size_t kWidth = 8;
@@ -205,14 +217,94 @@ struct BF16Lane {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
   static void store(T* p, __m256 v) {
-    const __m256i x = _mm256_castps_si256(v);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    const __m256i quiet = _mm256_or_si256(x, _mm256_set1_epi32(0x00400000));
-    const __m256i r = _mm256_srli_epi32(_mm256_blendv_epi8(bf16_round_to_high_half(v), quiet, nan), 16);
+    const __m256i r = bf16_narrow(v);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
   }
 };
+
+// ---------------------------------------------------------------- bfloat16 conversion
+
+// Stores a whole vector; non-temporal (to a 32-byte aligned address) when kStream.
+template <bool kStream>
+inline void store_si256(void* p, __m256i v) {
+  if constexpr (kStream) {
+    _mm256_stream_si256(static_cast<__m256i*>(p), v);
+  } else {
+    _mm256_storeu_si256(static_cast<__m256i*>(p), v);
+  }
+}
+
+// 16 floats to 16 bfloat16, in order. The rounding alone is right for every float but NaN,
+// so the NaN fix-up (a compare, an OR and a blend per vector, a third of the work) runs
+// only for the rare 16 that hold a NaN, which one unordered compare of the two vectors
+// finds. packus interleaves 128-bit halves (a0-3 b0-3 a4-7 b4-7); the permute undoes that.
+inline __m256i bf16x16(const float* p) {
+  const __m256 a = _mm256_loadu_ps(p), b = _mm256_loadu_ps(p + 8);
+  __m256i ra, rb;
+  const __m256 nan = _mm256_cmp_ps(a, b, _CMP_UNORD_Q);
+  if (_mm256_testz_ps(nan, nan)) [[likely]] {
+    ra = _mm256_srli_epi32(bf16_round_to_high_half(a), 16);
+    rb = _mm256_srli_epi32(bf16_round_to_high_half(b), 16);
+  } else {
+    ra = bf16_narrow(a);
+    rb = bf16_narrow(b);
+  }
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(ra, rb), 0xD8);
+}
+
+// Whole vectors of 16 (32 per step); returns how many elements it converted.
+template <bool kStream>
+std::size_t narrow_bf16(const float* src, std::uint16_t* dst, std::size_t n) {
+  std::size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i r0 = bf16x16(src + i), r1 = bf16x16(src + i + 16);
+    store_si256<kStream>(dst + i, r0);
+    store_si256<kStream>(dst + i + 16, r1);
+  }
+  for (; i + 16 <= n; i += 16) store_si256<kStream>(dst + i, bf16x16(src + i));
+  return i;
+}
+
+// Fewer than 16 elements, through zero-padded buffers and the same vector code.
+void narrow_bf16_partial(const float* src, std::uint16_t* dst, std::size_t n) {
+  if (n == 0) return;
+  float t[16] = {};
+  std::uint16_t td[16];
+  std::memcpy(t, src, n * 4);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(td), bf16x16(t));
+  std::memcpy(dst, td, n * 2);
+}
+
+// bfloat16 to float, 32 per step; returns how many elements it converted (whole vectors).
+template <bool kStream>
+std::size_t widen_bf16(const std::uint16_t* src, float* dst, std::size_t n) {
+  const auto widen8 = [](const std::uint16_t* p) {
+    return _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  };
+  std::size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i v0 = widen8(src + i), v1 = widen8(src + i + 8);
+    const __m256i v2 = widen8(src + i + 16), v3 = widen8(src + i + 24);
+    store_si256<kStream>(dst + i, v0);
+    store_si256<kStream>(dst + i + 8, v1);
+    store_si256<kStream>(dst + i + 16, v2);
+    store_si256<kStream>(dst + i + 24, v3);
+  }
+  for (; i + 8 <= n; i += 8) store_si256<kStream>(dst + i, widen8(src + i));
+  return i;
+}
+
+// Elements before dst reaches a 32-byte boundary (streaming stores need one), or
+// kUnaligned if it never can (an address not a multiple of the element size).
+constexpr std::size_t kUnaligned = ~std::size_t{0};
+std::size_t head_to_align32(const void* dst, std::size_t elem) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(dst);
+  if (addr % elem != 0) return kUnaligned;
+  return (32 - addr % 32) % 32 / elem;
+}
+
 struct I32Lane {
   using T = std::int32_t;
   static constexpr std::size_t kWidth = 8;
@@ -460,6 +552,74 @@ void dequantize_block(const std::int8_t* q, std::size_t n, __m256 scale, float* 
   }
 }
 
+// ---------------------------------------------------------------- qsgd
+
+// draw_hash of kernels.cc in 8 lanes (vpmulld: the 32-bit low product, modulo 2^32).
+inline __m256i draw_hash8(__m256i h) {
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kDrawMul1)));
+  h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+  h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(kDrawMul2)));
+  return _mm256_xor_si256(h, _mm256_srli_epi32(h, 15));
+}
+
+struct LevelParams {
+  __m256 pre, post, top;
+};
+
+// scalar_stochastic_levels of kernels.cc for 8 elements: int32 lanes, sign applied. Nothing
+// here is a product feeding an add, so there is nothing for FMA contraction to fuse.
+template <bool kPre>
+inline __m256i stochastic8(__m256 x, __m256i input, const LevelParams& p) {
+  __m256 scaled = abs_ps(x);
+  if constexpr (kPre) scaled = _mm256_mul_ps(scaled, p.pre);  // |x| * 1 is |x|: same bits
+  scaled = _mm256_mul_ps(scaled, p.post);
+  // level * 2^24 in [0, levels * 2^24]; minps gives its second operand (the top) for NaN.
+  const __m256i fixed = _mm256_cvttps_epi32(_mm256_min_ps(scaled, p.top));
+  const __m256i frac = _mm256_and_si256(fixed, _mm256_set1_epi32(0xFFFFFF));
+  const __m256i u = _mm256_srli_epi32(draw_hash8(input), 8);
+  // All ones (-1) where u < frac (both below 2^24), so subtracting the mask rounds up.
+  const __m256i l = _mm256_sub_epi32(_mm256_srli_epi32(fixed, 24), _mm256_cmpgt_epi32(frac, u));
+  // vpsignd: negated where x's sign bit is set; zeroed where x is +0, whose level is 0.
+  return _mm256_sign_epi32(l, _mm256_castps_si256(x));
+}
+
+template <bool kPre>
+void stochastic_run(const float* in, std::size_t n, const LevelParams& p, std::uint32_t start,
+                    std::uint32_t step, std::int8_t* q) {
+  const __m256i lane_steps = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                _mm256_set1_epi32(static_cast<int>(step)));
+  __m256i input = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(start)), lane_steps);
+  const __m256i step8 = _mm256_set1_epi32(static_cast<int>(step * 8u));
+  const auto next = [&input, &step8]() {
+    const __m256i now = input;
+    input = _mm256_add_epi32(input, step8);
+    return now;
+  };
+  std::size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i a = stochastic8<kPre>(_mm256_loadu_ps(in + i), next(), p);
+    const __m256i b = stochastic8<kPre>(_mm256_loadu_ps(in + i + 8), next(), p);
+    const __m256i c = stochastic8<kPre>(_mm256_loadu_ps(in + i + 16), next(), p);
+    const __m256i d = stochastic8<kPre>(_mm256_loadu_ps(in + i + 24), next(), p);
+    // As in quantize_block: packs interleave 128-bit halves, the permutation restores order.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(q + i),
+        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+  for (; i + 8 <= n; i += 8) {
+    store_i8x8(q + i, stochastic8<kPre>(_mm256_loadu_ps(in + i), next(), p));
+  }
+  if (i < n) {
+    float t[8] = {};
+    std::int8_t tq[8];
+    std::memcpy(t, in + i, (n - i) * 4);
+    store_i8x8(tq, stochastic8<kPre>(_mm256_loadu_ps(t), next(), p));
+    std::memcpy(q + i, tq, n - i);
+  }
+}
+
 // One mask lane per bit of `byte`: all ones where the bit is set.
 inline __m256 bit_lanes(std::uint8_t byte) {
   const __m256i select = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -533,6 +693,44 @@ void unpack_signs_scaled(const std::uint8_t* bits, std::size_t n, float scale, f
     const __m256 v = signed_scale(bits[i / 8], s);
     _mm256_storeu_ps(t, accumulate ? add_canon(_mm256_loadu_ps(t), v) : v);
     std::memcpy(out + i, t, (n - i) * 4);
+  }
+}
+
+// The lanes of scalar_sum_squares (kernels.cc) as sum_abs_lanes keeps them, then
+// combine_lanes' additions in the same order: width 16 is acc[k] += acc[k + 4], width 8
+// acc[k] += acc[k + 2], width 4 acc[0] += acc[1], then within acc[0]. A square of a float is
+// exact in double, so an FMA formed from a multiply and its add rounds alike.
+double sum_squares(const float* in, std::size_t n) {
+  __m256d acc[8];
+  for (auto& a : acc) a = _mm256_setzero_pd();
+  const auto add32 = [&acc](const float* p) {
+    for (int k = 0; k < 8; ++k) {  // 4 floats a load: vcvtps2pd widens straight from memory
+      const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(p + 4 * k));
+      acc[k] = _mm256_add_pd(acc[k], _mm256_mul_pd(v, v));
+    }
+  };
+  std::size_t i = 0;
+  for (; i + 32 <= n; i += 32) add32(in + i);
+  if (i < n) {
+    float t[32] = {};  // +0 squares leave the lane sums (>= +0, or NaN) unchanged
+    std::memcpy(t, in + i, (n - i) * 4);
+    add32(t);
+  }
+  for (int k = 0; k < 4; ++k) acc[k] = _mm256_add_pd(acc[k], acc[k + 4]);
+  for (int k = 0; k < 2; ++k) acc[k] = _mm256_add_pd(acc[k], acc[k + 2]);
+  acc[0] = _mm256_add_pd(acc[0], acc[1]);
+  __m128d r = _mm_add_pd(_mm256_castpd256_pd128(acc[0]), _mm256_extractf128_pd(acc[0], 1));
+  r = _mm_add_sd(r, _mm_unpackhi_pd(r, r));
+  return _mm_cvtsd_f64(r);
+}
+
+void stochastic_levels(const float* in, std::size_t n, float pre, float post, float top,
+                       std::uint32_t start, std::uint32_t step, std::int8_t* q) {
+  const LevelParams p{_mm256_set1_ps(pre), _mm256_set1_ps(post), _mm256_set1_ps(top)};
+  if (pre == 1.0f) {
+    stochastic_run<false>(in, n, p, start, step, q);
+  } else {
+    stochastic_run<true>(in, n, p, start, step, q);
   }
 }
 
@@ -665,11 +863,33 @@ void float_to_half(const float* src, std::uint16_t* dst, std::size_t n) {
 void half_to_float(const std::uint16_t* src, float* dst, std::size_t n) {
   convert<F16Lane, F32Lane>(src, dst, n);
 }
+// Large calls stream their output past the cache (kernels.h, kStreamBytes): measured at
+// 16M and 64M floats, 15 -> 19.5 GB/s narrowing and 14 -> 23 GB/s widening, since a plain
+// store first reads every output line it will overwrite. Below that size the output is
+// left in cache for whoever reads it next (at 1M, streaming would halve widening's rate).
 void float_to_bfloat16(const float* src, std::uint16_t* dst, std::size_t n) {
-  convert<F32Lane, BF16Lane>(src, dst, n);
+  std::size_t done = 0;
+  const std::size_t head = head_to_align32(dst, 2);
+  if (n * 6 >= kStreamBytes && head != kUnaligned) {
+    narrow_bf16_partial(src, dst, head);
+    done = head + narrow_bf16<true>(src + head, dst + head, n - head);
+    _mm_sfence();  // order the streaming stores before any later store (a flag, a lock)
+  } else {
+    done = narrow_bf16<false>(src, dst, n);
+  }
+  narrow_bf16_partial(src + done, dst + done, n - done);
 }
+
 void bfloat16_to_float(const std::uint16_t* src, float* dst, std::size_t n) {
-  convert<BF16Lane, F32Lane>(src, dst, n);
+  const std::size_t head = head_to_align32(dst, 4);
+  if (n * 6 >= kStreamBytes && head != kUnaligned) {
+    convert<BF16Lane, F32Lane>(src, dst, head);
+    const std::size_t done = head + widen_bf16<true>(src + head, dst + head, n - head);
+    _mm_sfence();
+    convert<BF16Lane, F32Lane>(src + done, dst + done, n - done);
+  } else {
+    convert<BF16Lane, F32Lane>(src, dst, n);
+  }
 }
 
 }  // namespace gradsync::kernels::avx2

@@ -7,6 +7,17 @@
 
 #include "gradsync/types.h"
 
+namespace gradsync::kernels {
+
+// The integer hash behind qsgd's counter-based draws, on both paths: h ^= h >> 16,
+// h *= kDrawMul1, h ^= h >> 15, h *= kDrawMul2, h ^= h >> 15 (C. Wellons' hash-prospector,
+// "lowbias32" with its improved constants). Two multiply-xorshift rounds of 32 bits: cheap
+// in vector lanes (AVX2 has no 64-bit multiply), and less biased than murmur3's finaliser.
+inline constexpr std::uint32_t kDrawMul1 = 0x21F0AAADu;
+inline constexpr std::uint32_t kDrawMul2 = 0x735A2D97u;
+
+}  // namespace gradsync::kernels
+
 namespace gradsync::kernels::avx2 {
 
 // Same contracts as the public functions in kernels.h; arguments are already validated
@@ -31,6 +42,14 @@ void unpack_signs_scaled(const std::uint8_t* bits, std::size_t count, float scal
 // The 32 lane sums of sum_abs (lane j: elements i with i % 32 == j), which the caller
 // combines in its fixed order.
 void sum_abs_lanes(const float* in, std::size_t count, double lanes[32]);
+// Sum of in[i]^2 in double, lane i % 32, the lanes combined in sum_abs's fixed order (in
+// registers here); NaN payloads are not canonical (the caller does that).
+double sum_squares(const float* in, std::size_t count);
+// The values of one run of quantize_stochastic_int8_blocks: q[j] from the level times 2^24,
+// (|in[j]| * pre) * post clamped to `top`, and the draw of hash input start + j * step
+// (mod 2^32).
+void stochastic_levels(const float* in, std::size_t count, float pre, float post, float top,
+                       std::uint32_t start, std::uint32_t step, std::int8_t* q);
 // max over (bits & 0x7FFFFFFF) as unsigned integers: NaN patterns rank above Inf.
 std::uint32_t max_abs_bits(const float* in, std::size_t count);
 std::size_t first_non_finite(const float* in, std::size_t count);
