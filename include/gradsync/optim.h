@@ -1,0 +1,94 @@
+// Optimizers over flat float32 parameters, and ZeRO sharding (Rajbhandari et al., 2020) of
+// their state and of the gradients across data-parallel ranks.
+//
+//   auto zero = gradsync::optim::ZeroOptimizer(*ctx, params.size(), /*stage=*/2,
+//       [](std::size_t n) { return gradsync::optim::make_adamw(n, {.lr = 1e-3f}); });
+//   zero.step(params, local_grads);  // averages over ranks, updates, every rank in step
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "gradsync/gradsync.h"
+
+namespace gradsync::optim {
+
+// PyTorch's SGD: g += weight_decay p; with momentum, b = momentum b + g (b = g at the first
+// step) and g = nesterov ? g + momentum b : b; then p -= lr g.
+struct SgdOptions {
+  float lr = 0.01f;
+  float momentum = 0.0f;
+  float weight_decay = 0.0f;
+  bool nesterov = false;
+};
+
+// AdamW (Loshchilov and Hutter): decoupled weight decay p -= lr wd p, then Adam's update with
+// bias-corrected moments.
+struct AdamWOptions {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.01f;
+};
+
+// Updates a fixed range of `count` parameters from their gradients; keeps its state (momentum,
+// moments) for exactly that range.
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  // params.size() == grads.size() == the count it was made for.
+  virtual void step(std::span<float> params, std::span<const float> grads) = 0;
+  virtual std::size_t state_bytes() const = 0;
+  // The state as bytes for a checkpoint; load_state refuses bytes it did not write
+  // (Error kProtocol).
+  virtual std::vector<std::uint8_t> save_state() const = 0;
+  virtual void load_state(std::span<const std::uint8_t> state) = 0;
+};
+
+std::unique_ptr<Optimizer> make_sgd(std::size_t count, SgdOptions options = {});
+std::unique_ptr<Optimizer> make_adamw(std::size_t count, AdamWOptions options = {});
+
+// Data-parallel optimizer step with ZeRO sharding, collective over the context:
+//   stage 0  all-reduce the gradients; every rank updates every parameter (plain DDP).
+//   stage 1  all-reduce the gradients; each rank keeps optimizer state for, and updates,
+//            only its shard (1/N), then all-gathers the parameters.
+//   stage 2  reduce-scatter the gradients, so each rank holds only its shard of the reduced
+//            gradient too; update the shard; all-gather the parameters.
+// Shards are contiguous and equal; the count % N elements past them are updated by every
+// rank alike. Every stage follows the same trajectory (to floating-point summation order).
+class ZeroOptimizer {
+ public:
+  using Factory = std::function<std::unique_ptr<Optimizer>(std::size_t count)>;
+  ZeroOptimizer(Context& ctx, std::size_t count, int stage, const Factory& make);
+
+  // `grads` is this rank's own gradient (it is used as scratch); the average over ranks is
+  // applied to `params`, which end identical on every rank.
+  void step(std::span<float> params, std::span<float> grads);
+
+  struct Memory {
+    std::size_t optimizer_state_bytes = 0;   // this rank's
+    std::size_t reduced_gradient_bytes = 0;  // the reduced gradient this rank keeps
+  };
+  Memory memory() const;
+  int stage() const { return stage_; }
+  // This rank's shard: [first, first + count) of the parameters.
+  std::size_t shard_first() const { return first_; }
+  std::size_t shard_count() const { return shard_; }
+
+  std::vector<std::uint8_t> save_state() const;  // this rank's optimizer state (its shard)
+  void load_state(std::span<const std::uint8_t> state);
+
+ private:
+  Context& ctx_;
+  std::size_t count_, shard_ = 0, first_ = 0, tail_ = 0;
+  int stage_;
+  std::unique_ptr<Optimizer> main_, tail_opt_;
+  std::vector<float> reduced_;  // stage 1: the whole reduced gradient; stage 2: the shard
+};
+
+}  // namespace gradsync::optim

@@ -1,0 +1,213 @@
+// SGD, AdamW and ZeRO sharding (see optim.h).
+#include "gradsync/optim.h"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "gradsync/error.h"
+
+namespace gradsync::optim {
+
+namespace {
+
+[[noreturn]] void bad_state(const std::string& why) {
+  throw Error(ErrorKind::kProtocol, "optimizer state: " + why, Error::kUnknownRank, Error::kNoPeer,
+              "load_state");
+}
+
+void check_sizes(std::size_t count, std::span<float> params, std::span<const float> grads) {
+  if (params.size() != count || grads.size() != count) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "optimizer of " + std::to_string(count) + " parameters stepped with " +
+                    std::to_string(params.size()) + " parameters and " +
+                    std::to_string(grads.size()) + " gradients",
+                Error::kUnknownRank, Error::kNoPeer, "optimizer step");
+  }
+}
+
+// State format: 4-byte magic, u64 step, u64 floats, the floats (every per-element buffer).
+std::vector<std::uint8_t> pack(const char magic[4], std::uint64_t step,
+                               const std::vector<float>& floats) {
+  std::vector<std::uint8_t> s(20 + 4 * floats.size());
+  std::memcpy(s.data(), magic, 4);
+  std::memcpy(s.data() + 4, &step, 8);
+  const std::uint64_t n = floats.size();
+  std::memcpy(s.data() + 12, &n, 8);
+  if (n) std::memcpy(s.data() + 20, floats.data(), 4 * n);
+  return s;
+}
+
+void unpack(const char magic[4], std::span<const std::uint8_t> s, std::uint64_t& step,
+            std::vector<float>& floats) {
+  if (s.size() < 20 || std::memcmp(s.data(), magic, 4) != 0) bad_state("not one (magic)");
+  std::uint64_t n;
+  std::memcpy(&step, s.data() + 4, 8);
+  std::memcpy(&n, s.data() + 12, 8);
+  if (n != floats.size() || s.size() != 20 + 4 * n) {
+    bad_state("holds " + std::to_string(n) + " floats, this optimizer keeps " +
+              std::to_string(floats.size()));
+  }
+  if (n) std::memcpy(floats.data(), s.data() + 20, 4 * n);
+}
+
+class Sgd final : public Optimizer {
+ public:
+  Sgd(std::size_t count, SgdOptions o)
+      : count_(count), o_(o), momentum_(o.momentum != 0 ? count : 0) {}
+  void step(std::span<float> p, std::span<const float> g) override {
+    check_sizes(count_, p, g);
+    for (std::size_t i = 0; i < count_; ++i) {
+      float d = g[i] + o_.weight_decay * p[i];
+      if (o_.momentum != 0) {
+        float& b = momentum_[i];
+        b = steps_ == 0 ? d : o_.momentum * b + d;
+        d = o_.nesterov ? d + o_.momentum * b : b;
+      }
+      p[i] -= o_.lr * d;
+    }
+    ++steps_;
+  }
+  std::size_t state_bytes() const override { return momentum_.size() * sizeof(float); }
+  std::vector<std::uint8_t> save_state() const override { return pack(kMagic, steps_, momentum_); }
+  void load_state(std::span<const std::uint8_t> s) override {
+    unpack(kMagic, s, steps_, momentum_);
+  }
+
+ private:
+  static constexpr char kMagic[4] = {'G', 'S', 'S', 'G'};
+  std::size_t count_;
+  SgdOptions o_;
+  std::vector<float> momentum_;
+  std::uint64_t steps_ = 0;
+};
+
+class AdamW final : public Optimizer {
+ public:
+  AdamW(std::size_t count, AdamWOptions o) : count_(count), o_(o), moments_(2 * count) {}
+  void step(std::span<float> p, std::span<const float> g) override {
+    check_sizes(count_, p, g);
+    ++steps_;
+    const double t = static_cast<double>(steps_);
+    const auto c1 = static_cast<float>(1.0 - std::pow(static_cast<double>(o_.beta1), t));
+    const auto c2 = static_cast<float>(1.0 - std::pow(static_cast<double>(o_.beta2), t));
+    float* m = moments_.data();
+    float* v = moments_.data() + count_;
+    for (std::size_t i = 0; i < count_; ++i) {
+      p[i] -= o_.lr * o_.weight_decay * p[i];
+      m[i] = o_.beta1 * m[i] + (1 - o_.beta1) * g[i];
+      v[i] = o_.beta2 * v[i] + (1 - o_.beta2) * g[i] * g[i];
+      p[i] -= o_.lr * (m[i] / c1) / (std::sqrt(v[i] / c2) + o_.eps);
+    }
+  }
+  std::size_t state_bytes() const override { return moments_.size() * sizeof(float); }
+  std::vector<std::uint8_t> save_state() const override { return pack(kMagic, steps_, moments_); }
+  void load_state(std::span<const std::uint8_t> s) override { unpack(kMagic, s, steps_, moments_); }
+
+ private:
+  static constexpr char kMagic[4] = {'G', 'S', 'A', 'W'};
+  std::size_t count_;
+  AdamWOptions o_;
+  std::vector<float> moments_;  // m then v
+  std::uint64_t steps_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Optimizer> make_sgd(std::size_t count, SgdOptions options) {
+  return std::make_unique<Sgd>(count, options);
+}
+
+std::unique_ptr<Optimizer> make_adamw(std::size_t count, AdamWOptions options) {
+  return std::make_unique<AdamW>(count, options);
+}
+
+ZeroOptimizer::ZeroOptimizer(Context& ctx, std::size_t count, int stage, const Factory& make)
+    : ctx_(ctx), count_(count), stage_(stage) {
+  if (stage < 0 || stage > 2) {
+    throw Error(ErrorKind::kInvalidArgument, "ZeRO stage " + std::to_string(stage) + ": 0, 1 or 2",
+                ctx.rank(), Error::kNoPeer, "ZeroOptimizer");
+  }
+  const auto n = static_cast<std::size_t>(ctx.size());
+  if (stage == 0) {
+    shard_ = count;
+    main_ = make(count);
+    return;
+  }
+  shard_ = count / n;
+  first_ = static_cast<std::size_t>(ctx.rank()) * shard_;
+  tail_ = count - n * shard_;
+  main_ = make(shard_);
+  tail_opt_ = make(tail_);
+  if (stage == 2) reduced_.resize(shard_);
+}
+
+void ZeroOptimizer::step(std::span<float> params, std::span<float> grads) {
+  if (params.size() != count_ || grads.size() != count_) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "ZeRO optimizer of " + std::to_string(count_) + " parameters stepped with " +
+                    std::to_string(params.size()) + " parameters and " +
+                    std::to_string(grads.size()) + " gradients",
+                ctx_.rank(), Error::kNoPeer, "ZeroOptimizer step");
+  }
+  if (stage_ == 0) {
+    ctx_.allreduce(grads.data(), grads.data(), count_, DataType::kFloat32, ReduceOp::kAvg);
+    main_->step(params, grads);
+    return;
+  }
+  const std::size_t n = static_cast<std::size_t>(ctx_.size()), body = n * shard_;
+  std::span<const float> shard_grads;
+  if (stage_ == 1) {  // the whole reduced gradient, of which this rank uses its shard
+    ctx_.allreduce(grads.data(), grads.data(), count_, DataType::kFloat32, ReduceOp::kAvg);
+    shard_grads = grads.subspan(first_, shard_);
+  } else {  // only this rank's shard of the reduced gradient, and the tail
+    if (shard_) {
+      ctx_.reduce_scatter(grads.data(), reduced_.data(), shard_, DataType::kFloat32,
+                          ReduceOp::kAvg);
+    }
+    if (tail_) {
+      ctx_.allreduce(grads.data() + body, grads.data() + body, tail_, DataType::kFloat32,
+                     ReduceOp::kAvg);
+    }
+    shard_grads = reduced_;
+  }
+  main_->step(params.subspan(first_, shard_), shard_grads);
+  tail_opt_->step(params.subspan(body, tail_), grads.subspan(body, tail_));
+  if (shard_) {
+    ctx_.allgather(params.data() + first_, params.data(), shard_, DataType::kFloat32);
+  }
+}
+
+ZeroOptimizer::Memory ZeroOptimizer::memory() const {
+  Memory m;
+  m.optimizer_state_bytes = main_->state_bytes() + (tail_opt_ ? tail_opt_->state_bytes() : 0);
+  m.reduced_gradient_bytes = (stage_ == 2 ? shard_ + tail_ : count_) * sizeof(float);
+  return m;
+}
+
+std::vector<std::uint8_t> ZeroOptimizer::save_state() const {
+  std::vector<std::uint8_t> s = main_->save_state();
+  if (tail_opt_) {
+    const std::vector<std::uint8_t> t = tail_opt_->save_state();
+    const std::uint64_t main_bytes = s.size();
+    s.insert(s.begin(), reinterpret_cast<const std::uint8_t*>(&main_bytes),
+             reinterpret_cast<const std::uint8_t*>(&main_bytes) + 8);
+    s.insert(s.end(), t.begin(), t.end());
+  }
+  return s;
+}
+
+void ZeroOptimizer::load_state(std::span<const std::uint8_t> state) {
+  if (!tail_opt_) {
+    main_->load_state(state);
+    return;
+  }
+  std::uint64_t main_bytes = 0;
+  if (state.size() < 8) bad_state("truncated");
+  std::memcpy(&main_bytes, state.data(), 8);
+  if (main_bytes > state.size() - 8) bad_state("truncated");
+  main_->load_state(state.subspan(8, main_bytes));
+  tail_opt_->load_state(state.subspan(8 + main_bytes));
+}
+
+}  // namespace gradsync::optim

@@ -1,0 +1,121 @@
+// Optimizers against their formulas, and ZeRO stages 1 and 2 against plain data-parallel
+// training: the same parameters after several steps (to summation order), optimizer memory
+// falling as 1/N, uneven shards, state saved and restored.
+#include "gradsync/optim.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "gradsync/error.h"
+#include "harness.h"
+
+namespace gradsync {
+namespace {
+
+using optim::ZeroOptimizer;
+
+float grad_of(int rank, int step, std::size_t i) {
+  return std::sin(0.37f * static_cast<float>(i) + static_cast<float>(rank) * 1.3f +
+                  static_cast<float>(step) * 0.7f);
+}
+
+TEST(Optimizers, SgdAndAdamWFollowTheirFormulas) {
+  std::vector<float> p = {1.0f, -2.0f}, g = {0.5f, 0.25f};
+  auto sgd =
+      optim::make_sgd(2, {.lr = 0.1f, .momentum = 0.9f, .weight_decay = 0.01f, .nesterov = true});
+  sgd->step(p, g);
+  // d = g + wd p; b = d; nesterov: d + m b = 1.9 d
+  EXPECT_FLOAT_EQ(p[0], 1.0f - 0.1f * 1.9f * (0.5f + 0.01f));
+  sgd->step(p, g);  // b = 0.9 b + d'
+  EXPECT_EQ(sgd->state_bytes(), 8u);
+
+  std::vector<float> q = {1.0f}, h = {0.5f};
+  auto adam = optim::make_adamw(1, {.lr = 0.01f, .weight_decay = 0.1f});
+  adam->step(q, h);
+  // First step: m^ = g, v^ = g^2, so the update is lr * g / (|g| + eps) = lr.
+  EXPECT_NEAR(q[0], 1.0f - 0.01f * 0.1f - 0.01f, 1e-6);
+  EXPECT_EQ(adam->state_bytes(), 8u);
+  auto copy = optim::make_adamw(1, {.lr = 0.01f, .weight_decay = 0.1f});
+  copy->load_state(adam->save_state());
+  std::vector<float> q2 = q;
+  adam->step(q, h);
+  copy->step(q2, h);
+  EXPECT_EQ(q, q2);
+  testing::expect_error(ErrorKind::kProtocol, [&] { copy->load_state(sgd->save_state()); });
+  testing::expect_error(ErrorKind::kInvalidArgument, [&] { adam->step(p, g); });
+}
+
+// ZeRO 1 and 2 against stage 0 (all-reduce, full update), 1-4 ranks, counts that do not
+// divide by N, SGD with momentum and AdamW: the same parameters within float tolerance,
+// identical on every rank, optimizer state 1/N.
+TEST(Zero, StagesOneAndTwoFollowThePlainTrajectory) {
+  for (int n : {1, 2, 3, 4}) {
+    for (std::size_t count : {std::size_t{1}, std::size_t{10}, std::size_t{1003}}) {
+      for (bool adam : {false, true}) {
+        std::vector<std::vector<std::vector<float>>> finals(3);
+        std::vector<std::vector<ZeroOptimizer::Memory>> memory(3);
+        for (int stage = 0; stage <= 2; ++stage) {
+          finals[stage].resize(static_cast<std::size_t>(n));
+          memory[stage].resize(static_cast<std::size_t>(n));
+          testing::run_inproc_contexts(n, [&](Context& ctx) {
+            ZeroOptimizer zero(ctx, count, stage, [&](std::size_t c) {
+              return adam ? optim::make_adamw(c, {.lr = 0.01f})
+                          : optim::make_sgd(c, {.lr = 0.05f, .momentum = 0.9f});
+            });
+            std::vector<float> params(count);
+            for (std::size_t i = 0; i < count; ++i) params[i] = 0.01f * static_cast<float>(i);
+            for (int step = 0; step < 5; ++step) {
+              std::vector<float> grads(count);
+              for (std::size_t i = 0; i < count; ++i) grads[i] = grad_of(ctx.rank(), step, i);
+              zero.step(params, grads);
+            }
+            finals[stage][static_cast<std::size_t>(ctx.rank())] = params;
+            memory[stage][static_cast<std::size_t>(ctx.rank())] = zero.memory();
+          });
+        }
+        const std::string what = "n=" + std::to_string(n) + " count=" + std::to_string(count) +
+                                 (adam ? " adamw" : " sgd");
+        for (int stage = 0; stage <= 2; ++stage) {
+          for (int r = 0; r < n; ++r) {
+            ASSERT_EQ(finals[stage][static_cast<std::size_t>(r)], finals[stage][0]) << what;
+          }
+          for (std::size_t i = 0; i < count; ++i) {
+            ASSERT_NEAR(finals[stage][0][i], finals[0][0][i], 1e-5) << what << " stage " << stage;
+          }
+        }
+        const std::size_t per_element = adam ? 8 : 4, body = count / n * n;
+        EXPECT_EQ(memory[0][0].optimizer_state_bytes, count * per_element) << what;
+        for (int stage = 1; stage <= 2; ++stage) {
+          EXPECT_EQ(memory[stage][0].optimizer_state_bytes,
+                    (body / n + (count - body)) * per_element)
+              << what;
+        }
+        EXPECT_EQ(memory[1][0].reduced_gradient_bytes, count * 4) << what;
+        EXPECT_EQ(memory[2][0].reduced_gradient_bytes, (body / n + (count - body)) * 4) << what;
+      }
+    }
+  }
+}
+
+TEST(Zero, ShardStateSurvivesSaveAndRestore) {
+  testing::run_inproc_contexts(3, [&](Context& ctx) {
+    auto make = [](std::size_t c) { return optim::make_adamw(c); };
+    ZeroOptimizer a(ctx, 100, 2, make), b(ctx, 100, 2, make);
+    std::vector<float> pa(100, 1.0f), pb(100, 1.0f), g(100);
+    for (std::size_t i = 0; i < 100; ++i) g[i] = grad_of(ctx.rank(), 0, i);
+    std::vector<float> g1 = g;
+    a.step(pa, g1);
+    b.load_state(a.save_state());
+    pb = pa;
+    std::vector<float> ga = g, gb = g;
+    a.step(pa, ga);
+    b.step(pb, gb);
+    EXPECT_EQ(pa, pb);
+    testing::expect_error(ErrorKind::kInvalidArgument,
+                          [&] { ZeroOptimizer bad(ctx, 10, 3, make); });
+  });
+}
+
+}  // namespace
+}  // namespace gradsync
