@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -15,6 +16,7 @@
 
 #include "gradsync/compress.h"
 #include "gradsync/error.h"
+#include "gradsync/timeline.h"
 
 namespace gradsync {
 
@@ -127,6 +129,10 @@ struct Reducer::State {
 
   void reduce_bucket(std::size_t index) {
     Bucket& b = buckets[index];
+    timeline::Span span("allreduce bucket " + std::to_string(index) + " (" +
+                            std::to_string(b.data.size() * sizeof(float) >> 10) + " KiB, " +
+                            codec->spec() + ")",
+                        "comm");
     const auto t0 = Clock::now();
     if (whole_buckets) {
       std::string name = "bucket " + std::to_string(index) + " (";
@@ -145,6 +151,31 @@ struct Reducer::State {
       }
     }
     communication_s += seconds_between(t0, Clock::now());
+  }
+
+  // Two warnings DDP users would want (rank 0, once each, from the third communicating step:
+  // the first builds, the second may follow a rebuild).
+  void warn_if_needed(const StepStats& stats) {
+    if (ctx.rank() != 0 || reductions < 2) return;
+    const std::size_t per_call =
+        stats.allreduce_calls ? stats.raw_bytes / stats.allreduce_calls : 0;
+    if (!warned_small && stats.allreduce_calls > 4 && per_call < kSmallCallBytes) {
+      warned_small = true;
+      std::fprintf(stderr,
+                   "gradsync reducer: %zu all-reduce calls of %zu KiB on average per step: "
+                   "per-call latency dominates such small calls; raise bucket_bytes%s\n",
+                   stats.allreduce_calls, per_call >> 10,
+                   whole_buckets ? "" : " (this codec reduces parameter by parameter)");
+    }
+    if (!warned_exposed && options.overlap && stats.communication_s > 0 &&
+        stats.overlap_fraction < 0.05) {
+      warned_exposed = true;
+      std::fprintf(stderr,
+                   "gradsync reducer: communication is not overlapped with backward (%.0f%% "
+                   "hidden): are gradients marked ready as backward produces them, and is the "
+                   "first bucket small enough to launch early?\n",
+                   100 * stats.overlap_fraction);
+    }
   }
 
   void run_worker() {
@@ -174,6 +205,10 @@ struct Reducer::State {
   ReducerOptions options;
   std::unique_ptr<compress::Codec> codec;
   bool whole_buckets = false;
+  bool warned_small = false, warned_exposed = false;
+  // Calls below this carry too few bytes to amortise a collective's fixed cost (tens of us
+  // per call against ~1 GB/s or more of bandwidth).
+  static constexpr std::size_t kSmallCallBytes = 64 << 10;
   std::vector<Param> params;
   std::vector<Bucket> buckets;
 
@@ -252,6 +287,7 @@ void Reducer::mark_ready(int id) {
   if (!communicating) return;
   if (s.reductions == 0 && s.options.rebuild_buckets) s.ready_order.push_back(id);
   if (!p.external.empty()) {
+    timeline::Span span("pack " + p.name, "pack");
     std::memcpy(s.slot(p).data(), p.external.data(), p.count * sizeof(float));
   }
   State::Bucket& b = s.buckets[static_cast<std::size_t>(p.bucket)];
@@ -289,6 +325,7 @@ StepStats Reducer::finish() {
   }
   s.launch_ready();  // without overlap: everything now
   {
+    timeline::Span span("wait for buckets", "wait");
     std::unique_lock<std::mutex> lock(s.mu);
     s.cv.wait(lock, [&] { return s.finished == s.buckets.size(); });
   }
@@ -325,8 +362,11 @@ StepStats Reducer::finish() {
                           " (set find_unused_parameters if the model may skip some)",
                 s.ctx.rank(), Error::kNoPeer, "reducer finish");
   }
-  for (auto& p : s.params) {
-    if (!p.external.empty()) std::memcpy(p.external.data(), s.slot(p).data(), p.count * 4);
+  {
+    timeline::Span span("unpack", "pack");
+    for (auto& p : s.params) {
+      if (!p.external.empty()) std::memcpy(p.external.data(), s.slot(p).data(), p.count * 4);
+    }
   }
   for (const auto& p : s.params) stats.raw_bytes += p.count * sizeof(float);
   stats.communicated = true;
@@ -334,6 +374,7 @@ StepStats Reducer::finish() {
   stats.overlap_fraction = stats.communication_s > 0
                                ? std::clamp(1.0 - stats.exposed_s / stats.communication_s, 0.0, 1.0)
                                : 0.0;
+  s.warn_if_needed(stats);
   if (++s.reductions == 1 && s.options.rebuild_buckets) {
     // Rank 0's ready order, then whatever it never saw (unused there), last registered first.
     std::vector<std::int64_t> order(s.params.size(), -1);
