@@ -9,6 +9,7 @@ packages=(
   clang libclang-rt-14-dev                                # libFuzzer targets and sanitizer runtimes
   openmpi-bin libopenmpi-dev libgloo-dev                  # peers for side-by-side benchmarks
   python3-torch libopenblas0                              # PyTorch peer (codec ops, DDP), fast BLAS
+  libopenblas-dev zlib1g-dev dataset-fashion-mnist        # the trainer: BLAS, gzip, its data set
   iproute2 procps psmisc                                  # launcher/failure tests (ip, pkill, fuser),
                                                           # network-namespace hosts (ip netns, tc)
   gnuplot-nox                                             # bench/netns scaling plot

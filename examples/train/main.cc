@@ -1,0 +1,401 @@
+// gradsync-train: data-parallel training of an MLP or a small CNN on Fashion-MNIST, one
+// process per rank (start it with gradsync-run), with every lever of the library on a flag:
+// the codec, the buckets, overlap, accumulation, ZeRO, the optimizer.
+//
+//   gradsync-run -n 4 -- gradsync-train --model mlp --epochs 2 --codec fp16 --json run.json
+#include <cblas.h>
+#include <gradsync/gradsync.h>
+#include <gradsync/optim.h>
+#include <gradsync/reducer.h>
+#include <gradsync/timeline.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "train/fashion_mnist.h"
+#include "train/model.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kUsage =
+    "usage: gradsync-train [options]   (one process per rank: run it under gradsync-run)\n"
+    "  --model mlp|cnn        the network (default mlp: 784-2048x4-10, 14.2 M parameters)\n"
+    "  --hidden A,B,...       the MLP's hidden widths (default 2048,2048,2048,2048)\n"
+    "  --epochs N             passes over the training set (default 1)\n"
+    "  --batch B              samples per rank per micro-batch (default 64)\n"
+    "  --lr X                 learning rate (default 0.05 sgd, 0.001 adamw)\n"
+    "  --optimizer sgd|adamw  (default sgd, momentum 0.9)\n"
+    "  --seed S               weights and data order (default 1)\n"
+    "  --codec SPEC           gradient codec (default none; fp16, int8, topk:ratio=0.01, ...)\n"
+    "  --bucket-mb X          bucket size (default 25)\n"
+    "  --first-bucket-mb X    first bucket size (default 1)\n"
+    "  --no-overlap           all-reduce only after backward, for comparison\n"
+    "  --accumulate K         K micro-batches per optimizer step, communicating once\n"
+    "  --zero 0|1|2           ZeRO stage (1, 2: sharded optimizer state / gradients)\n"
+    "  --max-steps N          stop after N optimizer steps (benchmarks; default: all)\n"
+    "  --data DIR             Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)\n"
+    "  --json FILE            rank 0 writes the run's metrics and configuration to FILE\n"
+    "  --quiet                no progress bar\n";
+
+struct Config {
+  std::string model = "mlp";
+  std::vector<std::size_t> hidden;
+  int epochs = 1;
+  std::size_t batch = 64;
+  double lr = -1;
+  std::string optimizer = "sgd";
+  std::uint64_t seed = 1;
+  std::string codec = "none";
+  double bucket_mb = 25, first_bucket_mb = 1;
+  bool overlap = true;
+  int accumulate = 1;
+  int zero = 0;
+  long max_steps = -1;
+  std::string data = train::kFashionMnistDir;
+  std::string json;
+  bool quiet = false;
+};
+
+[[noreturn]] void usage_error(const std::string& what) {
+  std::fprintf(stderr, "gradsync-train: %s\n%s", what.c_str(), kUsage);
+  std::exit(2);
+}
+
+double number(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || !std::isfinite(x))
+    usage_error(flag + ": '" + v + "' is not a number");
+  return x;
+}
+
+long whole(const std::string& flag, const std::string& v, long low) {
+  const double x = number(flag, v);
+  if (x != std::floor(x) || x < static_cast<double>(low)) {
+    usage_error(flag + ": '" + v + "' is not a whole number >= " + std::to_string(low));
+  }
+  return static_cast<long>(x);
+}
+
+Config parse(int argc, char** argv) {
+  Config c;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage_error(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--model") {
+      c.model = value();
+      if (c.model != "mlp" && c.model != "cnn") usage_error("--model is mlp or cnn");
+    } else if (a == "--hidden") {
+      std::stringstream in(value());
+      for (std::string w; std::getline(in, w, ',');) {
+        c.hidden.push_back(static_cast<std::size_t>(whole("--hidden", w, 1)));
+      }
+    } else if (a == "--epochs") {
+      c.epochs = static_cast<int>(whole(a, value(), 1));
+    } else if (a == "--batch") {
+      c.batch = static_cast<std::size_t>(whole(a, value(), 1));
+    } else if (a == "--lr") {
+      c.lr = number(a, value());
+    } else if (a == "--optimizer") {
+      c.optimizer = value();
+      if (c.optimizer != "sgd" && c.optimizer != "adamw")
+        usage_error("--optimizer is sgd or adamw");
+    } else if (a == "--seed") {
+      c.seed = static_cast<std::uint64_t>(whole(a, value(), 0));
+    } else if (a == "--codec") {
+      c.codec = value();
+    } else if (a == "--bucket-mb") {
+      c.bucket_mb = number(a, value());
+    } else if (a == "--first-bucket-mb") {
+      c.first_bucket_mb = number(a, value());
+    } else if (a == "--no-overlap") {
+      c.overlap = false;
+    } else if (a == "--accumulate") {
+      c.accumulate = static_cast<int>(whole(a, value(), 1));
+    } else if (a == "--zero") {
+      c.zero = static_cast<int>(whole(a, value(), 0));
+      if (c.zero > 2) usage_error("--zero is 0, 1 or 2");
+    } else if (a == "--max-steps") {
+      c.max_steps = whole(a, value(), 1);
+    } else if (a == "--data") {
+      c.data = value();
+    } else if (a == "--json") {
+      c.json = value();
+    } else if (a == "--quiet") {
+      c.quiet = true;
+    } else if (a == "-h" || a == "--help") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else {
+      usage_error("unknown option '" + a + "'");
+    }
+  }
+  if (c.lr < 0) c.lr = c.optimizer == "adamw" ? 0.001 : 0.05;
+  if (c.bucket_mb <= 0 || c.first_bucket_mb <= 0) usage_error("bucket sizes must be positive");
+  if (c.zero > 0 && c.codec != "none") {
+    usage_error("--zero 1|2 reduce-scatters float32 gradients: use --codec none with it");
+  }
+  return c;
+}
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') o += '\\';
+    o += ch;
+  }
+  return o;
+}
+
+// Totals over a run, for the summary and the JSON.
+struct Totals {
+  double compute_s = 0, communication_s = 0, exposed_s = 0, step_s = 0;
+  std::uint64_t bytes_sent = 0, raw_bytes = 0;
+  std::size_t allreduce_calls = 0, steps = 0, samples = 0;
+  double last_loss = 0;
+};
+
+// Test accuracy: each rank scores a contiguous share of the test set; the counts are summed.
+double evaluate(gradsync::Context& ctx, train::Model& model, const train::Dataset& test,
+                std::size_t batch) {
+  const auto n = static_cast<std::size_t>(ctx.size()), r = static_cast<std::size_t>(ctx.rank());
+  const std::size_t first = test.count * r / n, last = test.count * (r + 1) / n;
+  std::int64_t counts[2] = {0, static_cast<std::int64_t>(last - first)};
+  const std::size_t pixels = test.rows * test.cols;
+  for (std::size_t at = first; at < last; at += batch) {
+    const std::size_t b = std::min(batch, last - at);
+    model.forward({test.images.data() + at * pixels, b * pixels}, b);
+    std::size_t correct = 0;
+    model.loss({test.labels.data() + at, b}, &correct);
+    counts[0] += static_cast<std::int64_t>(correct);
+  }
+  ctx.allreduce(counts, counts, 2, gradsync::DataType::kInt64, gradsync::ReduceOp::kSum);
+  return counts[1] ? static_cast<double>(counts[0]) / static_cast<double>(counts[1]) : 0.0;
+}
+
+void progress(const Config& c, int epoch, std::size_t step, std::size_t steps, float loss,
+              double accuracy, double samples_per_s, const Totals& t) {
+  constexpr int kWidth = 24;
+  const int filled = static_cast<int>(kWidth * (step + 1) / std::max<std::size_t>(1, steps));
+  const double comm = t.step_s > 0 ? 100.0 * t.communication_s / t.step_s : 0;
+  const double overlap =
+      t.communication_s > 0 ? 100.0 * std::max(0.0, 1.0 - t.exposed_s / t.communication_s) : 0;
+  std::fprintf(stderr,
+               "\repoch %d/%d [%s%s] step %zu/%zu loss %.4f acc %5.1f%% %7.0f samples/s "
+               "comm %3.0f%% overlap %3.0f%%",
+               epoch + 1, c.epochs, std::string(static_cast<std::size_t>(filled), '#').c_str(),
+               std::string(static_cast<std::size_t>(kWidth - filled), '.').c_str(), step + 1, steps,
+               static_cast<double>(loss), 100 * accuracy, samples_per_s, comm, overlap);
+}
+
+int run(const Config& c) {
+  auto ctx = gradsync::init();
+  const int rank = ctx->rank(), world = ctx->size();
+  const bool talk = rank == 0 && !c.quiet;
+  const train::Dataset train_set = train::load_fashion_mnist(c.data, true);
+  const train::Dataset test_set = train::load_fashion_mnist(c.data, false);
+  auto model = train::make_model(c.model, c.seed, c.hidden);
+  std::vector<train::Parameter>& params = model->parameters();
+  const std::size_t total = model->values().size();
+
+  gradsync::ReducerOptions ro;
+  ro.codec = c.codec;
+  ro.bucket_bytes = static_cast<std::size_t>(c.bucket_mb * (1 << 20));
+  ro.first_bucket_bytes = static_cast<std::size_t>(c.first_bucket_mb * (1 << 20));
+  ro.overlap = c.overlap;
+  ro.accumulate_steps = c.accumulate;
+  std::optional<gradsync::Reducer> reducer;
+  if (c.zero == 0) {
+    reducer.emplace(*ctx, ro);
+    for (auto& p : params) reducer->add_parameter(p.name, p.count, p.grad, p.rows);
+  }
+  auto make_optimizer = [&](std::size_t count) -> std::unique_ptr<gradsync::optim::Optimizer> {
+    if (c.optimizer == "adamw") {
+      return gradsync::optim::make_adamw(count, {.lr = static_cast<float>(c.lr)});
+    }
+    return gradsync::optim::make_sgd(count, {.lr = static_cast<float>(c.lr), .momentum = 0.9f});
+  };
+  // ZeRO 0 with the reducer: the gradients arrive averaged, every rank updates everything.
+  std::unique_ptr<gradsync::optim::Optimizer> optimizer;
+  std::optional<gradsync::optim::ZeroOptimizer> zero;
+  if (c.zero == 0) {
+    optimizer = make_optimizer(total);
+  } else {
+    zero.emplace(*ctx, total, c.zero, make_optimizer);
+  }
+
+  train::ShardedSampler sampler(train_set.count, rank, world, c.batch, c.seed);
+  const std::size_t micro_per_epoch = sampler.steps_per_epoch();
+  const std::size_t steps_per_epoch = micro_per_epoch / static_cast<std::size_t>(c.accumulate);
+  if (talk) {
+    std::fprintf(stderr,
+                 "gradsync-train: %s; %d ranks x batch %zu x %d micro-batches; %zu steps per "
+                 "epoch; codec %s; zero %d; %s lr %g; %s\n",
+                 model->describe().c_str(), world, c.batch, c.accumulate, steps_per_epoch,
+                 reducer ? reducer->codec_spec().c_str() : "none", c.zero, c.optimizer.c_str(),
+                 c.lr, c.overlap ? "overlap" : "no overlap");
+  }
+
+  const std::size_t pixels = train_set.rows * train_set.cols;
+  std::vector<float> images(c.batch * pixels);
+  std::vector<std::uint8_t> labels(c.batch);
+  Totals t;
+  double accuracy = 0;
+  const auto started = Clock::now();
+  long steps_done = 0;
+  int epochs_done = 0;
+  for (int epoch = 0; epoch < c.epochs && (c.max_steps < 0 || steps_done < c.max_steps); ++epoch) {
+    const auto epoch_start = Clock::now();
+    std::size_t epoch_samples = 0;
+    for (std::size_t step = 0; step < steps_per_epoch; ++step) {
+      if (c.max_steps >= 0 && steps_done >= c.max_steps) break;
+      const auto step_start = Clock::now();
+      float loss = 0;
+      std::size_t correct = 0;
+      gradsync::StepStats stats;
+      for (int micro = 0; micro < c.accumulate; ++micro) {
+        const auto batch = sampler.batch(
+            static_cast<std::size_t>(epoch),
+            step * static_cast<std::size_t>(c.accumulate) + static_cast<std::size_t>(micro));
+        for (std::size_t i = 0; i < batch.size(); ++i) {
+          std::memcpy(images.data() + i * pixels, train_set.image(batch[i]).data(),
+                      pixels * sizeof(float));
+          labels[i] = train_set.labels[batch[i]];
+        }
+        {
+          gradsync::timeline::Span span("forward", "compute");
+          model->forward(images, batch.size());
+        }
+        std::size_t right = 0;
+        loss += model->loss(labels, &right) / static_cast<float>(c.accumulate);
+        correct += right;
+        if (reducer) {
+          {
+            gradsync::timeline::Span span("backward", "compute");
+            model->backward(labels, micro > 0,
+                            [&](std::size_t i) { reducer->mark_ready(static_cast<int>(i)); });
+          }
+          const gradsync::StepStats s = reducer->finish();
+          if (s.communicated) stats = s;
+        } else {
+          gradsync::timeline::Span span("backward", "compute");
+          model->backward(labels, micro > 0, [](std::size_t) {});
+        }
+      }
+      std::span<float> grads = model->grads();
+      if (c.accumulate > 1) {  // the mean over the K micro-batches
+        for (float& g : grads) g /= static_cast<float>(c.accumulate);
+      }
+      {
+        gradsync::timeline::Span span(zero ? "zero step" : "optimizer", "optimizer");
+        const auto comm_start = Clock::now();
+        if (zero) {
+          const auto before = ctx->total_traffic().bytes_sent;
+          zero->step(model->values(), grads);
+          stats.communication_s = stats.exposed_s =
+              std::chrono::duration<double>(Clock::now() - comm_start).count();
+          stats.bytes_sent = ctx->total_traffic().bytes_sent - before;
+          stats.raw_bytes = total * sizeof(float);
+          stats.allreduce_calls = 1;
+        } else {
+          optimizer->step(model->values(), grads);
+        }
+      }
+      const double step_s = std::chrono::duration<double>(Clock::now() - step_start).count();
+      t.step_s += step_s;
+      t.compute_s += stats.compute_s;
+      t.communication_s += stats.communication_s;
+      t.exposed_s += stats.exposed_s;
+      t.bytes_sent += stats.bytes_sent;
+      t.raw_bytes += stats.raw_bytes;
+      t.allreduce_calls += stats.allreduce_calls;
+      t.steps += 1;
+      const std::size_t samples = c.batch * static_cast<std::size_t>(c.accumulate * world);
+      t.samples += samples;
+      epoch_samples += samples;
+      t.last_loss = loss;
+      accuracy = static_cast<double>(correct) /
+                 static_cast<double>(c.batch * static_cast<std::size_t>(c.accumulate));
+      ++steps_done;
+      if (talk && (step % 10 == 0 || step + 1 == steps_per_epoch)) {
+        const double elapsed = std::chrono::duration<double>(Clock::now() - epoch_start).count();
+        progress(c, epoch, step, steps_per_epoch, loss, accuracy,
+                 static_cast<double>(epoch_samples) / std::max(elapsed, 1e-9), t);
+      }
+    }
+    ++epochs_done;
+    const double test_accuracy = evaluate(*ctx, *model, test_set, 256);
+    if (talk) std::fprintf(stderr, "  test accuracy %.2f%%\n", 100 * test_accuracy);
+    accuracy = test_accuracy;
+  }
+  const double wall = std::chrono::duration<double>(Clock::now() - started).count();
+  if (const std::size_t events = gradsync::timeline::write(*ctx); events && rank == 0) {
+    std::fprintf(stderr, "gradsync-train: timeline of %zu events written\n", events);
+  }
+  const double test_accuracy = accuracy;
+  const double comm_fraction = t.step_s > 0 ? t.communication_s / t.step_s : 0;
+  const double overlap_fraction =
+      t.communication_s > 0 ? std::max(0.0, 1.0 - t.exposed_s / t.communication_s) : 0;
+  if (rank == 0) {
+    std::printf(
+        "gradsync-train: %d epochs, %zu steps in %.1f s: %.0f samples/s, final loss %.4f, test "
+        "accuracy %.2f%%; communication %.0f%% of the step time, %.0f%% of it overlapped; "
+        "%.1f MB sent per rank (%.3f of the float32 gradients), %zu all-reduce calls\n",
+        epochs_done, t.steps, wall, static_cast<double>(t.samples) / wall, t.last_loss,
+        100 * test_accuracy, 100 * comm_fraction, 100 * overlap_fraction,
+        static_cast<double>(t.bytes_sent) / 1e6,
+        t.raw_bytes ? static_cast<double>(t.bytes_sent) / static_cast<double>(t.raw_bytes) : 0.0,
+        t.allreduce_calls);
+  }
+  if (rank == 0 && !c.json.empty()) {
+    std::ofstream f(c.json);
+    if (!f) {
+      std::fprintf(stderr, "gradsync-train: cannot write %s\n", c.json.c_str());
+      return 1;
+    }
+    f << "{\n  \"test_accuracy\": " << test_accuracy << ",\n  \"final_loss\": " << t.last_loss
+      << ",\n  \"epochs\": " << epochs_done << ",\n  \"steps\": " << t.steps
+      << ",\n  \"wall_s\": " << wall
+      << ",\n  \"samples_per_s\": " << static_cast<double>(t.samples) / wall
+      << ",\n  \"step_s\": " << (t.steps ? t.step_s / static_cast<double>(t.steps) : 0)
+      << ",\n  \"comm_fraction\": " << comm_fraction
+      << ",\n  \"overlap_fraction\": " << overlap_fraction
+      << ",\n  \"bytes_sent_per_rank\": " << t.bytes_sent << ",\n  \"compression_ratio\": "
+      << (t.raw_bytes ? static_cast<double>(t.bytes_sent) / static_cast<double>(t.raw_bytes) : 0)
+      << ",\n  \"allreduce_calls\": " << t.allreduce_calls << ",\n  \"config\": {\"model\": \""
+      << json_escape(model->describe()) << "\", \"ranks\": " << world << ", \"batch\": " << c.batch
+      << ", \"lr\": " << c.lr << ", \"optimizer\": \"" << c.optimizer << "\", \"seed\": " << c.seed
+      << ", \"codec\": \"" << json_escape(reducer ? reducer->codec_spec() : c.codec)
+      << "\", \"bucket_mb\": " << c.bucket_mb << ", \"first_bucket_mb\": " << c.first_bucket_mb
+      << ", \"overlap\": " << (c.overlap ? "true" : "false") << ", \"accumulate\": " << c.accumulate
+      << ", \"zero\": " << c.zero << ", \"epochs\": " << c.epochs
+      << ", \"max_steps\": " << c.max_steps << "}\n}\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Config c = parse(argc, argv);
+  try {
+    return run(c);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gradsync-train: %s\n", e.what());
+    return 1;
+  }
+}
