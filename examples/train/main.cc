@@ -3,21 +3,26 @@
 // the codec, the buckets, overlap, accumulation, ZeRO, the optimizer.
 //
 //   gradsync-run -n 4 -- gradsync-train --model mlp --epochs 2 --codec fp16 --json run.json
-#include <cblas.h>
+#include <fcntl.h>
 #include <gradsync/gradsync.h>
 #include <gradsync/optim.h>
 #include <gradsync/reducer.h>
 #include <gradsync/timeline.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -46,6 +51,10 @@ constexpr const char* kUsage =
     "  --max-steps N          stop after N optimizer steps (benchmarks; default: all)\n"
     "  --data DIR             Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)\n"
     "  --json FILE            rank 0 writes the run's metrics and configuration to FILE\n"
+    "  --checkpoint DIR       save model, optimizer, codec and data position to DIR (each\n"
+    "                         rank its file, written atomically; DIR/LATEST names the step)\n"
+    "  --checkpoint-every N   every N steps (default: at the end of each epoch)\n"
+    "  --resume               continue from DIR/LATEST (same ranks and flags)\n"
     "  --quiet                no progress bar\n";
 
 struct Config {
@@ -65,6 +74,9 @@ struct Config {
   std::string data = train::kFashionMnistDir;
   std::string json;
   bool quiet = false;
+  std::string checkpoint;
+  long checkpoint_every = 0;  // 0: end of each epoch
+  bool resume = false;
 };
 
 [[noreturn]] void usage_error(const std::string& what) {
@@ -137,6 +149,12 @@ Config parse(int argc, char** argv) {
       c.json = value();
     } else if (a == "--quiet") {
       c.quiet = true;
+    } else if (a == "--checkpoint") {
+      c.checkpoint = value();
+    } else if (a == "--checkpoint-every") {
+      c.checkpoint_every = whole(a, value(), 1);
+    } else if (a == "--resume") {
+      c.resume = true;
     } else if (a == "-h" || a == "--help") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -146,6 +164,9 @@ Config parse(int argc, char** argv) {
   }
   if (c.lr < 0) c.lr = c.optimizer == "adamw" ? 0.001 : 0.05;
   if (c.bucket_mb <= 0 || c.first_bucket_mb <= 0) usage_error("bucket sizes must be positive");
+  if ((c.resume || c.checkpoint_every) && c.checkpoint.empty()) {
+    usage_error("--resume and --checkpoint-every need --checkpoint DIR");
+  }
   if (c.zero > 0 && c.codec != "none") {
     usage_error("--zero 1|2 reduce-scatters float32 gradients: use --codec none with it");
   }
@@ -202,6 +223,85 @@ void progress(const Config& c, int epoch, std::size_t step, std::size_t steps, f
                static_cast<double>(loss), 100 * accuracy, samples_per_s, comm, overlap);
 }
 
+// --- checkpoints: one file per rank (its optimizer shard and codec state are its own), each
+// written to a temporary file, fsynced and renamed; then rank 0 names the step in LATEST the
+// same way. A crash at any point leaves LATEST naming a complete earlier set.
+
+void put(std::vector<std::uint8_t>& out, const void* p, std::size_t n) {
+  const auto* b = static_cast<const std::uint8_t*>(p);
+  out.insert(out.end(), b, b + n);
+}
+void put_blob(std::vector<std::uint8_t>& out, std::span<const std::uint8_t> blob) {
+  const std::uint64_t n = blob.size();
+  put(out, &n, 8);
+  put(out, blob.data(), blob.size());
+}
+
+struct Reader {
+  std::span<const std::uint8_t> in;
+  std::string path;
+  std::size_t at = 0;
+  void take(void* p, std::size_t n) {
+    if (in.size() - at < n) throw std::runtime_error(path + ": truncated checkpoint");
+    std::memcpy(p, in.data() + at, n);
+    at += n;
+  }
+  std::span<const std::uint8_t> blob() {
+    std::uint64_t n;
+    take(&n, 8);
+    if (in.size() - at < n) throw std::runtime_error(path + ": truncated checkpoint");
+    auto b = in.subspan(at, n);
+    at += n;
+    return b;
+  }
+};
+
+void write_atomically(const std::string& path, std::span<const std::uint8_t> bytes,
+                      bool crash_before_rename) {
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) throw std::runtime_error("cannot write " + tmp + ": " + std::strerror(errno));
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      ::close(fd);
+      throw std::runtime_error("cannot write " + tmp + ": " + std::strerror(errno));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    throw std::runtime_error("cannot sync " + tmp + ": " + std::strerror(errno));
+  }
+  if (crash_before_rename) std::abort();  // tests: a crash in the middle of a save
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    throw std::runtime_error("cannot rename " + tmp + ": " + std::strerror(errno));
+  }
+  const std::string dir = path.substr(0, path.find_last_of('/') + 1);
+  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) {  // the rename itself durable
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+std::vector<std::uint8_t> read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot read " + path + ": " + std::strerror(errno));
+  return std::vector<std::uint8_t>(std::istreambuf_iterator<char>(f), {});
+}
+
+std::string rank_file(const std::string& dir, long step, int rank) {
+  return dir + "/step-" + std::to_string(step) + ".rank-" + std::to_string(rank) + ".ckpt";
+}
+
+// Where training stands: the next step to run.
+struct Position {
+  long steps_done = 0;
+  int epoch = 0;
+  std::size_t step = 0;
+};
+
 int run(const Config& c) {
   auto ctx = gradsync::init();
   const int rank = ctx->rank(), world = ctx->size();
@@ -241,6 +341,83 @@ int run(const Config& c) {
   train::ShardedSampler sampler(train_set.count, rank, world, c.batch, c.seed);
   const std::size_t micro_per_epoch = sampler.steps_per_epoch();
   const std::size_t steps_per_epoch = micro_per_epoch / static_cast<std::size_t>(c.accumulate);
+  if (steps_per_epoch == 0) throw std::runtime_error("an epoch holds no full step: lower --batch");
+
+  auto save = [&](const Position& at, int saves) {
+    std::filesystem::create_directories(c.checkpoint);
+    std::vector<std::uint8_t> out;
+    put(out, "GSTC", 4);
+    const std::uint64_t header[6] = {1,
+                                     static_cast<std::uint64_t>(world),
+                                     total,
+                                     static_cast<std::uint64_t>(at.steps_done),
+                                     static_cast<std::uint64_t>(at.epoch),
+                                     at.step};
+    put(out, header, sizeof header);
+    const std::span<const float> values = model->values();
+    put_blob(out, {reinterpret_cast<const std::uint8_t*>(values.data()), values.size_bytes()});
+    put_blob(out, zero ? zero->save_state() : optimizer->save_state());
+    put_blob(out, reducer ? reducer->save_state() : std::vector<std::uint8_t>());
+    const char* crash = std::getenv("GRADSYNC_TRAIN_CRASH_AT_SAVE");  // tests only
+    const bool crash_now = crash && rank == 0 && std::atoi(crash) == saves;
+    write_atomically(rank_file(c.checkpoint, at.steps_done, rank), out, crash_now);
+    ctx->barrier();  // every rank's file is in place before LATEST names the step
+    if (rank == 0) {
+      const std::string latest = std::to_string(at.steps_done) + "\n";
+      write_atomically(c.checkpoint + "/LATEST",
+                       {reinterpret_cast<const std::uint8_t*>(latest.data()), latest.size()},
+                       false);
+    }
+    ctx->barrier();
+    // Older sets are no longer needed.
+    for (const auto& entry : std::filesystem::directory_iterator(c.checkpoint)) {
+      const std::string name = entry.path().filename().string();
+      const std::string mine = ".rank-" + std::to_string(rank) + ".ckpt";
+      if (name.rfind("step-", 0) == 0 && name.size() > mine.size() &&
+          name.compare(name.size() - mine.size(), mine.size(), mine) == 0 &&
+          entry.path().string() != rank_file(c.checkpoint, at.steps_done, rank)) {
+        std::filesystem::remove(entry.path());
+      }
+    }
+  };
+
+  Position start;
+  if (c.resume) {
+    const auto latest_bytes = read_file(c.checkpoint + "/LATEST");
+    const long latest = std::stol(std::string(latest_bytes.begin(), latest_bytes.end()));
+    const std::string path = rank_file(c.checkpoint, latest, rank);
+    const std::vector<std::uint8_t> bytes = read_file(path);
+    Reader in{bytes, path};
+    char magic[4];
+    in.take(magic, 4);
+    if (std::memcmp(magic, "GSTC", 4) != 0) throw std::runtime_error(path + ": not a checkpoint");
+    std::uint64_t header[6];
+    in.take(header, sizeof header);
+    if (header[0] != 1 || header[1] != static_cast<std::uint64_t>(world) || header[2] != total) {
+      throw std::runtime_error(path + ": written by " + std::to_string(header[1]) + " ranks for " +
+                               std::to_string(header[2]) + " parameters; this run has " +
+                               std::to_string(world) + " and " + std::to_string(total));
+    }
+    start.steps_done = static_cast<long>(header[3]);
+    start.epoch = static_cast<int>(header[4]);
+    start.step = header[5];
+    const auto values = in.blob();
+    if (values.size() != total * sizeof(float)) throw std::runtime_error(path + ": model size");
+    std::memcpy(model->values().data(), values.data(), values.size());
+    const auto optimizer_state = in.blob();
+    if (zero) {
+      zero->load_state(optimizer_state);
+    } else {
+      optimizer->load_state(optimizer_state);
+    }
+    const auto reducer_state = in.blob();
+    if (reducer) reducer->load_state(reducer_state);
+    if (talk) {
+      std::fprintf(stderr, "gradsync-train: resumed from %s at step %ld (epoch %d, step %zu)\n",
+                   path.c_str(), start.steps_done, start.epoch + 1, start.step);
+    }
+  }
+  int saves = 0;
   if (talk) {
     std::fprintf(stderr,
                  "gradsync-train: %s; %d ranks x batch %zu x %d micro-batches; %zu steps per "
@@ -256,12 +433,14 @@ int run(const Config& c) {
   Totals t;
   double accuracy = 0;
   const auto started = Clock::now();
-  long steps_done = 0;
-  int epochs_done = 0;
-  for (int epoch = 0; epoch < c.epochs && (c.max_steps < 0 || steps_done < c.max_steps); ++epoch) {
+  long steps_done = start.steps_done;
+  int epochs_done = start.epoch;
+  std::vector<float> losses;  // rank 0's loss per step, for the JSON
+  for (int epoch = start.epoch; epoch < c.epochs && (c.max_steps < 0 || steps_done < c.max_steps);
+       ++epoch) {
     const auto epoch_start = Clock::now();
     std::size_t epoch_samples = 0;
-    for (std::size_t step = 0; step < steps_per_epoch; ++step) {
+    for (std::size_t step = epoch == start.epoch ? start.step : 0; step < steps_per_epoch; ++step) {
       if (c.max_steps >= 0 && steps_done >= c.max_steps) break;
       const auto step_start = Clock::now();
       float loss = 0;
@@ -328,9 +507,14 @@ int run(const Config& c) {
       t.samples += samples;
       epoch_samples += samples;
       t.last_loss = loss;
+      losses.push_back(loss);
       accuracy = static_cast<double>(correct) /
                  static_cast<double>(c.batch * static_cast<std::size_t>(c.accumulate));
       ++steps_done;
+      if (!c.checkpoint.empty() && c.checkpoint_every > 0 && steps_done % c.checkpoint_every == 0) {
+        const bool epoch_ends = step + 1 == steps_per_epoch;
+        save({steps_done, epoch_ends ? epoch + 1 : epoch, epoch_ends ? 0 : step + 1}, ++saves);
+      }
       if (talk && (step % 10 == 0 || step + 1 == steps_per_epoch)) {
         const double elapsed = std::chrono::duration<double>(Clock::now() - epoch_start).count();
         progress(c, epoch, step, steps_per_epoch, loss, accuracy,
@@ -338,6 +522,7 @@ int run(const Config& c) {
       }
     }
     ++epochs_done;
+    if (!c.checkpoint.empty() && c.checkpoint_every == 0) save({steps_done, epoch + 1, 0}, ++saves);
     const double test_accuracy = evaluate(*ctx, *model, test_set, 256);
     if (talk) std::fprintf(stderr, "  test accuracy %.2f%%\n", 100 * test_accuracy);
     accuracy = test_accuracy;
@@ -376,10 +561,16 @@ int run(const Config& c) {
       << ",\n  \"overlap_fraction\": " << overlap_fraction
       << ",\n  \"bytes_sent_per_rank\": " << t.bytes_sent << ",\n  \"compression_ratio\": "
       << (t.raw_bytes ? static_cast<double>(t.bytes_sent) / static_cast<double>(t.raw_bytes) : 0)
-      << ",\n  \"allreduce_calls\": " << t.allreduce_calls << ",\n  \"config\": {\"model\": \""
-      << json_escape(model->describe()) << "\", \"ranks\": " << world << ", \"batch\": " << c.batch
-      << ", \"lr\": " << c.lr << ", \"optimizer\": \"" << c.optimizer << "\", \"seed\": " << c.seed
-      << ", \"codec\": \"" << json_escape(reducer ? reducer->codec_spec() : c.codec)
+      << ",\n  \"allreduce_calls\": " << t.allreduce_calls << ",\n  \"losses\": [";
+    char buf[32];
+    for (std::size_t i = 0; i < losses.size(); ++i) {
+      std::snprintf(buf, sizeof buf, "%s%.9g", i ? ", " : "", static_cast<double>(losses[i]));
+      f << buf;
+    }
+    f << "],\n  \"config\": {\"model\": \"" << json_escape(model->describe())
+      << "\", \"ranks\": " << world << ", \"batch\": " << c.batch << ", \"lr\": " << c.lr
+      << ", \"optimizer\": \"" << c.optimizer << "\", \"seed\": " << c.seed << ", \"codec\": \""
+      << json_escape(reducer ? reducer->codec_spec() : c.codec)
       << "\", \"bucket_mb\": " << c.bucket_mb << ", \"first_bucket_mb\": " << c.first_bucket_mb
       << ", \"overlap\": " << (c.overlap ? "true" : "false") << ", \"accumulate\": " << c.accumulate
       << ", \"zero\": " << c.zero << ", \"epochs\": " << c.epochs

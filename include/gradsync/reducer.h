@@ -98,6 +98,13 @@ class Reducer {
   };
   NoSync no_sync() { return NoSync(*this); }
 
+  // What a checkpoint needs to continue bit for bit: the codec's state (residuals, PowerSGD's
+  // Q, draw counters) and the bucket layout, whose sizes pick the algorithms and so the
+  // order of every sum. load_state refuses bytes it did not write (Error kProtocol) and
+  // must come before the first step.
+  std::vector<std::uint8_t> save_state() const;
+  void load_state(std::span<const std::uint8_t> state);
+
   // The buckets as parameter ids in launch order (for tests and the timeline).
   std::vector<std::vector<int>> buckets() const;
   std::string codec_spec() const;

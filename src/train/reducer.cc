@@ -396,6 +396,66 @@ StepStats Reducer::finish() {
   return stats;
 }
 
+// "GSRD", u32 rebuilt (0|1), u32 parameters, their ids in bucket order, u64 codec state
+// bytes, the codec state.
+std::vector<std::uint8_t> Reducer::save_state() const {
+  State& s = *s_;
+  s.ensure_built();
+  std::vector<std::uint8_t> out(12);
+  std::memcpy(out.data(), "GSRD", 4);
+  const std::uint32_t rebuilt = s.reductions > 0 ? 1 : 0;
+  const auto count = static_cast<std::uint32_t>(s.params.size());
+  std::memcpy(out.data() + 4, &rebuilt, 4);
+  std::memcpy(out.data() + 8, &count, 4);
+  for (const auto& b : s.buckets) {
+    for (int id : b.params) {
+      const auto v = static_cast<std::uint32_t>(id);
+      out.insert(out.end(), reinterpret_cast<const std::uint8_t*>(&v),
+                 reinterpret_cast<const std::uint8_t*>(&v) + 4);
+    }
+  }
+  const std::vector<std::uint8_t> codec = s.codec->save_state();
+  const std::uint64_t bytes = codec.size();
+  out.insert(out.end(), reinterpret_cast<const std::uint8_t*>(&bytes),
+             reinterpret_cast<const std::uint8_t*>(&bytes) + 8);
+  out.insert(out.end(), codec.begin(), codec.end());
+  return out;
+}
+
+void Reducer::load_state(std::span<const std::uint8_t> state) {
+  State& s = *s_;
+  auto bad = [&](const std::string& why) {
+    throw Error(ErrorKind::kProtocol, "reducer state: " + why, s.ctx.rank(), Error::kNoPeer,
+                "reducer load_state");
+  };
+  if (s.in_step || s.micro_step) bad("loaded in the middle of a step");
+  if (state.size() < 12 || std::memcmp(state.data(), "GSRD", 4) != 0) bad("not one (magic)");
+  std::uint32_t rebuilt, count;
+  std::memcpy(&rebuilt, state.data() + 4, 4);
+  std::memcpy(&count, state.data() + 8, 4);
+  if (count != s.params.size()) {
+    bad(std::to_string(count) + " parameters, this reducer has " + std::to_string(s.params.size()));
+  }
+  if (state.size() < 12 + 4 * std::size_t{count} + 8) bad("truncated");
+  std::vector<int> order(count);
+  std::vector<bool> seen(count, false);
+  for (std::uint32_t i = 0; i < count; ++i) {
+    std::uint32_t id;
+    std::memcpy(&id, state.data() + 12 + 4 * i, 4);
+    if (id >= count || seen[id]) bad("parameter order is not a permutation");
+    seen[id] = true;
+    order[i] = static_cast<int>(id);
+  }
+  std::uint64_t bytes;
+  std::memcpy(&bytes, state.data() + 12 + 4 * count, 8);
+  const std::size_t at = 12 + 4 * std::size_t{count} + 8;
+  if (bytes != state.size() - at) bad("codec state of the wrong length");
+  s.codec->load_state(state.subspan(at));
+  s.ensure_built();
+  s.build(order);
+  if (rebuilt) s.reductions = std::max(s.reductions, 1);  // no second rebuild
+}
+
 std::vector<std::vector<int>> Reducer::buckets() const {
   s_->ensure_built();
   std::vector<std::vector<int>> out;
