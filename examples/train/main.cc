@@ -435,7 +435,9 @@ int run(const Config& c) {
   const auto started = Clock::now();
   long steps_done = start.steps_done;
   int epochs_done = start.epoch;
-  std::vector<float> losses;  // rank 0's loss per step, for the JSON
+  // Rank 0's loss, training-batch accuracy and wall time at every step, for the JSON.
+  std::vector<float> losses, accuracies;
+  std::vector<double> walls, test_accuracies;
   for (int epoch = start.epoch; epoch < c.epochs && (c.max_steps < 0 || steps_done < c.max_steps);
        ++epoch) {
     const auto epoch_start = Clock::now();
@@ -510,6 +512,8 @@ int run(const Config& c) {
       losses.push_back(loss);
       accuracy = static_cast<double>(correct) /
                  static_cast<double>(c.batch * static_cast<std::size_t>(c.accumulate));
+      accuracies.push_back(static_cast<float>(accuracy));
+      walls.push_back(std::chrono::duration<double>(Clock::now() - started).count());
       ++steps_done;
       if (!c.checkpoint.empty() && c.checkpoint_every > 0 && steps_done % c.checkpoint_every == 0) {
         const bool epoch_ends = step + 1 == steps_per_epoch;
@@ -525,6 +529,7 @@ int run(const Config& c) {
     if (!c.checkpoint.empty() && c.checkpoint_every == 0) save({steps_done, epoch + 1, 0}, ++saves);
     const double test_accuracy = evaluate(*ctx, *model, test_set, 256);
     if (talk) std::fprintf(stderr, "  test accuracy %.2f%%\n", 100 * test_accuracy);
+    test_accuracies.push_back(test_accuracy);
     accuracy = test_accuracy;
   }
   const double wall = std::chrono::duration<double>(Clock::now() - started).count();
@@ -565,6 +570,21 @@ int run(const Config& c) {
     char buf[32];
     for (std::size_t i = 0; i < losses.size(); ++i) {
       std::snprintf(buf, sizeof buf, "%s%.9g", i ? ", " : "", static_cast<double>(losses[i]));
+      f << buf;
+    }
+    f << "],\n  \"train_accuracy\": [";
+    for (std::size_t i = 0; i < accuracies.size(); ++i) {
+      std::snprintf(buf, sizeof buf, "%s%.4f", i ? ", " : "", static_cast<double>(accuracies[i]));
+      f << buf;
+    }
+    f << "],\n  \"wall_at_step\": [";
+    for (std::size_t i = 0; i < walls.size(); ++i) {
+      std::snprintf(buf, sizeof buf, "%s%.3f", i ? ", " : "", walls[i]);
+      f << buf;
+    }
+    f << "],\n  \"test_accuracy_per_epoch\": [";
+    for (std::size_t i = 0; i < test_accuracies.size(); ++i) {
+      std::snprintf(buf, sizeof buf, "%s%.4f", i ? ", " : "", test_accuracies[i]);
       f << buf;
     }
     f << "],\n  \"config\": {\"model\": \"" << json_escape(model->describe())
