@@ -4,6 +4,7 @@
 #include "train/model.h"
 
 #include <cblas.h>
+#include <gradsync/timeline.h>
 
 #include <algorithm>
 #include <cmath>
@@ -366,6 +367,9 @@ class Sequential final : public Model {
       : layers_(std::move(layers)) {
     std::size_t total = 0, named = 0;
     for (auto& layer : layers_) {
+      // The timeline's span names: a parameter layer by its name, the others by position.
+      layer_names_.push_back(layer->has_parameters() ? names.at(named)
+                                                     : "act" + std::to_string(layer_names_.size()));
       if (!layer->has_parameters()) continue;
       const std::size_t rows = layer->weight_rows();
       const std::size_t weights = rows * layer->fan_in();
@@ -414,7 +418,10 @@ class Sequential final : public Model {
     float* x = ensure(input_, images.size());
     std::copy(images.begin(), images.end(), x);
     const float* a = x;
-    for (auto& layer : layers_) a = layer->forward(a, batch);
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      gradsync::timeline::Span span("forward " + layer_names_[i], "compute");
+      a = layers_[i]->forward(a, batch);
+    }
     logits_ = a;
     batch_ = batch;
   }
@@ -455,6 +462,7 @@ class Sequential final : public Model {
     }
     const float* grad = d;
     for (std::size_t i = layers_.size(); i-- > 0;) {
+      gradsync::timeline::Span span("backward " + layer_names_[i], "compute");
       grad = layers_[i]->backward(grad, i > 0, accumulate, ready);
     }
   }
@@ -475,6 +483,7 @@ class Sequential final : public Model {
   }
 
   std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<std::string> layer_names_;  // per layer, for the timeline
   std::vector<Parameter> params_;
   std::vector<float> values_, grads_;
   std::string describe_;
