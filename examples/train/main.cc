@@ -566,7 +566,12 @@ int run(const Config& c) {
       << ",\n  \"overlap_fraction\": " << overlap_fraction
       << ",\n  \"bytes_sent_per_rank\": " << t.bytes_sent << ",\n  \"compression_ratio\": "
       << (t.raw_bytes ? static_cast<double>(t.bytes_sent) / static_cast<double>(t.raw_bytes) : 0)
-      << ",\n  \"allreduce_calls\": " << t.allreduce_calls << ",\n  \"losses\": [";
+      << ",\n  \"allreduce_calls\": " << t.allreduce_calls
+      << ",\n  \"optimizer_state_bytes_per_rank\": "
+      << (zero ? zero->memory().optimizer_state_bytes : optimizer->state_bytes())
+      << ",\n  \"reduced_gradient_bytes_per_rank\": "
+      << (zero ? zero->memory().reduced_gradient_bytes : total * sizeof(float))
+      << ",\n  \"losses\": [";
     char buf[32];
     for (std::size_t i = 0; i < losses.size(); ++i) {
       std::snprintf(buf, sizeof buf, "%s%.9g", i ? ", " : "", static_cast<double>(losses[i]));
