@@ -39,13 +39,15 @@ codec_of() {
 
 torch_run() {  # ranks variant rep
   "$build/tools/gradsync-run" -n "$1" --no-prefix -- /usr/bin/python3 "$here/torch_ddp_mlp.py" \
-    --hook "$2" --steps "$steps" --warmup "$warmup" 2>/dev/null | grep '^{' >"$results/torch~$1~$2~$3.json"
+    --hook "$2" --steps "$steps" --warmup "$warmup" 2>/dev/null | grep '^{' >"$results/torch~$1~$2~$3.json" ||
+    echo "ddp_compare: torch failed: $1 ranks, $2" >&2
 }
 
 gradsync_run() {  # ranks variant rep
   "$build/tools/gradsync-run" -n "$1" --no-prefix -- "$build/examples/gradsync-train" \
     --model mlp --max-steps $((steps + warmup)) --quiet --codec "$(codec_of "$2")" \
-    --json "$results/gradsync~$1~$2~$3.json" >/dev/null 2>&1
+    --json "$results/gradsync~$1~$2~$3.json" >/dev/null 2>&1 ||
+    echo "ddp_compare: gradsync-train failed: $1 ranks, $2" >&2
 }
 
 exec 9>/tmp/gradsync-bench.lock

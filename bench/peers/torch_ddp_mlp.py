@@ -29,8 +29,8 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--hidden", default="2048,2048,2048,2048")
-    p.add_argument("--no-overlap-powersgd", action="store_true",
-                   help="(measured before: the PowerSGD hook crashed unless run this way)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP bucket cap (default 25; powersgd: one bucket, see below)")
     a = p.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -45,7 +45,12 @@ def main():
     model = nn.Sequential(*layers)
     if world > 1:
         dist.init_process_group("gloo")
-        model = nn.parallel.DistributedDataParallel(model)
+        # torch 1.13's PowerSGD hook over gloo aborts ("op.preamble.length <= op.nbytes")
+        # when two buckets' hooks run their all-reduces concurrently on one process group;
+        # with the whole model in one bucket they run one after the other.
+        cap = a.bucket_cap_mb if a.bucket_cap_mb is not None else (
+            1000.0 if a.hook == "powersgd" else 25.0)
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
         if a.hook == "fp16":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
