@@ -15,6 +15,8 @@
 #include <stdexcept>
 #include <tuple>
 
+#include "train/random.h"
+
 namespace train {
 namespace {
 
@@ -280,31 +282,6 @@ void load_labels(const std::string& path, Dataset& out) {
   }
   out.labels = std::move(labels);
 }
-
-// splitmix64 (Steele, Lea, Flood 2014): tiny, and fully specified, so the permutation is
-// the same on every machine and standard library (std::shuffle's use of its engine, and
-// std::uniform_int_distribution, are implementation-defined).
-class SplitMix64 {
- public:
-  explicit SplitMix64(std::uint64_t seed) : state_(seed) {}
-  std::uint64_t next() {
-    std::uint64_t z = (state_ += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [0, n) without modulo bias: reject the few values below 2^64 mod n.
-  std::uint64_t below(std::uint64_t n) {
-    const std::uint64_t threshold = (0 - n) % n;
-    for (;;) {
-      const std::uint64_t r = next();
-      if (r >= threshold) return r % n;
-    }
-  }
-
- private:
-  std::uint64_t state_;
-};
 
 std::vector<std::size_t> permutation(std::size_t count, std::uint64_t seed, std::size_t epoch) {
   // Seed and epoch hashed together, so neighbouring seeds or epochs give unrelated streams.

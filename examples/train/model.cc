@@ -13,33 +13,14 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "train/random.h"
+
 namespace train {
 namespace {
 
 constexpr std::size_t kImageSide = 28;
 constexpr std::size_t kImagePixels = kImageSide * kImageSide;
 constexpr std::size_t kClasses = 10;
-
-// splitmix64 rather than std:: distributions, whose algorithms the standard leaves to the
-// implementation: every rank on every machine must draw the same initial weights.
-class SplitMix64 {
- public:
-  explicit SplitMix64(std::uint64_t seed) : state_(seed) {}
-  std::uint64_t next() {
-    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [-bound, bound): the top 24 bits, exactly what a float mantissa holds.
-  float uniform(float bound) {
-    const float u = static_cast<float>(next() >> 40) * (1.0f / 16777216.0f);
-    return bound * (2.0f * u - 1.0f);
-  }
-
- private:
-  std::uint64_t state_;
-};
 
 // Grows, never shrinks: a smaller batch (the epoch's last) reuses the memory of a larger one.
 template <typename T>

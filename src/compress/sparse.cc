@@ -11,9 +11,9 @@ namespace gradsync::compress {
 
 namespace {
 
-// (index, value) payload: u32 count, u32 pairs, the indices (strictly ascending, each below
-// count), then the values.
-class SparseDecoder : public Codec, public SubtractsPayload {
+// Sparse payloads touch only their elements: decoding is zeroing and adding, and error
+// feedback subtracts in place. Codecs give accumulate(payload, out, negate).
+class Accumulating : public Codec, public SubtractsPayload {
  public:
   void decode(std::span<const std::uint8_t> payload, std::span<float> out) const override {
     std::fill(out.begin(), out.end(), 0.0f);
@@ -26,8 +26,18 @@ class SparseDecoder : public Codec, public SubtractsPayload {
     accumulate(payload, out, true);
   }
 
+ protected:
+  // out += (negate ? -1 : 1) * what the payload carries; throws kProtocol if malformed.
+  virtual void accumulate(std::span<const std::uint8_t> payload, std::span<float> out,
+                          bool negate) const = 0;
+};
+
+// (index, value) payload: u32 count, u32 pairs, the indices (strictly ascending, each below
+// count), then the values.
+class SparseDecoder : public Accumulating {
  private:
-  void accumulate(std::span<const std::uint8_t> payload, std::span<float> out, bool negate) const {
+  void accumulate(std::span<const std::uint8_t> payload, std::span<float> out,
+                  bool negate) const override {
     const std::string name = spec();
     if (payload.size() < 8) bad_payload(name, "shorter than its 8-byte header");
     const std::size_t n = get_u32(payload, 0), pairs = get_u32(payload, 4);
@@ -197,7 +207,7 @@ class ThresholdCodec final : public SparseDecoder {
 // elements, so the draws spread over the tensor and every rank draws the same without
 // exchanging them. Payload: u32 count, u32 k, u64 draw key, the k values (the only part that
 // differs between ranks, so all-reduce sums just those).
-class RandomKCodec final : public Codec, public SubtractsPayload {
+class RandomKCodec final : public Accumulating {
  public:
   RandomKCodec(double ratio, std::uint64_t seed) : ratio_(ratio), seed_(seed) {}
   std::string spec() const override {
@@ -220,16 +230,6 @@ class RandomKCodec final : public Codec, public SubtractsPayload {
     draw(key, n, k, indices_);
     for (std::size_t j = 0; j < k; ++j)
       std::memcpy(out.data() + kValuesAt + 4 * j, &in[indices_[j]], 4);
-  }
-  void decode(std::span<const std::uint8_t> payload, std::span<float> out) const override {
-    std::fill(out.begin(), out.end(), 0.0f);
-    accumulate(payload, out, false);
-  }
-  void decode_add(std::span<const std::uint8_t> payload, std::span<float> out) const override {
-    accumulate(payload, out, false);
-  }
-  void subtract(std::span<const std::uint8_t> payload, std::span<float> out) const override {
-    accumulate(payload, out, true);
   }
   std::vector<std::uint8_t> save_state() const override {
     return save_tensor_state(kMagic, steps_);
