@@ -3,7 +3,7 @@
 # scripts/netns-cluster.sh, one launcher per host, exactly as on separate machines. Needs root.
 # Prints markdown tables for BENCHMARKS.md. Run one benchmark at a time on this machine.
 #
-#   bench/netns/cluster_bench.sh [options] link|hier|scaling|codecs
+#   bench/netns/cluster_bench.sh [options] link|hier|scaling|codecs|train
 #
 #   link     4 hosts x 1 rank: gradsync (cost model's choice) and Gloo's chunked ring,
 #            alternating; busbw as a fraction of the link rate.
@@ -14,6 +14,8 @@
 #   codecs   4 hosts x 1 rank: the uncompressed all-reduce and each codec of --codecs at the
 #            first of --sizes; time per call, wire ratio (bytes sent over a float32 ring's),
 #            and time over the uncompressed call: the time saved should follow the bytes.
+#   train    4 hosts x 1 rank: gradsync-train (--train-args) with and without overlap,
+#            alternating; step time against max(compute, communication), overlap fraction.
 #
 # options:
 #   --build DIR      build directory (default build)
@@ -23,6 +25,8 @@
 #   --iters N        timed calls per run (default 5)
 #   --out DIR        where scaling.dat / scaling.png go (default bench/netns)
 #   --codecs "fp16 int8"  codec specs of the codecs experiment (default: every codec)
+#   --train-args "..."    gradsync-train flags of the train experiment
+#                         (default: --model mlp --max-steps 25 --quiet)
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -33,6 +37,7 @@ sizes="16M 64M"
 repeats=3
 iters=5
 out=$here
+train_args="--model mlp --max-steps 25 --quiet"
 codecs="fp16 bf16 int8 qsgd topk:ratio=0.01 randomk:ratio=0.01 threshold:rel=0.5 sign powersgd:rank=4"
 while [[ $# -gt 1 ]]; do
   case "$1" in
@@ -43,11 +48,12 @@ while [[ $# -gt 1 ]]; do
     --iters) iters=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --codecs) codecs=$2; shift 2 ;;
+    --train-args) train_args=$2; shift 2 ;;
     *) echo "cluster_bench: unknown option '$1'" >&2; exit 2 ;;
   esac
 done
 experiment=${1:-}
-[[ $experiment =~ ^(link|hier|scaling|codecs)$ ]] || { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[[ $experiment =~ ^(link|hier|scaling|codecs|train)$ ]] || { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $build = /* ]] || build=$root/$build
 cluster=$root/scripts/netns-cluster.sh
 prefix=gb
@@ -121,7 +127,8 @@ link_gbps = bits / 8 / 1e9
 pts = {}
 for path in glob.glob(os.path.join(results, "*.json")):
     impl, hosts, per_host, b, rep = os.path.basename(path)[:-5].split("~")
-    for r in json.load(open(path)):
+    records = json.load(open(path))
+    for r in records if isinstance(records, list) else [records]:
         pts.setdefault((int(hosts), int(per_host), int(b)), {}).setdefault(impl, []).append(r)
 med = lambda rs, k: statistics.median(r[k] for r in rs)
 mib = lambda b: f"{b >> 20} MiB"
@@ -145,6 +152,24 @@ elif experiment == "hier":
             speed = f" ({ring / t:.2f}x ring)" if ring and impl != "ring" else ""
             name = impl if impl != "auto" else "auto (" + "/".join(sorted({r["algo"] for r in rs})) + ")"
             print(f"| {mib(b)} | {name} | {t / 1000:.1f} ms{speed} | {bw:.4f} GB/s | {per_host / 1048576:.1f} MiB | {per_host / b:.2f} |")
+elif experiment == "train":
+    (h, l, b), impls = next(iter(pts.items()))
+    print(f"{h} hosts x {l} rank, {rate} links; medians of {len(impls['overlap'])} runs (steps after the first 5)\n")
+    print("| mode | step | compute (step - exposed) | communication | exposed | overlap | step / max(compute, communication) |")
+    print("|:---|---:|---:|---:|---:|---:|---:|")
+    for mode in ("overlap", "no-overlap"):
+        if mode not in impls: continue
+        rs = impls[mode]
+        def step_of(r):
+            w = r["wall_at_step"]
+            return statistics.median(w[i] - w[i - 1] for i in range(6, len(w)))
+        step = statistics.median(step_of(r) for r in rs)
+        comm = med(rs, "communication_s_per_step")
+        exposed = med(rs, "exposed_s_per_step")
+        compute = step - exposed
+        print(f"| {mode} | {step * 1000:.0f} ms | {compute * 1000:.0f} ms | {comm * 1000:.0f} ms | "
+              f"{exposed * 1000:.0f} ms | {max(0.0, 1 - exposed / comm) if comm else 0:.2f} | "
+              f"{step / max(compute, comm):.2f}x |")
 elif experiment == "codecs":
     (h, l, b), impls = next(iter(pts.items()))
     plain = med(impls["plain"], "time_us")
@@ -194,6 +219,17 @@ case "$experiment" in
           echo "cluster_bench: hier repeat $((rep + 1))/$repeats $size $algo" >&2
           gradsync "$algo~2~2~$b~$rep" 2 2 "$b" "$algo"
         done
+      done
+    done
+    summarize ;;
+  train)
+    for ((rep = 0; rep < repeats; rep++)); do
+      for mode in overlap no-overlap; do
+        echo "cluster_bench: train repeat $((rep + 1))/$repeats $mode" >&2
+        extra=()
+        [[ $mode == no-overlap ]] && extra=(--no-overlap)
+        # shellcheck disable=SC2086
+        job "$mode~4~1~0~$rep" 4 1 0 -- "$build/examples/gradsync-train" $train_args "${extra[@]}"
       done
     done
     summarize ;;

@@ -562,6 +562,10 @@ int run(const Config& c) {
       << ",\n  \"wall_s\": " << wall
       << ",\n  \"samples_per_s\": " << static_cast<double>(t.samples) / wall
       << ",\n  \"step_s\": " << (t.steps ? t.step_s / static_cast<double>(t.steps) : 0)
+      << ",\n  \"communication_s_per_step\": "
+      << (t.steps ? t.communication_s / static_cast<double>(t.steps) : 0)
+      << ",\n  \"exposed_s_per_step\": "
+      << (t.steps ? t.exposed_s / static_cast<double>(t.steps) : 0)
       << ",\n  \"comm_fraction\": " << comm_fraction
       << ",\n  \"overlap_fraction\": " << overlap_fraction
       << ",\n  \"bytes_sent_per_rank\": " << t.bytes_sent << ",\n  \"compression_ratio\": "
