@@ -241,7 +241,8 @@ class RandomKCodec final : public Accumulating {
   static constexpr std::size_t kValuesAt = 16;
 
  private:
-  void accumulate(std::span<const std::uint8_t> payload, std::span<float> out, bool negate) const {
+  void accumulate(std::span<const std::uint8_t> payload, std::span<float> out,
+                  bool negate) const override {
     if (payload.size() < kValuesAt) bad_payload("randomk", "shorter than its 16-byte header");
     const std::size_t n = get_u32(payload, 0), k = get_u32(payload, 4);
     if (n != out.size() || k != k_of(ratio_, n)) {
