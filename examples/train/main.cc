@@ -540,14 +540,21 @@ int run(const Config& c) {
   const double comm_fraction = t.step_s > 0 ? t.communication_s / t.step_s : 0;
   const double overlap_fraction =
       t.communication_s > 0 ? std::max(0.0, 1.0 - t.exposed_s / t.communication_s) : 0;
+  // Where every peer is reached through shared memory, most bytes move through the arena,
+  // which the transport counters do not see.
+  bool shared_memory_only = world > 1;
+  for (int peer = 0; peer < world; ++peer) {
+    if (peer != rank && ctx->transport_name(peer) != "shm") shared_memory_only = false;
+  }
   if (rank == 0) {
     std::printf(
         "gradsync-train: %d epochs, %zu steps in %.1f s: %.0f samples/s, final loss %.4f, test "
         "accuracy %.2f%%; communication %.0f%% of the step time, %.0f%% of it overlapped; "
-        "%.1f MB sent per rank (%.3f of the float32 gradients), %zu all-reduce calls\n",
+        "%.1f MB sent per rank%s (%.3f of the float32 gradients), %zu all-reduce calls\n",
         epochs_done, t.steps, wall, static_cast<double>(t.samples) / wall, t.last_loss,
         100 * test_accuracy, 100 * comm_fraction, 100 * overlap_fraction,
         static_cast<double>(t.bytes_sent) / 1e6,
+        shared_memory_only ? " through the transports (shared-memory arenas not counted)" : "",
         t.raw_bytes ? static_cast<double>(t.bytes_sent) / static_cast<double>(t.raw_bytes) : 0.0,
         t.allreduce_calls);
   }
