@@ -926,6 +926,24 @@ TEST(CompressedAllreduce, NonFiniteGradientsAreReportedOrSkippedOnEveryRank) {
   }
 }
 
+// kPropagate skips the check, but codecs whose encoders refuse NaN (top-k, threshold, sign)
+// are still checked on every rank: a refusal on one rank alone would leave the others
+// waiting for its payload.
+TEST(CompressedAllreduce, PropagateStillChecksCodecsThatRefuseNaN) {
+  for (const char* spec : {"topk:ratio=0.1", "threshold:rel=0.5", "sign"}) {
+    testing::run_inproc_contexts(3, [&](Context& ctx) {
+      auto codec = make_codec(spec);
+      std::vector<float> data = gradient(1000, 3);
+      if (ctx.rank() == 1) data[42] = std::numeric_limits<float>::quiet_NaN();
+      Error e = expect_error(ErrorKind::kInvalidArgument, [&] {
+        compress::compressed_allreduce(ctx, data, *codec, "w", ReduceOp::kSum,
+                                       compress::NonFinite::kPropagate);
+      });
+      EXPECT_TRUE(contains(e.what(), "tensor 'w' has NaN on rank 1 (element 42)")) << e.what();
+    });
+  }
+}
+
 // On the shared-memory path the sums are searched instead of the inputs: the same report
 // (rank, element, NaN or Inf) on every rank, and finite inputs that overflow are named too.
 TEST(CompressedAllreduce, NonFiniteOnSharedMemoryIsFoundInTheSums) {

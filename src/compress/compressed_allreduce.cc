@@ -271,22 +271,27 @@ bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, con
   auto* feedback = dynamic_cast<ErrorFeedback*>(&codec);
   Codec& inner = feedback ? feedback->inner() : codec;
   const bool half = (spec.name == "fp16" || spec.name == "bf16") && !feedback;
+  const DataType half_type = spec.name == "bf16" ? DataType::kBFloat16 : DataType::kFloat16;
   if ((spec.name == "none" || half) && ctx.impl().transport->shared_arena() &&
       ctx.impl().pick_allreduce(data.size_bytes(), Algorithm::kAuto) == Algorithm::kSharedMemory) {
-    const DataType round_through = !half                 ? DataType::kFloat32
-                                   : spec.name == "bf16" ? DataType::kBFloat16
-                                                         : DataType::kFloat16;
-    return shm_allreduce(ctx, data, codec, round_through, op, tensor, non_finite);
+    return shm_allreduce(ctx, data, codec, half ? half_type : DataType::kFloat32, op, tensor,
+                         non_finite);
   }
-  if (non_finite != NonFinite::kPropagate && !every_rank_finite(ctx, data, tensor, non_finite)) {
+  // Codecs that rank magnitudes or take their mean refuse NaN in encode; were that to happen
+  // on one rank alone, the others would wait for it in the all-gather. So they are checked on
+  // every rank even when kPropagate asks for no check.
+  const bool encode_refuses =
+      spec.name == "topk" || spec.name == "threshold" || spec.name == "sign";
+  const NonFinite policy =
+      non_finite == NonFinite::kPropagate && encode_refuses ? NonFinite::kThrow : non_finite;
+  if (policy != NonFinite::kPropagate && !every_rank_finite(ctx, data, tensor, policy)) {
     return false;
   }
 
   if (spec.name == "none") {  // float32 on the wire: the plain path
     ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
   } else if (half) {
-    half_allreduce(ctx, data, codec, spec.name == "bf16" ? DataType::kBFloat16 : DataType::kFloat16,
-                   op);
+    half_allreduce(ctx, data, codec, half_type, op);
   } else if (auto* power = dynamic_cast<PowerSgd*>(&codec)) {
     if (!power->compresses(tensor, data.size())) {  // a vector: float32
       ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
