@@ -110,6 +110,8 @@ class Reducer {
   std::string codec_spec() const;
 
  private:
+  // Whether this step all-reduces (not inside no_sync, and the last of accumulate_steps).
+  bool communicates() const;
   struct State;
   std::unique_ptr<State> s_;
   int no_sync_depth_ = 0;

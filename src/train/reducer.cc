@@ -107,6 +107,14 @@ struct Reducer::State {
     buckets = std::move(fresh);
   }
 
+  // The step's first event (a mark_ready, or finish() if none came) starts its clock.
+  void begin_step() {
+    if (in_step) return;
+    in_step = true;
+    step_start = Clock::now();
+    bytes_at_start = ctx.total_traffic().bytes_sent;
+  }
+
   void ensure_built() {
     if (!buckets.empty() || params.empty()) return;
     std::vector<int> reverse;  // backward produces the last layers' gradients first
@@ -278,13 +286,8 @@ void Reducer::mark_ready(int id) {
   State::Param& p = s.params[static_cast<std::size_t>(id)];
   if (p.ready) misuse(s.ctx, "parameter '" + p.name + "' marked ready twice in one step");
   p.ready = true;
-  if (!s.in_step) {
-    s.in_step = true;
-    s.step_start = Clock::now();
-    s.bytes_at_start = s.ctx.total_traffic().bytes_sent;
-  }
-  const bool communicating = no_sync_depth_ == 0 && s.micro_step + 1 >= s.options.accumulate_steps;
-  if (!communicating) return;
+  s.begin_step();
+  if (!communicates()) return;
   if (s.reductions == 0 && s.options.rebuild_buckets) s.ready_order.push_back(id);
   if (!p.external.empty()) {
     timeline::Span span("pack " + p.name, "pack");
@@ -299,15 +302,11 @@ StepStats Reducer::finish() {
   s.ensure_built();
   StepStats stats;
   stats.buckets = s.buckets.size();
+  s.begin_step();  // if nothing was marked ready, the step starts (and ends) here
   const auto called = Clock::now();
-  if (!s.in_step) {  // nothing was marked ready: the step starts (and ends) here
-    s.step_start = called;
-    s.bytes_at_start = s.ctx.total_traffic().bytes_sent;
-  }
   stats.compute_s = seconds_between(s.step_start, called);
   s.in_step = false;
-  const bool communicating = no_sync_depth_ == 0 && s.micro_step + 1 >= s.options.accumulate_steps;
-  if (!communicating) {  // accumulation: gradients stay where they are
+  if (!communicates()) {  // accumulation: gradients stay where they are
     ++s.micro_step;
     for (auto& p : s.params) p.ready = false;
     return stats;
@@ -465,6 +464,10 @@ std::vector<std::vector<int>> Reducer::buckets() const {
 
 std::string Reducer::codec_spec() const {
   return s_->codec->spec();
+}
+
+bool Reducer::communicates() const {
+  return no_sync_depth_ == 0 && s_->micro_step + 1 >= s_->options.accumulate_steps;
 }
 
 }  // namespace gradsync
