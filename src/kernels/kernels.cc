@@ -617,26 +617,28 @@ void quantize_int8_blocks(const float* in, std::size_t count, std::size_t block,
   scalar_quantize_int8(in, count, block, scales, q);
 }
 
+namespace {
+// Both dequantize entry points: checked arguments, then one dispatch with `add` passed on.
+void dequantize(const std::int8_t* q, const float* scales, std::size_t count, std::size_t block,
+                float* out, bool add, const char* name) {
+  check_block(block, name);
+  check_ptr(q, count, 1, "q", name);
+  check_ptr(scales, count, 4, "scales", name);
+  check_ptr(out, count, 4, "out", name);
+  if (count == 0) return;
+  if (use_avx2()) return avx2::dequantize_int8_blocks(q, scales, count, block, out, add);
+  scalar_dequantize_int8(q, scales, count, block, out, add);
+}
+}  // namespace
+
 void dequantize_int8_blocks(const std::int8_t* q, const float* scales, std::size_t count,
                             std::size_t block, float* out) {
-  check_block(block, "dequantize_int8_blocks");
-  check_ptr(q, count, 1, "q", "dequantize_int8_blocks");
-  check_ptr(scales, count, 4, "scales", "dequantize_int8_blocks");
-  check_ptr(out, count, 4, "out", "dequantize_int8_blocks");
-  if (count == 0) return;
-  if (use_avx2()) return avx2::dequantize_int8_blocks(q, scales, count, block, out, false);
-  scalar_dequantize_int8(q, scales, count, block, out, false);
+  dequantize(q, scales, count, block, out, false, "dequantize_int8_blocks");
 }
 
 void dequantize_int8_blocks_add(const std::int8_t* q, const float* scales, std::size_t count,
                                 std::size_t block, float* out) {
-  check_block(block, "dequantize_int8_blocks_add");
-  check_ptr(q, count, 1, "q", "dequantize_int8_blocks_add");
-  check_ptr(scales, count, 4, "scales", "dequantize_int8_blocks_add");
-  check_ptr(out, count, 4, "out", "dequantize_int8_blocks_add");
-  if (count == 0) return;
-  if (use_avx2()) return avx2::dequantize_int8_blocks(q, scales, count, block, out, true);
-  scalar_dequantize_int8(q, scales, count, block, out, true);
+  dequantize(q, scales, count, block, out, true, "dequantize_int8_blocks_add");
 }
 
 void quantize_stochastic_int8_blocks(const float* in, std::size_t count, std::size_t block,
