@@ -321,11 +321,12 @@ INSTANTIATE_TEST_SUITE_P(Worlds, HalfWireAllreduce, ::testing::Values(1, 2, 3, 4
                          [](const auto& p) { return "n" + std::to_string(p.param); });
 
 // Where every rank shares memory, fp16/bf16 sum in float32 through the shared-memory path and
-// round once: exactly the float32 all-reduce's result, rounded, on every rank.
+// round once: exactly the float32 all-reduce's result, rounded, on every rank. The larger
+// count spans many chunks and is past the size whose output streams past the cache.
 TEST(CompressedAllreduce, HalfOnSharedMemoryIsTheFloat32SumRoundedOnce) {
-  for (const char* spec : {"fp16", "bf16"}) {
-    const std::size_t count = 300007;
-    testing::run_shm_contexts(4, [&](Context& ctx) {
+  for (const auto& [spec, count, ranks] : {std::tuple{"fp16", 300007, 4}, {"bf16", 300007, 4},
+                                           {"fp16", 2500011, 3}, {"bf16", 2500011, 2}}) {
+    testing::run_shm_contexts(ranks, [&](Context& ctx) {
       auto codec = make_codec(spec);
       std::vector<float> data = gradient(count, 90 + static_cast<unsigned>(ctx.rank()));
       std::vector<float> want = data;
@@ -335,7 +336,7 @@ TEST(CompressedAllreduce, HalfOnSharedMemoryIsTheFloat32SumRoundedOnce) {
                                         : kernels::bfloat16_to_float(kernels::float_to_bfloat16(x));
       }
       compress::compressed_allreduce(ctx, data, *codec, "w");
-      EXPECT_EQ(0, std::memcmp(data.data(), want.data(), count * 4)) << spec;
+      EXPECT_EQ(0, std::memcmp(data.data(), want.data(), count * 4)) << spec << " " << count;
     });
   }
 }

@@ -1263,6 +1263,72 @@ TEST(CodecKernels, FirstNonFiniteFindsTheFirstNaNOrInf) {
   EXPECT_TRUE(all_finite(edge, 3));
 }
 
+TEST(CodecKernels, SumFinishIsReduceScaleAndNarrowInOnePass) {
+  for (std::size_t n : kCodecCounts) {
+    std::vector<float> a = awkward_floats(n + 1, n + 7), b = awkward_floats(n + 1, n + 13);
+    if (n > 4) {  // non-finite inputs and a sum that overflows: the first must be found
+      a[n / 2 + 1] = INFINITY;
+      b[n / 2 + 1] = -INFINITY;
+      a[n / 3 + 1] = 3.4e38f;
+      b[n / 3 + 1] = 3.4e38f;
+      b[n - 1] = NAN;
+    }
+    if (n > 40) a[21] = 40000.0f, b[21] = 30000.0f;  // past float16's range only
+    for (int divisor : {1, 3}) {
+      for (DataType type : {DataType::kFloat32, DataType::kFloat16, DataType::kBFloat16}) {
+        // The composed reference, on the scalar path.
+        std::vector<float> sums(n + 1);
+        std::vector<std::uint16_t> narrow(n);
+        {
+          ScopedScalar mode(true);
+          reduce(sums.data() + 1, a.data() + 1, b.data() + 1, n, DataType::kFloat32,
+                 ReduceOp::kSum);
+          scale_for_average(sums.data() + 1, n, DataType::kFloat32, divisor);
+          if (type != DataType::kFloat32) {
+            float_to_16bit(sums.data() + 1, narrow.data(), n, type);
+            float_from_16bit(narrow.data(), sums.data() + 1, n, type);
+          }
+        }
+        std::size_t want_bad = n;
+        for (std::size_t i = 0; i < n && want_bad == n; ++i) {
+          if (!std::isfinite(sums[i + 1])) want_bad = i;
+        }
+        const std::size_t out_bytes = dtype_size(type);
+        const void* want = type == DataType::kFloat32 ? static_cast<const void*>(sums.data() + 1)
+                                                      : narrow.data();
+        for (bool scalar : paths()) {
+          ScopedScalar mode(scalar);
+          std::vector<unsigned char> got((n + 2) * out_bytes, 0xAB);
+          const std::size_t bad =
+              sum_finish(got.data() + out_bytes, type, a.data() + 1, b.data() + 1, n, divisor);
+          const std::string where = "n=" + std::to_string(n) + " divisor=" +
+                                    std::to_string(divisor) + " type=" + to_string(type) +
+                                    " scalar=" + std::to_string(scalar);
+          EXPECT_EQ(bad, want_bad) << where;
+          EXPECT_EQ(0, std::memcmp(got.data() + out_bytes, want, n * out_bytes)) << where;
+          for (std::size_t i = 0; i < out_bytes; ++i) {  // nothing written outside
+            EXPECT_EQ(got[i], 0xAB) << where;
+            EXPECT_EQ(got[(n + 1) * out_bytes + i], 0xAB) << where;
+          }
+          if (type == DataType::kFloat32) {  // dst aliasing a
+            std::vector<float> in_place = a;
+            sum_finish(in_place.data() + 1, type, in_place.data() + 1, b.data() + 1, n, divisor);
+            EXPECT_EQ(0, std::memcmp(in_place.data() + 1, want, n * 4)) << where;
+          } else {  // and widened again, streaming or not, as float_from_16bit does
+            std::vector<float> wide(n + 1, 5.0f);
+            float_from_16bit_streaming(narrow.data(), wide.data() + 1, n, type);
+            EXPECT_EQ(0, std::memcmp(wide.data() + 1, sums.data() + 1, n * 4)) << where;
+            EXPECT_EQ(wide[0], 5.0f);
+          }
+        }
+      }
+    }
+  }
+  float x = 1;
+  EXPECT_THROW(sum_finish(&x, DataType::kFloat32, &x, &x, 1, 0), Error);
+  EXPECT_THROW(sum_finish(&x, DataType::kInt32, &x, &x, 1, 1), Error);
+}
+
 // ---------------------------------------------------------------- qsgd
 
 // quantize_stochastic_int8_blocks as kernels.h specifies it, written out plainly (for calls

@@ -10,7 +10,8 @@
 //              slot k % kSlots                                    -> staged(k)  = base + 3k + 1
 //   reduce(k): own sub-block of chunk k over every member's slot
 //              (own input read from `send`), in member order,
-//              into own slot (kAvg finished)                      -> reduced(k) = base + 3k + 5
+//              into own slot (kAvg finished; float16/bfloat16
+//              when a codec rounds the sums to a 16-bit wire)     -> reduced(k) = base + 3k + 5
 //   copy(k):   every member's sub-block of chunk k into `recv`    -> copied(k)  = base + 3k + 9
 // Iteration t runs stage(t), reduce(t - 1), copy(t - 2), so while the slowest rank catches up
 // the others already work on the next chunk. reduce(k) waits for every member's staged(k),
@@ -100,7 +101,9 @@ class SharedMemoryAllreduce {
         chunks_(std::max<std::size_t>(1, (bytes_ + chunk_bytes_ - 1) / chunk_bytes_)),
         streaming_(bytes_ * static_cast<std::size_t>(n_) >= cfg.shared_memory_streaming_bytes),
         round_through_(dtype == DataType::kFloat32 ? extras.round_through : DataType::kFloat32),
-        non_finite_(dtype == DataType::kFloat32 ? extras.non_finite : nullptr) {
+        non_finite_(dtype == DataType::kFloat32 ? extras.non_finite : nullptr),
+        float_sum_(dtype == DataType::kFloat32 &&
+                   (op == ReduceOp::kSum || op == ReduceOp::kAvg)) {
     if (n_ != c.size() || me_ != c.rank()) {
       throw Error(ErrorKind::kInvalidArgument,
                   "shared arena of " + std::to_string(n_) + " members (this rank member " +
@@ -211,31 +214,42 @@ class SharedMemoryAllreduce {
     alignas(64) unsigned char accumulator[kTileBytes];
     for (std::size_t offset = 0; offset < last - first; offset += kTileBytes) {
       const std::size_t count = std::min(kTileBytes, last - first - offset) / es_;
-      if (n_ == 2) {
-        kernels::reduce(dst + offset, input(0, offset), input(1, offset), count, dtype_, op_);
-      } else {
+      // Every member's input but the last goes into `partial` (the first two straight, when
+      // there are only two); the last step adds the last input and finishes.
+      const unsigned char* partial = input(0, offset);
+      if (n_ > 2) {
         kernels::reduce(accumulator, input(0, offset), input(1, offset), count, dtype_, op_);
         for (int m = 2; m < n_ - 1; ++m) {
           kernels::reduce_into(accumulator, input(m, offset), count, dtype_, op_);
         }
-        kernels::reduce(dst + offset, accumulator, input(n_ - 1, offset), count, dtype_, op_);
+        partial = accumulator;
       }
+      if (float_sum_) {
+        finish_float_sum(dst, partial, input(n_ - 1, offset), count, k, first, offset, input);
+        continue;
+      }
+      kernels::reduce(dst + offset, partial, input(n_ - 1, offset), count, dtype_, op_);
       if (op_ == ReduceOp::kAvg) kernels::scale_for_average(dst + offset, count, dtype_, n_);
-      if (round_through_ != DataType::kFloat32) {
-        std::uint16_t narrow[kTileBytes / sizeof(float)];
-        auto* values = reinterpret_cast<float*>(dst + offset);
-        kernels::float_to_16bit(values, narrow, count, round_through_);
-        kernels::float_from_16bit(narrow, values, count, round_through_);
-      }
-      // After rounding: a sum past the 16-bit range is lost as surely as a NaN input.
-      if (non_finite_) {
-        const auto* sums = reinterpret_cast<const float*>(dst + offset);
-        const std::size_t bad = kernels::first_non_finite(sums, count);
-        if (bad != count)
-          find_non_finite(chunk_offset(k) + first + offset, bad, count, input, offset);
-      }
     }
   }
+
+  // A float32 sum or average: the last addition, the division and the NaN/Inf search are one
+  // pass (kernels::sum_finish). With a 16-bit wire type the finished sums are stored as such,
+  // so every member's copy-out reads half the bytes and widens them on the way out.
+  template <typename Input>
+  void finish_float_sum(unsigned char* sums, const unsigned char* partial,
+                        const unsigned char* last_input, std::size_t count, std::size_t k,
+                        std::size_t first, std::size_t offset, const Input& input) {
+    const std::size_t bad = kernels::sum_finish(
+        sums + (narrow_results() ? offset / 2 : offset), round_through_,
+        reinterpret_cast<const float*>(partial), reinterpret_cast<const float*>(last_input), count,
+        op_ == ReduceOp::kAvg ? n_ : 1);
+    // After rounding: a sum past the 16-bit range is lost as surely as a NaN input.
+    if (non_finite_ && bad != count) {
+      find_non_finite(chunk_offset(k) + first + offset, bad, count, input, offset);
+    }
+  }
+  bool narrow_results() const { return round_through_ != DataType::kFloat32; }
 
   // A tile (starting at byte `at` of the message) summed to NaN or Inf at element `bad`: which
   // members' inputs hold one, or else an overflow.
@@ -263,7 +277,16 @@ class SharedMemoryAllreduce {
     unsigned char* out = recv_ + chunk_offset(k);
     for (int j = 0; j < n_; ++j) {
       const auto [first, last] = sub_block(k, j);
-      if (streaming_) {
+      if (narrow_results()) {
+        const auto* sums = reinterpret_cast<const std::uint16_t*>(slot(j, k) + first);
+        auto* to = reinterpret_cast<float*>(out + first);
+        const std::size_t count = (last - first) / sizeof(float);
+        if (streaming_) {
+          kernels::float_from_16bit_streaming(sums, to, count, round_through_);
+        } else {
+          kernels::float_from_16bit(sums, to, count, round_through_);
+        }
+      } else if (streaming_) {
         copy_streaming(out + first, slot(j, k) + first, last - first);
       } else {
         std::memcpy(out + first, slot(j, k) + first, last - first);
@@ -286,6 +309,7 @@ class SharedMemoryAllreduce {
   const bool streaming_;
   const DataType round_through_;    // kFloat32: no rounding
   std::int64_t* const non_finite_;  // see ShmFloatExtras
+  const bool float_sum_;            // reduced through finish_float_sum
   std::uint64_t base_ = 0;
 };
 

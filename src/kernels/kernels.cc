@@ -558,6 +558,54 @@ void scale_for_average(void* data, std::size_t count, DataType dtype, int diviso
   scalar_scale(data, count, dtype, divisor);
 }
 
+std::size_t sum_finish(void* dst, DataType dst_type, const float* a, const float* b,
+                       std::size_t count, int divisor) {
+  if (dst_type != DataType::kFloat32 && dst_type != DataType::kFloat16 &&
+      dst_type != DataType::kBFloat16) {
+    throw Error(ErrorKind::kInvalidArgument,
+                std::string("sum_finish stores float32, float16 or bfloat16, not ") +
+                    to_string(dst_type),
+                Error::kUnknownRank, Error::kNoPeer, "sum_finish");
+  }
+  check_ptr(dst, count, dtype_size(dst_type), "dst", "sum_finish");
+  check_ptr(a, count, 4, "a", "sum_finish");
+  check_ptr(b, count, 4, "b", "sum_finish");
+  if (divisor < 1) {
+    throw Error(ErrorKind::kInvalidArgument, "divisor must be >= 1, got " + std::to_string(divisor),
+                Error::kUnknownRank, Error::kNoPeer, "sum_finish");
+  }
+  if (count == 0) return 0;
+  if (use_avx2()) return avx2::sum_finish(dst, dst_type, a, b, count, divisor);
+  const float fd = static_cast<float>(divisor);
+  std::size_t first_bad = count;
+  for (std::size_t i = 0; i < count; ++i) {
+    float s = OpSum::f(a[i], b[i]);
+    if (divisor != 1) s = s / fd;
+    if (dst_type == DataType::kFloat16) {
+      const std::uint16_t h = encode_half(s);
+      static_cast<std::uint16_t*>(dst)[i] = h;
+      s = decode_half(h);
+    } else if (dst_type == DataType::kBFloat16) {
+      const std::uint16_t h = encode_bf16(s);
+      static_cast<std::uint16_t*>(dst)[i] = h;
+      s = decode_bf16(h);
+    } else {
+      static_cast<float*>(dst)[i] = s;
+    }
+    if (first_bad == count && !std::isfinite(s)) first_bad = i;
+  }
+  return first_bad;
+}
+
+void float_from_16bit_streaming(const std::uint16_t* src, float* dst, std::size_t count,
+                                DataType from) {
+  check_ptr(src, count, 2, "src", "float_from_16bit_streaming");
+  check_ptr(dst, count, 4, "dst", "float_from_16bit_streaming");
+  if (count == 0) return;
+  if (use_avx2()) return avx2::float_from_16bit_streaming(src, dst, count, from);
+  float_from_16bit(src, dst, count, from);  // the same bits; streaming is a vector-path matter
+}
+
 void float_to_half(const float* src, std::uint16_t* dst, std::size_t count) {
   check_ptr(src, count, 4, "src", "float_to_half");
   check_ptr(dst, count, 2, "dst", "float_to_half");

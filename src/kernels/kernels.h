@@ -23,6 +23,15 @@ void reduce(void* dst, const void* a, const void* b, std::size_t count, DataType
 // division, so results match the reference x / n exactly; integers: truncating division).
 void scale_for_average(void* data, std::size_t count, DataType dtype, int divisor);
 
+// The last step of a float32 sum (kSum or kAvg), fused into one pass over registers:
+// (a[i] + b[i]) / divisor (divisor 1: a sum), stored to dst as dst_type: kFloat32, or
+// kFloat16/kBFloat16 rounded to nearest even (the finished sum as a 16-bit wire carries
+// it). Bit for bit what reduce, scale_for_average and float_to_16bit give one after the
+// other. Returns the index of the first non-finite result (as stored: a sum past the 16-bit
+// range is Inf), or count. dst may alias a or b when dst_type is kFloat32.
+std::size_t sum_finish(void* dst, DataType dst_type, const float* a, const float* b,
+                       std::size_t count, int divisor);
+
 void float_to_half(const float* src, std::uint16_t* dst, std::size_t count);
 void half_to_float(const std::uint16_t* src, float* dst, std::size_t count);
 // On the vector path, a call that reads and writes kStreamBytes or more in all stores its
@@ -35,6 +44,11 @@ inline constexpr std::size_t kStreamBytes = std::size_t{16} << 20;
 // The same, for a 16-bit float type chosen at run time (kFloat16 or kBFloat16).
 void float_to_16bit(const float* src, std::uint16_t* dst, std::size_t count, DataType to);
 void float_from_16bit(const std::uint16_t* src, float* dst, std::size_t count, DataType from);
+// float_from_16bit whose output always bypasses the cache (non-temporal stores, fenced
+// before it returns), for a caller that knows the output is not read again soon even though
+// this one call is small: a piece of a large message.
+void float_from_16bit_streaming(const std::uint16_t* src, float* dst, std::size_t count,
+                                DataType from);
 
 // ---------------------------------------------------------------- gradient codecs
 // Building blocks of the gradient codecs (src/compress/). Both paths give identical bits

@@ -827,6 +827,128 @@ void reduce(void* d, const void* a, const void* b, std::size_t n, DataType dtype
   }
 }
 
+namespace {
+
+// sum_finish over whole vectors of 8, its options fixed at compile time so the loop has no
+// branch but the rare one that notes the first non-finite result. A 16-bit result is
+// checked in its own bits: all-ones exponent.
+template <bool kDivide, DataType kOut>
+std::size_t sum_finish_vectors(void* dst, const float* a, const float* b, std::size_t n,
+                               float divisor, std::size_t& first_bad) {
+  const __m256 fd = _mm256_set1_ps(divisor);
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 s = PsSum::apply(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
+    if constexpr (kDivide) s = _mm256_div_ps(s, fd);
+    int bad = 0;
+    if constexpr (kOut == DataType::kFloat32) {
+      _mm256_storeu_ps(static_cast<float*>(dst) + i, s);
+      const __m256i exp = _mm256_set1_epi32(0x7F800000);
+      const __m256i bits = _mm256_and_si256(_mm256_castps_si256(s), exp);
+      bad = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(bits, exp)));
+    } else {
+      __m128i h;
+      __m128i exp;
+      if constexpr (kOut == DataType::kFloat16) {
+        h = _mm256_cvtps_ph(s, kRoundNearest);
+        exp = _mm_set1_epi16(0x7C00);
+      } else {
+        const __m256i r = bf16_narrow(s);
+        h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        exp = _mm_set1_epi16(0x7F80);
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<std::uint16_t*>(dst) + i), h);
+      // Two mask bits per element; keep one.
+      bad = _mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(h, exp), exp)) & 0x5555;
+    }
+    if (bad != 0 && first_bad > i) [[unlikely]] {
+      const auto lane = static_cast<std::size_t>(__builtin_ctz(static_cast<unsigned>(bad)));
+      first_bad = i + (kOut == DataType::kFloat32 ? lane : lane / 2);
+    }
+  }
+  return i;
+}
+
+template <bool kDivide, DataType kOut>
+std::size_t sum_finish_all(void* dst, const float* a, const float* b, std::size_t n,
+                           float divisor) {
+  std::size_t first_bad = n;
+  const std::size_t done = sum_finish_vectors<kDivide, kOut>(dst, a, b, n, divisor, first_bad);
+  if (done < n) {  // the tail through zero-padded buffers and the same vector code
+    constexpr std::size_t kOutBytes = kOut == DataType::kFloat32 ? 4 : 2;
+    float ta[8] = {}, tb[8] = {};
+    unsigned char td[8 * kOutBytes];
+    std::size_t tail_bad = 8;
+    std::memcpy(ta, a + done, (n - done) * 4);
+    std::memcpy(tb, b + done, (n - done) * 4);
+    sum_finish_vectors<kDivide, kOut>(td, ta, tb, 8, divisor, tail_bad);
+    std::memcpy(static_cast<unsigned char*>(dst) + done * kOutBytes, td, (n - done) * kOutBytes);
+    if (first_bad == n && tail_bad < n - done) first_bad = done + tail_bad;
+  }
+  return first_bad;
+}
+
+template <bool kDivide>
+std::size_t sum_finish_into(void* dst, DataType dst_type, const float* a, const float* b,
+                            std::size_t n, float divisor) {
+  switch (dst_type) {
+    case DataType::kFloat16:
+      return sum_finish_all<kDivide, DataType::kFloat16>(dst, a, b, n, divisor);
+    case DataType::kBFloat16:
+      return sum_finish_all<kDivide, DataType::kBFloat16>(dst, a, b, n, divisor);
+    default:
+      return sum_finish_all<kDivide, DataType::kFloat32>(dst, a, b, n, divisor);
+  }
+}
+
+// float16 to float, 32 per step, stored non-temporally to 32-byte aligned dst; returns how
+// many elements it converted (whole vectors).
+std::size_t widen_half_streaming(const std::uint16_t* src, float* dst, std::size_t n) {
+  const auto widen8 = [](const std::uint16_t* p) {
+    return _mm256_castps_si256(
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  };
+  std::size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i v0 = widen8(src + i), v1 = widen8(src + i + 8);
+    const __m256i v2 = widen8(src + i + 16), v3 = widen8(src + i + 24);
+    store_si256<true>(dst + i, v0);
+    store_si256<true>(dst + i + 8, v1);
+    store_si256<true>(dst + i + 16, v2);
+    store_si256<true>(dst + i + 24, v3);
+  }
+  for (; i + 8 <= n; i += 8) store_si256<true>(dst + i, widen8(src + i));
+  return i;
+}
+
+}  // namespace
+
+std::size_t sum_finish(void* dst, DataType dst_type, const float* a, const float* b,
+                       std::size_t n, int divisor) {
+  const auto fd = static_cast<float>(divisor);
+  return divisor == 1 ? sum_finish_into<false>(dst, dst_type, a, b, n, fd)
+                      : sum_finish_into<true>(dst, dst_type, a, b, n, fd);
+}
+
+void float_from_16bit_streaming(const std::uint16_t* src, float* dst, std::size_t n,
+                                DataType from) {
+  const bool bf16 = from == DataType::kBFloat16;
+  const auto widen = [bf16](const std::uint16_t* s, float* d, std::size_t count) {
+    if (bf16) {
+      convert<BF16Lane, F32Lane>(s, d, count);
+    } else {
+      convert<F16Lane, F32Lane>(s, d, count);
+    }
+  };
+  const std::size_t head = head_to_align32(dst, 4);
+  if (head == kUnaligned || head >= n) return widen(src, dst, n);
+  widen(src, dst, head);
+  const std::size_t done = head + (bf16 ? widen_bf16<true>(src + head, dst + head, n - head)
+                                        : widen_half_streaming(src + head, dst + head, n - head));
+  _mm_sfence();
+  widen(src + done, dst + done, n - done);
+}
+
 bool scale_for_average(void* data, std::size_t n, DataType dtype, int divisor) {
   const __m256 fd = _mm256_set1_ps(static_cast<float>(divisor));
   const __m256d dd = _mm256_set1_pd(static_cast<double>(divisor));

@@ -27,6 +27,10 @@ void reduce(void* dst, const void* a, const void* b, std::size_t count, DataType
 // Returns false for dtypes it does not vectorise (int64: no SIMD division), which the
 // caller then runs on the scalar path.
 bool scale_for_average(void* data, std::size_t count, DataType dtype, int divisor);
+std::size_t sum_finish(void* dst, DataType dst_type, const float* a, const float* b,
+                       std::size_t count, int divisor);
+void float_from_16bit_streaming(const std::uint16_t* src, float* dst, std::size_t count,
+                                DataType from);
 void float_to_half(const float* src, std::uint16_t* dst, std::size_t count);
 void half_to_float(const std::uint16_t* src, float* dst, std::size_t count);
 void float_to_bfloat16(const float* src, std::uint16_t* dst, std::size_t count);
