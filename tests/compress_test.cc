@@ -50,6 +50,9 @@ TEST(CodecSpec, ParsesCanonicalizesAndNamesWhatIsWrong) {
   EXPECT_EQ(make_codec("int8:ef=0")->spec(), "int8:block=256");
   EXPECT_EQ(make_codec("fp16")->spec(), "fp16");  // unbiased: none by default
   EXPECT_EQ(make_codec("bf16:ef=1")->spec(), "bf16:ef=1");
+  EXPECT_EQ(make_codec("topk:momentum=0.9,ratio=0.01")->spec(),
+            "topk:ratio=0.01,ef=1,momentum=0.9");
+  EXPECT_EQ(make_codec("fp16:momentum=0.5")->spec(), "fp16:ef=1,momentum=0.5");  // implies ef
   struct Bad {
     const char* spec;
     const char* says;
@@ -60,7 +63,10 @@ TEST(CodecSpec, ParsesCanonicalizesAndNamesWhatIsWrong) {
         Bad{"fp16:block=4", "takes no 'block'"}, Bad{"int8:block=x", "not a number"},
         Bad{"int8:block=0", "block is a whole number"},
         Bad{"int8:block=2.5", "block is a whole number"},
-        Bad{"int8:ef=2", "ef is a whole number 0..1"}, Bad{"int8:ef=1,ef=0", "given twice"}}) {
+        Bad{"int8:ef=2", "ef is a whole number 0..1"}, Bad{"int8:ef=1,ef=0", "given twice"},
+        Bad{"sign:momentum=1", "momentum"}, Bad{"none:momentum=0.9", "takes no 'momentum'"},
+        Bad{"powersgd:momentum=0.9", "takes no 'momentum'"},
+        Bad{"topk:ratio=0.1,ef=0,momentum=0.9", "it needs ef=1"}}) {
     Error e = expect_error(ErrorKind::kInvalidArgument, [&] { make_codec(b.spec); });
     EXPECT_TRUE(contains(e.what(), b.says)) << b.spec << ": " << e.what();
     EXPECT_TRUE(contains(e.what(), "'" + std::string(b.spec) + "'")) << e.what();
@@ -324,8 +330,10 @@ INSTANTIATE_TEST_SUITE_P(Worlds, HalfWireAllreduce, ::testing::Values(1, 2, 3, 4
 // round once: exactly the float32 all-reduce's result, rounded, on every rank. The larger
 // count spans many chunks and is past the size whose output streams past the cache.
 TEST(CompressedAllreduce, HalfOnSharedMemoryIsTheFloat32SumRoundedOnce) {
-  for (const auto& [spec, count, ranks] : {std::tuple{"fp16", 300007, 4}, {"bf16", 300007, 4},
-                                           {"fp16", 2500011, 3}, {"bf16", 2500011, 2}}) {
+  for (const auto& [spec, count, ranks] : {std::tuple{"fp16", 300007, 4},
+                                           {"bf16", 300007, 4},
+                                           {"fp16", 2500011, 3},
+                                           {"bf16", 2500011, 2}}) {
     testing::run_shm_contexts(ranks, [&](Context& ctx) {
       auto codec = make_codec(spec);
       std::vector<float> data = gradient(count, 90 + static_cast<unsigned>(ctx.rank()));
@@ -343,14 +351,14 @@ TEST(CompressedAllreduce, HalfOnSharedMemoryIsTheFloat32SumRoundedOnce) {
 
 // Entry `key` of a codec's saved state (format in src/compress/codecs.h: magic, u32 entries,
 // per entry u32 name bytes, name, u64 floats, floats; error feedback's residuals follow
-// "GSEW", u64 bytes and its inner codec's state); empty if absent.
+// "GSEW", u64 bytes and its inner codec's state, u64 bytes); empty if absent.
 std::vector<float> state_entry(const std::vector<std::uint8_t>& state, const std::string& key) {
   if (state.size() < 8) return {};  // a codec without state
   std::size_t at = 4;
   if (std::memcmp(state.data(), "GSEW", 4) == 0) {
     std::uint64_t inner;
     std::memcpy(&inner, state.data() + 4, 8);
-    at = 12 + inner + 4;
+    at = 12 + inner + 8 + 4;
   }
   std::uint32_t entries;
   std::memcpy(&entries, state.data() + at, 4);
@@ -606,12 +614,93 @@ TEST(ErrorFeedback, ConservesMassForEveryBiasedCodec) {
   }
 }
 
+// Momentum correction (Deep Gradient Compression) against the algorithm written out: u =
+// m u + g; owed = residual + u; top-k of owed is sent; residual = owed - sent; u is cleared
+// where top-k sent (momentum factor masking). Same float operations, so the same bits.
+TEST(ErrorFeedback, MomentumCorrectionIsDeepGradientCompressions) {
+  const std::size_t n = 400, k = 20;
+  const float m = 0.9f;
+  auto codec = make_codec("topk:ratio=0.05,exact=1,momentum=0.9");
+  std::vector<float> u(n, 0.0f), residual(n, 0.0f), owed(n), decoded(n);
+  std::vector<std::uint8_t> payload;
+  for (unsigned step = 0; step < 20; ++step) {
+    const auto g = gradient(n, 500 + step);
+    for (std::size_t i = 0; i < n; ++i) {
+      u[i] = m * u[i] + g[i];
+      owed[i] = residual[i] + u[i];
+    }
+    std::vector<std::size_t> order(n);
+    for (std::size_t i = 0; i < n; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return std::fabs(owed[a]) > std::fabs(owed[b]);
+    });
+    std::vector<float> want(n, 0.0f);
+    residual = owed;
+    for (std::size_t j = 0; j < k; ++j) {
+      want[order[j]] = owed[order[j]];
+      residual[order[j]] = 0.0f;
+      u[order[j]] = 0.0f;
+    }
+    codec->encode("w", g, payload);
+    codec->decode(payload, decoded);
+    ASSERT_EQ(decoded, want) << "step " << step;
+    ASSERT_EQ(state_entry(codec->save_state(), "w"), residual) << "step " << step;
+  }
+  // A codec without momentum refuses this state rather than silently dropping the momentum.
+  Error e = expect_error(ErrorKind::kProtocol, [&] {
+    make_codec("topk:ratio=0.05,exact=1")->load_state(codec->save_state());
+  });
+  EXPECT_TRUE(contains(e.what(), "holds momentum")) << e.what();
+}
+
+// Dense codecs keep their momentum (no masking), so over T steps what was sent plus the
+// residual is the sum of the momentum sequence u_t = m u_(t-1) + g_t; through the all-reduce
+// too (int8 re-quantised at every hop, summed over ranks).
+TEST(ErrorFeedback, MomentumIsConservedByDenseCodecsAndTheQuantisedRing) {
+  const std::size_t n = 999;
+  const float m = 0.8f;
+  for (const char* spec : {"sign:momentum=0.8", "int8:block=64,momentum=0.8"}) {
+    for (int ranks : {1, 3}) {
+      std::vector<std::vector<double>> sent(static_cast<std::size_t>(ranks)), owed(sent.size());
+      std::vector<std::vector<float>> residuals(sent.size());
+      testing::run_inproc_contexts(ranks, [&](Context& ctx) {
+        const auto r = static_cast<std::size_t>(ctx.rank());
+        auto codec = make_codec(spec);
+        std::vector<float> u(n, 0.0f);
+        sent[r].assign(n, 0.0);
+        owed[r].assign(n, 0.0);
+        for (unsigned step = 0; step < 12; ++step) {
+          auto g = gradient(n, 600 + step + 100 * static_cast<unsigned>(r));
+          for (std::size_t i = 0; i < n; ++i) {
+            u[i] = m * u[i] + g[i];
+            owed[r][i] += u[i];
+          }
+          compress::compressed_allreduce(ctx, g, *codec, "w");
+          for (std::size_t i = 0; i < n; ++i) sent[r][i] += g[i];
+        }
+        residuals[r] = state_entry(codec->save_state(), "w");
+      });
+      for (std::size_t i = 0; i < n; ++i) {
+        double total_owed = 0, total_residual = 0;
+        for (std::size_t r = 0; r < sent.size(); ++r) {
+          total_owed += owed[r][i];
+          total_residual += residuals[r][i];
+        }
+        // Every rank holds the all-reduced sum: sent once, not once per rank.
+        ASSERT_NEAR(sent[0][i] + total_residual, total_owed, 1e-3)
+            << spec << " ranks " << ranks << " i " << i;
+      }
+    }
+  }
+}
+
 // Every codec's state (residuals, step counters behind qsgd's and randomk's draws, PowerSGD's
 // warm-start Q) survives save and restore: a restored codec continues exactly as the original.
 TEST(Codecs, EveryCodecsStateSurvivesSaveAndRestore) {
   const compress::Tensor a("block1.w", 40), b("block2.w", 25);
-  for (const char* spec : {"int8", "qsgd", "topk:ratio=0.05", "randomk:ratio=0.05",
-                           "threshold:rel=0.3", "sign", "powersgd:rank=3", "fp16:ef=1"}) {
+  for (const char* spec :
+       {"int8", "qsgd", "topk:ratio=0.05", "randomk:ratio=0.05", "threshold:rel=0.3", "sign",
+        "powersgd:rank=3", "fp16:ef=1", "topk:ratio=0.05,momentum=0.9", "sign:momentum=0.8"}) {
     auto original = make_codec(spec);
     std::vector<std::uint8_t> pa, pb;
     for (unsigned step = 0; step < 3; ++step) {

@@ -1294,16 +1294,16 @@ TEST(CodecKernels, SumFinishIsReduceScaleAndNarrowInOnePass) {
           if (!std::isfinite(sums[i + 1])) want_bad = i;
         }
         const std::size_t out_bytes = dtype_size(type);
-        const void* want = type == DataType::kFloat32 ? static_cast<const void*>(sums.data() + 1)
-                                                      : narrow.data();
+        const void* want =
+            type == DataType::kFloat32 ? static_cast<const void*>(sums.data() + 1) : narrow.data();
         for (bool scalar : paths()) {
           ScopedScalar mode(scalar);
           std::vector<unsigned char> got((n + 2) * out_bytes, 0xAB);
           const std::size_t bad =
               sum_finish(got.data() + out_bytes, type, a.data() + 1, b.data() + 1, n, divisor);
-          const std::string where = "n=" + std::to_string(n) + " divisor=" +
-                                    std::to_string(divisor) + " type=" + to_string(type) +
-                                    " scalar=" + std::to_string(scalar);
+          const std::string where =
+              "n=" + std::to_string(n) + " divisor=" + std::to_string(divisor) +
+              " type=" + to_string(type) + " scalar=" + std::to_string(scalar);
           EXPECT_EQ(bad, want_bad) << where;
           EXPECT_EQ(0, std::memcmp(got.data() + out_bytes, want, n * out_bytes)) << where;
           for (std::size_t i = 0; i < out_bytes; ++i) {  // nothing written outside

@@ -4,6 +4,7 @@
 //
 //   gradsync-run -n 4 -- gradsync-train --model mlp --epochs 2 --codec fp16 --json run.json
 #include <fcntl.h>
+#include <gradsync/compress.h>
 #include <gradsync/gradsync.h>
 #include <gradsync/optim.h>
 #include <gradsync/reducer.h>
@@ -40,7 +41,7 @@ constexpr const char* kUsage =
     "  --epochs N             passes over the training set (default 1)\n"
     "  --batch B              samples per rank per micro-batch (default 64)\n"
     "  --lr X                 learning rate (default 0.05 sgd, 0.001 adamw)\n"
-    "  --optimizer sgd|adamw  (default sgd, momentum 0.9)\n"
+    "  --optimizer sgd|adamw  (default sgd, momentum 0.9; none when the codec has momentum=M)\n"
     "  --seed S               weights and data order (default 1)\n"
     "  --codec SPEC           gradient codec (default none; fp16, int8, topk:ratio=0.01, ...)\n"
     "  --bucket-mb X          bucket size (default 25)\n"
@@ -166,6 +167,10 @@ Config parse(int argc, char** argv) {
   if (c.bucket_mb <= 0 || c.first_bucket_mb <= 0) usage_error("bucket sizes must be positive");
   if ((c.resume || c.checkpoint_every) && c.checkpoint.empty()) {
     usage_error("--resume and --checkpoint-every need --checkpoint DIR");
+  }
+  if (c.optimizer != "sgd" &&
+      gradsync::compress::CodecSpec::parse(c.codec).get("momentum", 0) > 0) {
+    usage_error("a codec with momentum= takes the place of SGD's momentum: use --optimizer sgd");
   }
   if (c.zero > 0 && c.codec != "none") {
     usage_error("--zero 1|2 reduce-scatters float32 gradients: use --codec none with it");
@@ -327,7 +332,12 @@ int run(const Config& c) {
     if (c.optimizer == "adamw") {
       return gradsync::optim::make_adamw(count, {.lr = static_cast<float>(c.lr)});
     }
-    return gradsync::optim::make_sgd(count, {.lr = static_cast<float>(c.lr), .momentum = 0.9f});
+    // A codec with momentum correction (DGC) applies the momentum before the wire: what
+    // arrives is already the update, and momentum here as well would apply it twice.
+    const bool codec_momentum =
+        gradsync::compress::CodecSpec::parse(c.codec).get("momentum", 0) > 0;
+    return gradsync::optim::make_sgd(
+        count, {.lr = static_cast<float>(c.lr), .momentum = codec_momentum ? 0.0f : 0.9f});
   };
   // ZeRO 0 with the reducer: the gradients arrive averaged, every rank updates everything.
   std::unique_ptr<gradsync::optim::Optimizer> optimizer;

@@ -97,6 +97,11 @@ class Codec {
 //   sign                   one bit per element and one scale (mean |g|): EF-SignSGD
 //   powersgd:rank=R        rows x cols matrices as P (rows x R) and Q (R x cols), Q warm-started
 //                          from the last step; vectors travel as float32
+// All but none and powersgd also take momentum=M (0 <= M <= 0.999, implies ef=1): Deep
+// Gradient Compression's momentum correction. The codec keeps u = M u + g per tensor and
+// encodes u plus the residual (sparse codecs then clear u where they sent), so what is held
+// back keeps its momentum. The all-reduce then yields the update with momentum already in it:
+// give the optimizer no momentum of its own (gradsync-train does that for such a codec).
 // Throws Error(kInvalidArgument) for an unknown or malformed spec.
 std::unique_ptr<Codec> make_codec(std::string_view spec);
 

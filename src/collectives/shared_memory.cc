@@ -102,8 +102,7 @@ class SharedMemoryAllreduce {
         streaming_(bytes_ * static_cast<std::size_t>(n_) >= cfg.shared_memory_streaming_bytes),
         round_through_(dtype == DataType::kFloat32 ? extras.round_through : DataType::kFloat32),
         non_finite_(dtype == DataType::kFloat32 ? extras.non_finite : nullptr),
-        float_sum_(dtype == DataType::kFloat32 &&
-                   (op == ReduceOp::kSum || op == ReduceOp::kAvg)) {
+        float_sum_(dtype == DataType::kFloat32 && (op == ReduceOp::kSum || op == ReduceOp::kAvg)) {
     if (n_ != c.size() || me_ != c.rank()) {
       throw Error(ErrorKind::kInvalidArgument,
                   "shared arena of " + std::to_string(n_) + " members (this rank member " +

@@ -19,7 +19,9 @@ namespace {
               "codec spec '" + std::string(spec) + "': " + why +
                   " (like \"none\", \"fp16\", \"bf16\", \"int8:block=256\", \"qsgd:levels=15\", "
                   "\"topk:ratio=0.01\", \"randomk:ratio=0.01\", \"threshold:rel=0.1\", \"sign\", "
-                  "\"powersgd:rank=4\", each with an optional ef=0|1)");
+                  "\"powersgd:rank=4\", each with an optional ef=0|1, the lossy ones but powersgd "
+                  "with an optional "
+                  "momentum=M)");
 }
 
 // What a key admits: [low, high], whole numbers only or not, and low itself excluded or not.
@@ -31,10 +33,15 @@ struct KeyRange {
 
 const std::map<std::string, KeyRange>& key_ranges() {
   static const std::map<std::string, KeyRange> ranges = {
-      {"ef", {0, 1, true}},           {"block", {1, 1 << 24, true}},
-      {"levels", {1, 127, true}},     {"seed", {0, 9007199254740992.0, true}},
-      {"ratio", {0, 1, false, true}}, {"exact", {0, 1, true}},
-      {"rel", {0, 1, false, true}},   {"rank", {1, 1024, true}},
+      {"ef", {0, 1, true}},
+      {"block", {1, 1 << 24, true}},
+      {"levels", {1, 127, true}},
+      {"seed", {0, 9007199254740992.0, true}},
+      {"ratio", {0, 1, false, true}},
+      {"exact", {0, 1, true}},
+      {"rel", {0, 1, false, true}},
+      {"rank", {1, 1024, true}},
+      {"momentum", {0, 0.999, false}},
   };
   return ranges;
 }
@@ -43,14 +50,14 @@ const std::map<std::string, KeyRange>& key_ranges() {
 const std::set<std::string>& keys_of(const std::string& name) {
   static const std::map<std::string, std::set<std::string>> keys = {
       {"none", {"ef"}},
-      {"fp16", {"ef"}},
-      {"bf16", {"ef"}},
-      {"int8", {"block", "ef"}},
-      {"qsgd", {"levels", "block", "seed", "ef"}},
-      {"topk", {"ratio", "exact", "ef"}},
-      {"randomk", {"ratio", "seed", "ef"}},
-      {"threshold", {"rel", "ef"}},
-      {"sign", {"ef"}},
+      {"fp16", {"ef", "momentum"}},
+      {"bf16", {"ef", "momentum"}},
+      {"int8", {"block", "ef", "momentum"}},
+      {"qsgd", {"levels", "block", "seed", "ef", "momentum"}},
+      {"topk", {"ratio", "exact", "ef", "momentum"}},
+      {"randomk", {"ratio", "seed", "ef", "momentum"}},
+      {"threshold", {"rel", "ef", "momentum"}},
+      {"sign", {"ef", "momentum"}},
       {"powersgd", {"rank", "ef"}}};
   static const std::set<std::string> none;
   auto it = keys.find(name);
@@ -107,8 +114,15 @@ std::string with_key(const std::string& spec, const std::string& kv) {
 
 constexpr char kFeedbackMagic[4] = {'G', 'S', 'E', 'F'};
 constexpr char kWrapperMagic[4] = {'G', 'S', 'E', 'W'};
+constexpr char kMomentumMagic[4] = {'G', 'S', 'E', 'M'};
 
 }  // namespace
+
+std::string format_number(double v) {
+  char buf[64];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, ec == std::errc() ? end : buf);
+}
 
 [[noreturn]] void bad_payload(const std::string& codec, const std::string& why) {
   throw Error(ErrorKind::kProtocol, codec + " payload: " + why, Error::kUnknownRank, Error::kNoPeer,
@@ -215,20 +229,49 @@ std::uint64_t next_step(std::map<std::string, std::vector<float>>& steps, const 
 }
 
 std::string ErrorFeedback::spec() const {
-  return with_key(inner_->spec(), "ef=1");
+  std::string spec = with_key(inner_->spec(), "ef=1");
+  if (momentum_ > 0) spec += ",momentum=" + format_number(momentum_spec_);
+  return spec;
 }
 
-std::vector<float>& ErrorFeedback::residual(const Tensor& tensor, std::size_t count) {
-  std::vector<float>& r = residuals_[tensor.name];
+std::vector<float>& ErrorFeedback::state_of(std::map<std::string, std::vector<float>>& states,
+                                            const Tensor& tensor, std::size_t count,
+                                            const char* what) {
+  std::vector<float>& r = states[tensor.name];
   if (r.empty()) r.assign(count, 0.0f);
   if (r.size() != count) {
     throw Error(ErrorKind::kInvalidArgument,
-                "tensor '" + tensor.name + "' has " + std::to_string(count) +
-                    " elements, its error-feedback residual " + std::to_string(r.size()) +
-                    ": one name per tensor",
+                "tensor '" + tensor.name + "' has " + std::to_string(count) + " elements, its " +
+                    what + " " + std::to_string(r.size()) + ": one name per tensor",
                 Error::kUnknownRank, Error::kNoPeer, "encode");
   }
   return r;
+}
+
+std::vector<float>& ErrorFeedback::residual(const Tensor& tensor, std::size_t count) {
+  return state_of(residuals_, tensor, count, "error-feedback residual");
+}
+
+void ErrorFeedback::owe(const Tensor& tensor, std::span<const float> in, std::span<float> owed) {
+  const std::vector<float>& r = residual(tensor, in.size());
+  if (momentum_ == 0) {
+    for (std::size_t i = 0; i < in.size(); ++i) owed[i] = r[i] + in[i];
+    return;
+  }
+  std::vector<float>& u = state_of(velocities_, tensor, in.size(), "momentum");
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    u[i] = momentum_ * u[i] + in[i];
+    owed[i] = r[i] + u[i];
+  }
+}
+
+void ErrorFeedback::clear_sent_momentum(const Tensor& tensor, std::span<const float> owed) {
+  if (momentum_ == 0) return;
+  const std::vector<float>& r = residual(tensor, owed.size());
+  std::vector<float>& u = state_of(velocities_, tensor, owed.size(), "momentum");
+  for (std::size_t i = 0; i < owed.size(); ++i) {
+    if (r[i] != owed[i]) u[i] = 0.0f;
+  }
 }
 
 void ErrorFeedback::encode(const Tensor& tensor, std::span<const float> in,
@@ -236,11 +279,13 @@ void ErrorFeedback::encode(const Tensor& tensor, std::span<const float> in,
   std::vector<float>& r = residual(tensor, in.size());
   // What is owed now; the residual changes only once the encoding succeeded.
   owed_.resize(in.size());
-  for (std::size_t i = 0; i < in.size(); ++i) owed_[i] = r[i] + in[i];
+  owe(tensor, in, owed_);
   inner_->encode(tensor, owed_, out);
   if (const auto* in_place = dynamic_cast<const SubtractsPayload*>(inner_.get())) {
+    if (momentum_ > 0) sent_ = owed_;  // kept to see what was sent
     in_place->subtract(out, owed_);
     r.swap(owed_);
+    if (momentum_ > 0) clear_sent_momentum(tensor, sent_);
     return;
   }
   sent_.resize(in.size());
@@ -248,29 +293,47 @@ void ErrorFeedback::encode(const Tensor& tensor, std::span<const float> in,
   for (std::size_t i = 0; i < in.size(); ++i) r[i] = owed_[i] - sent_[i];
 }
 
-// "GSEW", u64 bytes of the inner codec's state, that state, then the residuals.
+// "GSEW", u64 bytes of the inner codec's state, that state, u64 bytes of the residuals, the
+// residuals, then the momentum (no tensors without momentum).
 std::vector<std::uint8_t> ErrorFeedback::save_state() const {
   const std::vector<std::uint8_t> inner = inner_->save_state();
   const std::vector<std::uint8_t> residuals = save_tensor_state(kFeedbackMagic, residuals_);
-  std::vector<std::uint8_t> s(12 + inner.size() + residuals.size());
+  const std::vector<std::uint8_t> velocities = save_tensor_state(kMomentumMagic, velocities_);
+  std::vector<std::uint8_t> s(20 + inner.size() + residuals.size() + velocities.size());
   std::memcpy(s.data(), kWrapperMagic, 4);
-  const std::uint64_t inner_bytes = inner.size();
-  std::memcpy(s.data() + 4, &inner_bytes, 8);
-  if (!inner.empty()) std::memcpy(s.data() + 12, inner.data(), inner.size());
-  std::memcpy(s.data() + 12 + inner.size(), residuals.data(), residuals.size());
+  std::size_t at = 4;
+  for (const auto* part : {&inner, &residuals}) {
+    const std::uint64_t bytes = part->size();
+    std::memcpy(s.data() + at, &bytes, 8);
+    if (!part->empty()) std::memcpy(s.data() + at + 8, part->data(), part->size());
+    at += 8 + part->size();
+  }
+  std::memcpy(s.data() + at, velocities.data(), velocities.size());
   return s;
 }
 
 void ErrorFeedback::load_state(std::span<const std::uint8_t> state) {
-  if (state.size() < 12 || std::memcmp(state.data(), kWrapperMagic, 4) != 0) {
+  if (state.size() < 4 || std::memcmp(state.data(), kWrapperMagic, 4) != 0) {
     bad_payload("error-feedback state", "not one (magic)");
   }
-  std::uint64_t inner_bytes;
-  std::memcpy(&inner_bytes, state.data() + 4, 8);
-  if (inner_bytes > state.size() - 12) bad_payload("error-feedback state", "truncated");
-  auto residuals = load_tensor_state(kFeedbackMagic, state.subspan(12 + inner_bytes));
-  inner_->load_state(state.subspan(12, inner_bytes));  // may throw: residuals not yet replaced
+  std::size_t at = 4;
+  std::span<const std::uint8_t> parts[2];
+  for (auto& part : parts) {
+    std::uint64_t bytes;
+    if (state.size() - at < 8) bad_payload("error-feedback state", "truncated");
+    std::memcpy(&bytes, state.data() + at, 8);
+    if (bytes > state.size() - at - 8) bad_payload("error-feedback state", "truncated");
+    part = state.subspan(at + 8, bytes);
+    at += 8 + bytes;
+  }
+  auto residuals = load_tensor_state(kFeedbackMagic, parts[1]);
+  auto velocities = load_tensor_state(kMomentumMagic, state.subspan(at));
+  if (momentum_ == 0 && !velocities.empty()) {
+    bad_payload("error-feedback state", "holds momentum, but " + spec() + " has none");
+  }
+  inner_->load_state(parts[0]);  // may throw: nothing of ours replaced yet
   residuals_ = std::move(residuals);
+  velocities_ = std::move(velocities);
 }
 
 CodecSpec CodecSpec::parse(std::string_view spec) {
@@ -326,9 +389,7 @@ std::string CodecSpec::to_string() const {
   std::string s = name;
   char sep = ':';
   for (const auto& [k, v] : params) {
-    char buf[64];
-    auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
-    s += sep + k + "=" + std::string(buf, ec == std::errc() ? end : buf);
+    s += sep + k + "=" + format_number(v);
     sep = ',';
   }
   return s;
@@ -359,8 +420,12 @@ std::unique_ptr<Codec> make_codec(std::string_view text) {
   } else {  // threshold: parse() admits no other names
     codec = make_threshold(s);
   }
-  const bool feedback = s.get("ef", codec->biased() ? 1 : 0) != 0;
-  if (feedback) codec = std::make_unique<ErrorFeedback>(std::move(codec));
+  const double momentum = s.get("momentum", 0);
+  const bool feedback = s.get("ef", codec->biased() || momentum > 0 ? 1 : 0) != 0;
+  if (momentum > 0 && !feedback) {
+    bad_spec(text, "momentum is error feedback's (momentum correction); it needs ef=1");
+  }
+  if (feedback) codec = std::make_unique<ErrorFeedback>(std::move(codec), momentum);
   return codec;
 }
 

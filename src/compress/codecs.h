@@ -56,6 +56,9 @@ std::vector<std::uint8_t> save_tensor_state(const char magic[4],
 std::map<std::string, std::vector<float>> load_tensor_state(const char magic[4],
                                                             std::span<const std::uint8_t> s);
 
+// The shortest text that reads back as exactly v ("0.01", "4"): how specs print numbers.
+std::string format_number(double v);
+
 // Per-tensor step counters (qsgd's and randomk's draws), kept as two exact floats of 24 bits
 // each so that they travel in the per-tensor state format: returns the step, counts one more.
 std::uint64_t next_step(std::map<std::string, std::vector<float>>& steps, const std::string& name);
@@ -129,9 +132,19 @@ class SubtractsPayload {
 // Error feedback (Seide et al. 2014; Karimireddy et al. 2019, EF-SignSGD): the part of each
 // step's gradient the wire could not carry is kept per tensor and added to the next step's
 // before encoding, so over T steps transmitted + residual = the sum of the inputs.
+//
+// With momentum (Deep Gradient Compression's momentum correction, Lin et al. 2018) the
+// optimizer's momentum runs here, before the wire: u = momentum * u + g, and u (plus the
+// residual) is what is encoded, so what a sparse codec holds back keeps its momentum instead
+// of arriving late without it. Sparse codecs also clear u where they sent (momentum factor
+// masking), or stale momentum would push those elements again. What comes out of the
+// all-reduce is then an update, for an optimizer without momentum of its own.
 class ErrorFeedback final : public Codec {
  public:
-  explicit ErrorFeedback(std::unique_ptr<Codec> inner) : inner_(std::move(inner)) {}
+  ErrorFeedback(std::unique_ptr<Codec> inner, double momentum = 0)
+      : inner_(std::move(inner)),
+        momentum_spec_(momentum),
+        momentum_(static_cast<float>(momentum)) {}
   std::string spec() const override;
   bool biased() const override { return false; }  // over time, nothing is lost
   std::size_t encoded_bytes(std::size_t count) const override {
@@ -151,12 +164,24 @@ class ErrorFeedback final : public Codec {
   void load_state(std::span<const std::uint8_t> state) override;
 
   Codec& inner() { return *inner_; }
+  float momentum() const { return momentum_; }
   // The residual of `tensor` (zeros the first time); an error if its size changed.
   std::vector<float>& residual(const Tensor& tensor, std::size_t count);
+  // What this step owes for `tensor`: residual + gradient, or with momentum residual + u after
+  // u = momentum * u + gradient. Keeps the residual; the caller sets it from what was sent.
+  void owe(const Tensor& tensor, std::span<const float> in, std::span<float> owed);
+  // Momentum factor masking, after a sparse codec sent the elements where residual differs
+  // from `owed` (the residual is owed - sent): their momentum starts again from zero.
+  void clear_sent_momentum(const Tensor& tensor, std::span<const float> owed);
 
  private:
+  std::vector<float>& state_of(std::map<std::string, std::vector<float>>& states,
+                               const Tensor& tensor, std::size_t count, const char* what);
+
   std::unique_ptr<Codec> inner_;
-  std::map<std::string, std::vector<float>> residuals_;
+  const double momentum_spec_;  // as written in the spec
+  const float momentum_;
+  std::map<std::string, std::vector<float>> residuals_, velocities_;
   std::vector<float> owed_, sent_;  // scratch: residual + input, what the wire carried
 };
 

@@ -304,12 +304,12 @@ bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, con
           n, op == ReduceOp::kAvg ? n : 1);
     }
   } else if (auto* quantizer = dynamic_cast<BlockQuantizer*>(&inner)) {
-    // int8 / qsgd: quantised again at every hop. With feedback the residual joins the data,
-    // and collects what every encoding of this rank drops.
+    // int8 / qsgd: quantised again at every hop. With feedback the residual (and momentum)
+    // joins the data, and the residual collects what every encoding of this rank drops.
     float* lost = nullptr;
     if (feedback) {
+      feedback->owe(tensor, data, data);
       std::vector<float>& residual = feedback->residual(tensor, data.size());
-      for (std::size_t i = 0; i < data.size(); ++i) data[i] += residual[i];
       std::fill(residual.begin(), residual.end(), 0.0f);
       lost = residual.data();
     }

@@ -79,12 +79,6 @@ class SparseDecoder : public Accumulating {
   }
 };
 
-std::string number(double v) {
-  char buf[32];
-  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
-  return std::string(buf, ec == std::errc() ? end : buf);
-}
-
 std::size_t k_of(double ratio, std::size_t n) {
   if (n == 0) return 0;
   return std::clamp<std::size_t>(
@@ -97,7 +91,7 @@ class TopKCodec final : public SparseDecoder {
  public:
   TopKCodec(double ratio, bool exact) : ratio_(ratio), exact_(exact) {}
   std::string spec() const override {
-    return "topk:" + std::string(exact_ ? "exact=1," : "") + "ratio=" + number(ratio_);
+    return "topk:" + std::string(exact_ ? "exact=1," : "") + "ratio=" + format_number(ratio_);
   }
   bool biased() const override { return true; }
   std::size_t encoded_bytes(std::size_t count) const override {
@@ -179,7 +173,7 @@ class TopKCodec final : public SparseDecoder {
 class ThresholdCodec final : public SparseDecoder {
  public:
   explicit ThresholdCodec(double rel) : rel_(rel) {}
-  std::string spec() const override { return "threshold:rel=" + number(rel_); }
+  std::string spec() const override { return "threshold:rel=" + format_number(rel_); }
   bool biased() const override { return true; }
   std::size_t encoded_bytes(std::size_t count) const override { return 8 + 8 * count; }
   bool size_varies() const override { return true; }
@@ -211,7 +205,7 @@ class RandomKCodec final : public Accumulating {
  public:
   RandomKCodec(double ratio, std::uint64_t seed) : ratio_(ratio), seed_(seed) {}
   std::string spec() const override {
-    return "randomk:ratio=" + number(ratio_) + ",seed=" + std::to_string(seed_);
+    return "randomk:ratio=" + format_number(ratio_) + ",seed=" + std::to_string(seed_);
   }
   bool biased() const override { return true; }
   std::size_t encoded_bytes(std::size_t count) const override {

@@ -562,10 +562,10 @@ std::size_t sum_finish(void* dst, DataType dst_type, const float* a, const float
                        std::size_t count, int divisor) {
   if (dst_type != DataType::kFloat32 && dst_type != DataType::kFloat16 &&
       dst_type != DataType::kBFloat16) {
-    throw Error(ErrorKind::kInvalidArgument,
-                std::string("sum_finish stores float32, float16 or bfloat16, not ") +
-                    to_string(dst_type),
-                Error::kUnknownRank, Error::kNoPeer, "sum_finish");
+    throw Error(
+        ErrorKind::kInvalidArgument,
+        std::string("sum_finish stores float32, float16 or bfloat16, not ") + to_string(dst_type),
+        Error::kUnknownRank, Error::kNoPeer, "sum_finish");
   }
   check_ptr(dst, count, dtype_size(dst_type), "dst", "sum_finish");
   check_ptr(a, count, 4, "a", "sum_finish");

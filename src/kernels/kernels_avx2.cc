@@ -24,7 +24,9 @@ constexpr int kRoundNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
 // ---------------------------------------------------------------- float ops
 
-inline __m256 qnan_ps() { return _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)); }
+inline __m256 qnan_ps() {
+  return _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
+}
 inline __m256d qnan_pd() {
   return _mm256_castsi256_pd(_mm256_set1_epi64x(0x7FF8000000000000ll));
 }
@@ -124,8 +126,8 @@ struct U8Sum {
 struct U8Prod {
   static __m256i apply(__m256i a, __m256i b) {
     const __m256i even = _mm256_and_si256(_mm256_mullo_epi16(a, b), _mm256_set1_epi16(0x00FF));
-    const __m256i odd = _mm256_slli_epi16(
-        _mm256_mullo_epi16(_mm256_srli_epi16(a, 8), _mm256_srli_epi16(b, 8)), 8);
+    const __m256i odd =
+        _mm256_slli_epi16(_mm256_mullo_epi16(_mm256_srli_epi16(a, 8), _mm256_srli_epi16(b, 8)), 8);
     return _mm256_or_si256(even, odd);
   }
 };
@@ -413,10 +415,14 @@ template <class L, class Sum, class Prod, class Min, class Max>
 void by_op(void* d, const void* a, const void* b, std::size_t n, ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
-    case ReduceOp::kAvg: return binary<L, Sum>(d, a, b, n);
-    case ReduceOp::kProd: return binary<L, Prod>(d, a, b, n);
-    case ReduceOp::kMin: return binary<L, Min>(d, a, b, n);
-    case ReduceOp::kMax: return binary<L, Max>(d, a, b, n);
+    case ReduceOp::kAvg:
+      return binary<L, Sum>(d, a, b, n);
+    case ReduceOp::kProd:
+      return binary<L, Prod>(d, a, b, n);
+    case ReduceOp::kMin:
+      return binary<L, Min>(d, a, b, n);
+    case ReduceOp::kMax:
+      return binary<L, Max>(d, a, b, n);
   }
 }
 
@@ -425,14 +431,16 @@ void by_op(void* d, const void* a, const void* b, std::size_t n, ReduceOp op) {
 // least 1/n (relative >= 1/|x|) from the nearest integer, far more than half an ulp.
 // int32 uses double (53 bits >= 31), uint8 uses float (24 bits >= 8).
 __m256i div_i32(__m256i x, __m256d n) {
-  const __m128i lo = _mm256_cvttpd_epi32(_mm256_div_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(x)), n));
+  const __m128i lo =
+      _mm256_cvttpd_epi32(_mm256_div_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(x)), n));
   const __m128i hi =
       _mm256_cvttpd_epi32(_mm256_div_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(x, 1)), n));
   return _mm256_set_m128i(hi, lo);
 }
 
 __m128i div_u8x16(__m128i x, __m256 n) {
-  const __m256i q0 = _mm256_cvttps_epi32(_mm256_div_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)), n));
+  const __m256i q0 =
+      _mm256_cvttps_epi32(_mm256_div_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)), n));
   const __m256i q1 = _mm256_cvttps_epi32(
       _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(x, 8))), n));
   const __m128i w0 = _mm_packus_epi32(_mm256_castsi256_si128(q0), _mm256_extracti128_si256(q0, 1));
@@ -815,15 +823,21 @@ std::size_t first_non_finite(const float* in, std::size_t n) {
 
 void reduce(void* d, const void* a, const void* b, std::size_t n, DataType dtype, ReduceOp op) {
   switch (dtype) {
-    case DataType::kFloat32: return by_op<F32Lane, PsSum, PsProd, PsMin, PsMax>(d, a, b, n, op);
-    case DataType::kFloat64: return by_op<F64Lane, PdSum, PdProd, PdMin, PdMax>(d, a, b, n, op);
-    case DataType::kFloat16: return by_op<F16Lane, PsSum, PsProd, PsMin, PsMax>(d, a, b, n, op);
+    case DataType::kFloat32:
+      return by_op<F32Lane, PsSum, PsProd, PsMin, PsMax>(d, a, b, n, op);
+    case DataType::kFloat64:
+      return by_op<F64Lane, PdSum, PdProd, PdMin, PdMax>(d, a, b, n, op);
+    case DataType::kFloat16:
+      return by_op<F16Lane, PsSum, PsProd, PsMin, PsMax>(d, a, b, n, op);
     case DataType::kBFloat16:
       return by_op<BF16PairLane, PairOp<PsSum>, PairOp<PsProd>, PairOp<PsMin>, PairOp<PsMax>>(
           d, a, b, n, op);
-    case DataType::kInt32: return by_op<I32Lane, I32Sum, I32Prod, I32Min, I32Max>(d, a, b, n, op);
-    case DataType::kInt64: return by_op<I64Lane, I64Sum, I64Prod, I64Min, I64Max>(d, a, b, n, op);
-    case DataType::kUInt8: return by_op<U8Lane, U8Sum, U8Prod, U8Min, U8Max>(d, a, b, n, op);
+    case DataType::kInt32:
+      return by_op<I32Lane, I32Sum, I32Prod, I32Min, I32Max>(d, a, b, n, op);
+    case DataType::kInt64:
+      return by_op<I64Lane, I64Sum, I64Prod, I64Min, I64Max>(d, a, b, n, op);
+    case DataType::kUInt8:
+      return by_op<U8Lane, U8Sum, U8Prod, U8Min, U8Max>(d, a, b, n, op);
   }
 }
 
@@ -923,8 +937,8 @@ std::size_t widen_half_streaming(const std::uint16_t* src, float* dst, std::size
 
 }  // namespace
 
-std::size_t sum_finish(void* dst, DataType dst_type, const float* a, const float* b,
-                       std::size_t n, int divisor) {
+std::size_t sum_finish(void* dst, DataType dst_type, const float* a, const float* b, std::size_t n,
+                       int divisor) {
   const auto fd = static_cast<float>(divisor);
   return divisor == 1 ? sum_finish_into<false>(dst, dst_type, a, b, n, fd)
                       : sum_finish_into<true>(dst, dst_type, a, b, n, fd);
@@ -974,7 +988,8 @@ bool scale_for_average(void* data, std::size_t n, DataType dtype, int divisor) {
                                 div_u8x16(_mm256_castsi256_si128(v), fd));
       });
       return true;
-    case DataType::kInt64: return false;
+    case DataType::kInt64:
+      return false;
   }
   return false;
 }
