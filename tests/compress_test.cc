@@ -477,6 +477,29 @@ TEST(Codecs, TopKIsTheKLargestWithTiesToTheLowerIndex) {
   EXPECT_TRUE(picks(*make_codec("topk:ratio=0.5"), {}).empty());
 }
 
+// DGC's warm-up: the ratio starts at 0.25 and falls exponentially to the target over each
+// tensor's first S steps (counted per tensor), the top-k selection itself unchanged.
+TEST(Codecs, TopKWarmUpFallsFromAQuarterToTheRatio) {
+  const std::size_t n = 10000;
+  EXPECT_EQ(make_codec("topk:ratio=0.01,warmup=10")->spec(), "topk:ratio=0.01,warmup=10,ef=1");
+  auto codec = make_codec("topk:ratio=0.01,warmup=10,exact=1,ef=0");
+  EXPECT_TRUE(codec->size_varies());
+  compress::Codec& topk = *codec;
+  std::vector<std::uint8_t> payload;
+  for (std::uint64_t step = 0; step < 12; ++step) {
+    const auto g = gradient(n, 700 + static_cast<unsigned>(step));
+    topk.encode("a", g, payload);
+    const double ratio = step >= 10 ? 0.01 : 0.25 * std::pow(0.04, static_cast<double>(step) / 10);
+    const auto k = static_cast<std::size_t>(std::ceil(ratio * n));
+    EXPECT_EQ(payload.size(), 8 + 8 * k) << "step " << step;
+    EXPECT_LE(payload.size(), topk.encoded_bytes(n));
+    if (step == 3) {  // another tensor starts its own warm-up
+      topk.encode("b", g, payload);
+      EXPECT_EQ(payload.size(), 8 + 8 * 2500u);
+    }
+  }
+}
+
 TEST(Codecs, ThresholdKeepsExactlyTheElementsAtOrAboveTheCut) {
   const auto g = gradient(5000, 13);
   float peak = 0;

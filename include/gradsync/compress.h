@@ -87,10 +87,12 @@ class Codec {
 //   int8[:block=B]         symmetric 8-bit, one scale per block of B elements (default 256)
 //   qsgd[:levels=S,block=B,seed=X]  stochastic rounding to S levels (1..127, default 127) of
 //                          each block's L2 norm (default block 512): unbiased
-//   topk:ratio=R[,exact=1] the k = ceil(R n) largest magnitudes as (index, value) pairs, ties
-//                          to the lower index. By default a sampled threshold (Deep Gradient
-//                          Compression) narrows the candidates first: the same k elements,
-//                          faster on large tensors; exact=1 selects over the whole tensor
+//   topk:ratio=R[,exact=1,warmup=S]  the k = ceil(R n) largest magnitudes as (index, value)
+//                          pairs, ties to the lower index. By default a sampled threshold (Deep
+//                          Gradient Compression) narrows the candidates first: the same k
+//                          elements, faster on large tensors; exact=1 selects over the whole
+//                          tensor. warmup=S: R starts at 0.25 and falls exponentially to R over
+//                          each tensor's first S steps (DGC's warm-up)
 //   randomk:ratio=R[,seed=X]  k values at indices drawn from (seed, tensor, step), the same on
 //                          every rank, so no indices travel
 //   threshold:rel=R        every element with |g| >= R max|g| (0 < R <= 1)

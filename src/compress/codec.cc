@@ -42,6 +42,7 @@ const std::map<std::string, KeyRange>& key_ranges() {
       {"rel", {0, 1, false, true}},
       {"rank", {1, 1024, true}},
       {"momentum", {0, 0.999, false}},
+      {"warmup", {0, 1e9, true}},
   };
   return ranges;
 }
@@ -54,7 +55,7 @@ const std::set<std::string>& keys_of(const std::string& name) {
       {"bf16", {"ef", "momentum"}},
       {"int8", {"block", "ef", "momentum"}},
       {"qsgd", {"levels", "block", "seed", "ef", "momentum"}},
-      {"topk", {"ratio", "exact", "ef", "momentum"}},
+      {"topk", {"ratio", "exact", "warmup", "ef", "momentum"}},
       {"randomk", {"ratio", "seed", "ef", "momentum"}},
       {"threshold", {"rel", "ef", "momentum"}},
       {"sign", {"ef", "momentum"}},

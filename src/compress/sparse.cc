@@ -86,22 +86,28 @@ std::size_t k_of(double ratio, std::size_t n) {
 }
 
 // Top-k by magnitude, ties to the lower index. The result is exact either way; the sampled
-// threshold only decides which elements are worth ranking.
+// threshold only decides which elements are worth ranking. With warmup=S (Deep Gradient
+// Compression's warm-up) the ratio starts at kWarmupStart and falls exponentially to its
+// target over a tensor's first S steps, so the early, fast-changing gradients are not held
+// back for hundreds of steps.
 class TopKCodec final : public SparseDecoder {
  public:
-  TopKCodec(double ratio, bool exact) : ratio_(ratio), exact_(exact) {}
+  TopKCodec(double ratio, bool exact, std::uint64_t warmup)
+      : ratio_(ratio), exact_(exact), warmup_(warmup) {}
   std::string spec() const override {
-    return "topk:" + std::string(exact_ ? "exact=1," : "") + "ratio=" + format_number(ratio_);
+    return "topk:" + std::string(exact_ ? "exact=1," : "") + "ratio=" + format_number(ratio_) +
+           (warmup_ > 0 ? ",warmup=" + std::to_string(warmup_) : "");
   }
   bool biased() const override { return true; }
   std::size_t encoded_bytes(std::size_t count) const override {
-    return 8 + 8 * k_of(ratio_, count);
+    return 8 + 8 * k_of(warmup_ > 0 ? std::max(ratio_, kWarmupStart) : ratio_, count);
   }
+  bool size_varies() const override { return warmup_ > 0; }
   void encode(const Tensor& tensor, std::span<const float> in,
               std::vector<std::uint8_t>& out) override {
     check_encodable("topk", tensor, in.size());
     refuse_non_finite(tensor, in, "topk");  // NaN would break the ranking
-    const std::size_t n = in.size(), k = k_of(ratio_, n);
+    const std::size_t n = in.size(), k = k_of(ratio_at(tensor), n);
     candidates_.clear();
     if (!exact_ && n >= kSampledFrom && k * 4 < n) sampled_candidates(in, k);
     if (candidates_.size() < k) {  // exact, small, or the sample guessed too high
@@ -110,6 +116,14 @@ class TopKCodec final : public SparseDecoder {
     }
     select(in, k);
     write(n, chosen_, in, out);
+  }
+  // The warm-up's step counts; none without warm-up.
+  std::vector<std::uint8_t> save_state() const override {
+    return warmup_ > 0 ? save_tensor_state(kMagic, steps_) : std::vector<std::uint8_t>{};
+  }
+  void load_state(std::span<const std::uint8_t> state) override {
+    if (warmup_ == 0) return Codec::load_state(state);
+    steps_ = load_tensor_state(kMagic, state);
   }
 
  private:
@@ -163,8 +177,22 @@ class TopKCodec final : public SparseDecoder {
     }
   }
 
+  // DGC's schedule starts at 25% (75% sparsity).
+  static constexpr double kWarmupStart = 0.25;
+  static constexpr char kMagic[4] = {'G', 'S', 'T', 'K'};
+
+  double ratio_at(const Tensor& tensor) {
+    if (warmup_ == 0 || ratio_ >= kWarmupStart) return ratio_;
+    const std::uint64_t step = next_step(steps_, tensor.name);
+    if (step >= warmup_) return ratio_;
+    const double progress = static_cast<double>(step) / static_cast<double>(warmup_);
+    return kWarmupStart * std::pow(ratio_ / kWarmupStart, progress);
+  }
+
   double ratio_;
   bool exact_;
+  std::uint64_t warmup_;
+  std::map<std::string, std::vector<float>> steps_;  // per tensor, with warm-up
   std::vector<std::uint32_t> candidates_, chosen_;
   std::vector<float> magnitudes_;
 };
@@ -277,7 +305,8 @@ std::size_t randomk_values_offset() {
 }
 
 std::unique_ptr<Codec> make_topk(const CodecSpec& s) {
-  return std::make_unique<TopKCodec>(s.get("ratio", 0.01), s.get("exact", 0) != 0);
+  return std::make_unique<TopKCodec>(s.get("ratio", 0.01), s.get("exact", 0) != 0,
+                                     static_cast<std::uint64_t>(s.get("warmup", 0)));
 }
 
 std::unique_ptr<Codec> make_randomk(const CodecSpec& s) {
