@@ -22,10 +22,11 @@ const char* const kSpecs[] = {"none",
                               "randomk:ratio=0.25",
                               "threshold:rel=0.5",
                               "sign",
+                              "sign:block=8",
                               "powersgd:rank=2"};
 // Codecs with state to load: error feedback, step counters, PowerSGD's residuals and Qs.
 const char* const kStateful[] = {"int8:block=16", "qsgd", "randomk:ratio=0.5,ef=0",
-                                 "powersgd:rank=2"};
+                                 "powersgd:rank=2", "topk:ratio=0.1,warmup=5,momentum=0.9"};
 }  // namespace
 
 // Input: byte 0 picks the codec (bit 6: decode_add instead of decode), bytes 1-2 the element

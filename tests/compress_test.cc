@@ -566,6 +566,24 @@ TEST(Codecs, SignIsOneBitPerElementAndTheMeanMagnitude) {
     ASSERT_NEAR(std::fabs(out[i]), mean, mean * 1e-6) << i;
     ASSERT_EQ(std::signbit(out[i]), std::signbit(g[i])) << i;
   }
+  // block=B: one scale per block of B, the mean magnitude of that block (the last is short).
+  std::vector<float> g2 = g;
+  for (std::size_t i = 0; i < 64; ++i) g2[i] *= 100;  // a loud first block
+  const auto blocked = round_trip(*make_codec("sign:block=64,ef=0"), g2, &bytes);
+  EXPECT_EQ(bytes, 4 + 4 * 16 + (1001 + 7) / 8);
+  for (std::size_t first = 0; first < g2.size(); first += 64) {
+    const std::size_t last = std::min(g2.size(), first + 64);
+    double block_mean = 0;
+    for (std::size_t i = first; i < last; ++i) {
+      block_mean += std::fabs(g2[i]) / static_cast<double>(last - first);
+    }
+    for (std::size_t i = first; i < last; ++i) {
+      ASSERT_NEAR(std::fabs(blocked[i]), block_mean, block_mean * 1e-6) << i;
+      ASSERT_EQ(std::signbit(blocked[i]), std::signbit(g2[i])) << i;
+    }
+  }
+  Error e = expect_error(ErrorKind::kInvalidArgument, [] { make_codec("sign:block=12"); });
+  EXPECT_TRUE(contains(e.what(), "multiple of 8")) << e.what();
 }
 
 // PowerSGD: an exactly rank-R matrix comes back (to float rounding); with a smaller rank it

@@ -27,6 +27,7 @@
 #   --codecs "fp16 int8"  codec specs of the codecs experiment (default: every codec)
 #   --train-args "..."    gradsync-train flags of the train experiment
 #                         (default: --model mlp --max-steps 25 --quiet)
+#   --timeline DIR   every job writes its Chrome trace (GRADSYNC_TIMELINE) to DIR/NAME.json
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -39,6 +40,7 @@ iters=5
 out=$here
 train_args="--model mlp --max-steps 25 --quiet"
 codecs="fp16 bf16 int8 qsgd topk:ratio=0.01 randomk:ratio=0.01 threshold:rel=0.5 sign powersgd:rank=4"
+timeline=""
 while [[ $# -gt 1 ]]; do
   case "$1" in
     --build) build=$2; shift 2 ;;
@@ -49,11 +51,12 @@ while [[ $# -gt 1 ]]; do
     --out) out=$2; shift 2 ;;
     --codecs) codecs=$2; shift 2 ;;
     --train-args) train_args=$2; shift 2 ;;
+    --timeline) timeline=$(mkdir -p "$2" && cd "$2" && pwd); shift 2 ;;
     *) echo "cluster_bench: unknown option '$1'" >&2; exit 2 ;;
   esac
 done
 experiment=${1:-}
-[[ $experiment =~ ^(link|hier|scaling|codecs|train)$ ]] || { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[[ $experiment =~ ^(link|hier|scaling|codecs|train)$ ]] || { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $build = /* ]] || build=$root/$build
 cluster=$root/scripts/netns-cluster.sh
 prefix=gb
@@ -79,7 +82,7 @@ job() {
   local pids=() h
   for ((h = 0; h < hosts; h++)); do
     "$cluster" exec --prefix $prefix "$h" env GRADSYNC_TOKEN=cluster-bench GRADSYNC_TIMEOUT=120000 \
-      "$build/tools/gradsync-run" --nnodes "$hosts" --node-rank "$h" -n "$per_host" \
+      ${timeline:+GRADSYNC_TIMELINE="$timeline/$name.json"} "$build/tools/gradsync-run" --nnodes "$hosts" --node-rank "$h" -n "$per_host" \
       --master-addr "$("$cluster" addr --prefix $prefix 0)" --master-port $port --timeout-s 300 \
       --no-prefix -- "$@" --json "$results/$name.json" >"$results/$name.h$h.log" 2>&1 &
     pids+=($!)

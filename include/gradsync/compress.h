@@ -96,7 +96,9 @@ class Codec {
 //   randomk:ratio=R[,seed=X]  k values at indices drawn from (seed, tensor, step), the same on
 //                          every rank, so no indices travel
 //   threshold:rel=R        every element with |g| >= R max|g| (0 < R <= 1)
-//   sign                   one bit per element and one scale (mean |g|): EF-SignSGD
+//   sign[:block=B]         one bit per element and one scale (mean |g|): EF-SignSGD; with B
+//                          (a multiple of 8) one scale per block of B elements, so a few
+//                          large entries do not set the step of the whole tensor
 //   powersgd:rank=R        rows x cols matrices as P (rows x R) and Q (R x cols), Q warm-started
 //                          from the last step; vectors travel as float32
 // All but none and powersgd also take momentum=M (0 <= M <= 0.999, implies ef=1): Deep

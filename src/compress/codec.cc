@@ -58,7 +58,7 @@ const std::set<std::string>& keys_of(const std::string& name) {
       {"topk", {"ratio", "exact", "warmup", "ef", "momentum"}},
       {"randomk", {"ratio", "seed", "ef", "momentum"}},
       {"threshold", {"rel", "ef", "momentum"}},
-      {"sign", {"ef", "momentum"}},
+      {"sign", {"block", "ef", "momentum"}},
       {"powersgd", {"rank", "ef"}}};
   static const std::set<std::string> none;
   auto it = keys.find(name);

@@ -124,19 +124,29 @@ class QsgdCodec final : public BlockQuantizer {
 // scale, ceil(count / 8) bytes of bits.
 class SignCodec final : public Codec {
  public:
-  std::string spec() const override { return "sign"; }
+  // block 0: one scale for the whole tensor.
+  explicit SignCodec(std::size_t block) : block_(block) {}
+  std::string spec() const override {
+    return block_ ? "sign:block=" + std::to_string(block_) : "sign";
+  }
   bool biased() const override { return true; }
-  std::size_t encoded_bytes(std::size_t count) const override { return 8 + (count + 7) / 8; }
+  std::size_t encoded_bytes(std::size_t count) const override {
+    return 4 + 4 * blocks(count) + (count + 7) / 8;
+  }
   void encode(const Tensor& tensor, std::span<const float> in,
               std::vector<std::uint8_t>& out) override {
     check_encodable("sign", tensor, in.size());
     refuse_non_finite(tensor, in, "sign");
-    out.resize(encoded_bytes(in.size()));
-    put_u32(out, 0, static_cast<std::uint32_t>(in.size()));
-    const float scale =
-        in.empty() ? 0.0f : kernels::sum_abs(in.data(), in.size()) / static_cast<float>(in.size());
-    std::memcpy(out.data() + 4, &scale, 4);
-    kernels::pack_signs(in.data(), in.size(), out.data() + 8);
+    const std::size_t n = in.size(), nb = blocks(n), per = block_ ? block_ : n;
+    out.resize(encoded_bytes(n));
+    put_u32(out, 0, static_cast<std::uint32_t>(n));
+    for (std::size_t b = 0; b < nb; ++b) {
+      const std::size_t first = b * per, len = std::min(per, n - first);
+      const float scale =
+          len == 0 ? 0.0f : kernels::sum_abs(in.data() + first, len) / static_cast<float>(len);
+      std::memcpy(out.data() + 4 + 4 * b, &scale, 4);
+    }
+    kernels::pack_signs(in.data(), n, out.data() + 4 + 4 * nb);
   }
   void decode(std::span<const std::uint8_t> payload, std::span<float> out) const override {
     decode_into(payload, out, false);
@@ -146,6 +156,11 @@ class SignCodec final : public Codec {
   }
 
  private:
+  // At least one scale, even for an empty tensor: the format of the whole-tensor case.
+  std::size_t blocks(std::size_t count) const {
+    return block_ && count ? (count + block_ - 1) / block_ : 1;
+  }
+
   void decode_into(std::span<const std::uint8_t> payload, std::span<float> out,
                    bool accumulate) const {
     if (payload.size() < 8) bad_payload("sign", "shorter than its 8-byte header");
@@ -155,11 +170,21 @@ class SignCodec final : public Codec {
                               std::to_string(out.size()));
     }
     expect_bytes("sign", payload, encoded_bytes(n), n);
-    float scale;
-    std::memcpy(&scale, payload.data() + 4, 4);
-    if (!std::isfinite(scale) || scale < 0) bad_payload("sign", "scale " + std::to_string(scale));
-    kernels::unpack_signs_scaled(payload.data() + 8, n, scale, out.data(), accumulate);
+    const std::size_t nb = blocks(n), per = block_ ? block_ : n;
+    const std::uint8_t* bits = payload.data() + 4 + 4 * nb;
+    for (std::size_t b = 0; b < nb; ++b) {
+      float scale;
+      std::memcpy(&scale, payload.data() + 4 + 4 * b, 4);
+      if (!std::isfinite(scale) || scale < 0) {
+        bad_payload("sign", "scale " + std::to_string(scale) + " of block " + std::to_string(b));
+      }
+      const std::size_t first = b * per;  // a multiple of 8: whole bytes of bits
+      kernels::unpack_signs_scaled(bits + first / 8, std::min(per, n - first), scale,
+                                   out.data() + first, accumulate);
+    }
   }
+
+  std::size_t block_;
 };
 
 }  // namespace
@@ -174,8 +199,17 @@ std::unique_ptr<Codec> make_qsgd(const CodecSpec& s) {
                                      static_cast<std::uint64_t>(s.get("seed", 0)));
 }
 
-std::unique_ptr<Codec> make_sign(const CodecSpec&) {
-  return std::make_unique<SignCodec>();
+std::unique_ptr<Codec> make_sign(const CodecSpec& s) {
+  const auto block = static_cast<std::size_t>(s.get("block", 0));
+  if (block % 8 != 0) {  // blocks start on whole bytes of the packed signs
+    throw Error(ErrorKind::kInvalidArgument,
+                "codec spec '" + s.to_string() +
+                    "': sign's block is a multiple of 8 (or 0: one "
+                    "scale for the tensor), not " +
+                    std::to_string(block),
+                Error::kUnknownRank, Error::kNoPeer, "make_codec");
+  }
+  return std::make_unique<SignCodec>(block);
 }
 
 }  // namespace gradsync::compress
