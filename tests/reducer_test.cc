@@ -152,6 +152,28 @@ INSTANTIATE_TEST_SUITE_P(Worlds, ReducerWorlds, ::testing::Values(1, 2, 3, 4, 5,
 
 // k micro-batches accumulated locally (no_sync, or accumulate_steps=k) reduce to the average
 // of the summed gradients, with 1/k of the all-reduces.
+// Buckets fill in reverse registration order up to the cap (the first one up to its own,
+// smaller cap), and a parameter of at least half the cap travels alone: the MLP shape whose
+// 16 MiB weight otherwise waited in one bucket for the next layer's backward.
+TEST(Reducer, ALargeParameterGetsABucketOfItsOwn) {
+  testing::run_inproc_contexts(1, [&](Context& ctx) {
+    ReducerOptions o;
+    o.first_bucket_bytes = 400;  // 100 floats
+    o.bucket_bytes = 4000;       // 1000 floats; 500 or more is large
+    Reducer reducer(ctx, o);
+    // Registered input layer first, as a model does: backward produces them in reverse.
+    const std::size_t sizes[] = {300, 10, 600, 10, 200, 150, 20, 10};
+    std::vector<std::vector<float>> grads;
+    for (std::size_t i = 0; i < std::size(sizes); ++i) {
+      grads.emplace_back(sizes[i], 1.0f);
+      reducer.add_parameter("p" + std::to_string(i), sizes[i], grads.back());
+    }
+    // Reverse order 7 6 5 4 | 3 2 | 1 0: p7+p6 fit the first bucket (30 floats), p5 does not;
+    // p5 p4 p3 fill 360; p2 (600) is large: alone; then p1 p0.
+    EXPECT_EQ(reducer.buckets(), (std::vector<std::vector<int>>{{7, 6}, {5, 4, 3}, {2}, {1, 0}}));
+  });
+}
+
 TEST(Reducer, AccumulationCommunicatesOnceEveryKSteps) {
   const int n = 3, k = 4;
   for (bool guard : {true, false}) {

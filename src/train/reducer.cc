@@ -66,21 +66,28 @@ struct Reducer::State {
   }
 
   // Buckets over `order` (parameter ids, first to be ready first): the first one up to
-  // first_bucket_bytes, the others up to bucket_bytes; a parameter larger than the cap gets
-  // a bucket of its own. Gradients already in bucket memory move with their parameter.
+  // first_bucket_bytes, the others up to bucket_bytes. A parameter of at least half the cap
+  // gets a bucket of its own: no second one fits beside it, and sharing with a smaller one
+  // would hold its all-reduce until that one is ready too (or the smaller one's until it is),
+  // to save one call's latency. On the 14.2 M MLP, fc2's 16 MiB weight waited for fc1's
+  // backward in a shared 22 MiB bucket, and its whole all-reduce ran after backward.
+  // Gradients already in bucket memory move with their parameter.
   void build(const std::vector<int>& order) {
     std::vector<Bucket> fresh;
     std::size_t cap = options.first_bucket_bytes;
+    bool closed = false;  // the last bucket holds a large parameter
     for (int id : order) {
       const std::size_t bytes = params[static_cast<std::size_t>(id)].count * sizeof(float);
-      if (fresh.empty() || (!fresh.back().params.empty() &&
-                            (fresh.back().data.size() * sizeof(float) + bytes > cap))) {
+      const bool large = 2 * bytes >= options.bucket_bytes;
+      if (fresh.empty() || closed || large ||
+          fresh.back().data.size() * sizeof(float) + bytes > cap) {
         if (!fresh.empty()) cap = options.bucket_bytes;
         fresh.emplace_back();
       }
       Bucket& b = fresh.back();
       b.params.push_back(id);
       b.data.resize(b.data.size() + params[static_cast<std::size_t>(id)].count);
+      closed = large;
     }
     for (std::size_t b = 0; b < fresh.size(); ++b) {
       std::size_t offset = 0;
