@@ -30,16 +30,22 @@ float grad_value(int r, std::size_t p, int s, std::size_t i) {
 
 struct Model {
   std::vector<std::vector<float>> grads;
+  std::vector<float> flat;  // or every gradient in one array, as a model's flat gradients
   std::vector<int> ids;
 };
 
-Model register_all(Reducer& reducer, bool external) {
+// Gradients in the caller's memory (`external`: one vector each, or with `flat` tiling one
+// array, which buckets of neighbouring parameters reduce in place) or in bucket memory.
+Model register_all(Reducer& reducer, bool external, bool flat = false) {
   Model m;
+  m.flat.resize(std::accumulate(kSizes.begin(), kSizes.end(), std::size_t{0}));
+  std::size_t at = 0;
   for (std::size_t p = 0; p < kSizes.size(); ++p) {
     m.grads.emplace_back(kSizes[p]);
-    m.ids.push_back(
-        reducer.add_parameter("layer" + std::to_string(p), kSizes[p],
-                              external ? std::span<float>(m.grads.back()) : std::span<float>()));
+    std::span<float> grad;
+    if (external) grad = flat ? std::span<float>(m.flat).subspan(at, kSizes[p]) : m.grads.back();
+    at += kSizes[p];
+    m.ids.push_back(reducer.add_parameter("layer" + std::to_string(p), kSizes[p], grad));
   }
   return m;
 }
@@ -75,7 +81,7 @@ void expect_average(Reducer& reducer, const Model& m, int n, int step, const std
 
 struct Case {
   std::size_t first_bucket, bucket;
-  bool overlap, external;
+  bool overlap, external, flat = false;
 };
 
 class ReducerWorlds : public ::testing::TestWithParam<int> {};
@@ -84,10 +90,12 @@ TEST_P(ReducerWorlds, EveryGradientIsTheAverageForAnyOrderBucketingAndOverlap) {
   const int n = GetParam();
   for (const Case c :
        {Case{64, 256, true, true}, Case{1 << 20, 25 << 20, true, false}, Case{4, 4, false, true},
-        Case{4096, 8192, true, false}, Case{1, 1 << 20, false, false}}) {
+        Case{4096, 8192, true, false}, Case{1, 1 << 20, false, false},
+        Case{64, 256, true, true, true}, Case{1 << 20, 25 << 20, true, true, true},
+        Case{40, 8000, false, true, true}}) {
     const std::string what = "first " + std::to_string(c.first_bucket) + " cap " +
                              std::to_string(c.bucket) + (c.overlap ? " overlap" : "") +
-                             (c.external ? " external" : " bucket-view");
+                             (c.external ? (c.flat ? " flat" : " external") : " bucket-view");
     std::vector<std::vector<std::vector<int>>> layouts(static_cast<std::size_t>(n));
     testing::run_inproc_contexts(n, [&](Context& ctx) {
       ReducerOptions o;
@@ -95,7 +103,7 @@ TEST_P(ReducerWorlds, EveryGradientIsTheAverageForAnyOrderBucketingAndOverlap) {
       o.bucket_bytes = c.bucket;
       o.overlap = c.overlap;
       Reducer reducer(ctx, o);
-      Model m = register_all(reducer, c.external);
+      Model m = register_all(reducer, c.external, c.flat);
       for (int step = 0; step < 3; ++step) {
         backward(reducer, m, ctx.rank(), step, 7);
         const StepStats stats = reducer.finish();

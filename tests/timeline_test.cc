@@ -45,9 +45,13 @@ TEST(Timeline, TheReducerRecordsItsBuckets) {
     ReducerOptions o;
     o.codec = "fp16";
     Reducer reducer(ctx, o);
-    std::vector<float> g(1000, 1.0f);
-    const int id = reducer.add_parameter("w", g.size(), g);
-    reducer.mark_ready(id);
+    // Two gradients with a gap between them: no bucket can view them in place, so both are
+    // packed into bucket memory.
+    std::vector<float> g(2001, 1.0f);
+    const int w = reducer.add_parameter("w", 500, std::span<float>(g).subspan(0, 500));
+    const int v = reducer.add_parameter("v", 500, std::span<float>(g).subspan(1001, 500));
+    reducer.mark_ready(v);
+    reducer.mark_ready(w);
     reducer.finish();
     EXPECT_GE(timeline::write(ctx, path), 3u);  // pack, the bucket's all-reduce, wait, unpack
   });

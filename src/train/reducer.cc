@@ -41,8 +41,12 @@ struct Reducer::State {
   };
   struct Bucket {
     std::vector<int> params;
+    // The bucket's floats: its own memory, or (`view`) the caller's, where its parameters'
+    // gradients tile one range of it.
     std::vector<float> data;
+    std::span<float> view;
     std::size_t pending = 0;  // parameters not yet ready this step
+    std::span<float> values() { return view.empty() ? std::span<float>(data) : view; }
   };
 
   State(Context& c, ReducerOptions o)
@@ -89,13 +93,14 @@ struct Reducer::State {
       b.data.resize(b.data.size() + params[static_cast<std::size_t>(id)].count);
       closed = large;
     }
+    for (Bucket& b : fresh) view_if_contiguous(b);
     for (std::size_t b = 0; b < fresh.size(); ++b) {
       std::size_t offset = 0;
       for (int id : fresh[b].params) {
         Param& p = params[static_cast<std::size_t>(id)];
-        if (p.bucket >= 0 && p.count) {  // carry the gradient over
+        if (p.bucket >= 0 && p.count && fresh[b].view.empty()) {  // carry the gradient over
           std::memcpy(fresh[b].data.data() + offset,
-                      buckets[static_cast<std::size_t>(p.bucket)].data.data() + p.offset,
+                      buckets[static_cast<std::size_t>(p.bucket)].values().data() + p.offset,
                       p.count * sizeof(float));
         }
         offset += p.count;
@@ -106,12 +111,37 @@ struct Reducer::State {
       for (int id : fresh[b].params) {
         Param& p = params[static_cast<std::size_t>(id)];
         p.bucket = static_cast<int>(b);
-        p.offset = offset;
+        p.offset = fresh[b].view.empty()
+                       ? offset
+                       : static_cast<std::size_t>(p.external.data() - fresh[b].view.data());
         offset += p.count;
       }
       fresh[b].pending = fresh[b].params.size();
     }
     buckets = std::move(fresh);
+  }
+
+  // Where the caller's gradients of a bucket's parameters tile one range of memory (a model's
+  // flat gradient array, bucketed in reverse), the bucket reduces that range in place: no
+  // copy in when a gradient is ready, none out after the reduction (57 MB each way per step
+  // on the 14.2 M MLP). Otherwise the bucket keeps its own memory.
+  void view_if_contiguous(Bucket& b) {
+    std::vector<std::span<float>> spans;
+    for (int id : b.params) {
+      const Param& p = params[static_cast<std::size_t>(id)];
+      if (p.external.empty() && p.count) return;
+      if (p.count) spans.push_back(p.external);
+    }
+    if (spans.empty()) return;
+    std::sort(spans.begin(), spans.end(),
+              [](std::span<float> x, std::span<float> y) { return x.data() < y.data(); });
+    for (std::size_t i = 1; i < spans.size(); ++i) {
+      if (spans[i].data() != spans[i - 1].data() + spans[i - 1].size()) return;
+    }
+    b.view = {
+        spans.front().data(),
+        static_cast<std::size_t>(spans.back().data() + spans.back().size() - spans.front().data())};
+    b.data = {};
   }
 
   // The step's first event (a mark_ready, or finish() if none came) starts its clock.
@@ -130,7 +160,7 @@ struct Reducer::State {
   }
 
   std::span<float> slot(const Param& p) {
-    return {buckets[static_cast<std::size_t>(p.bucket)].data.data() + p.offset, p.count};
+    return buckets[static_cast<std::size_t>(p.bucket)].values().subspan(p.offset, p.count);
   }
 
   // Launches, in bucket order, every bucket whose parameters are all ready.
@@ -145,7 +175,7 @@ struct Reducer::State {
   void reduce_bucket(std::size_t index) {
     Bucket& b = buckets[index];
     timeline::Span span("allreduce bucket " + std::to_string(index) + " (" +
-                            std::to_string(b.data.size() * sizeof(float) >> 10) + " KiB, " +
+                            std::to_string(b.values().size() * sizeof(float) >> 10) + " KiB, " +
                             codec->spec() + ")",
                         "comm");
     const auto t0 = Clock::now();
@@ -155,7 +185,7 @@ struct Reducer::State {
         name += (i ? ", " : "") + params[static_cast<std::size_t>(b.params[i])].name;
       }
       name += b.params.size() > 3 ? ", ...)" : ")";
-      compress::compressed_allreduce(ctx, b.data, *codec, name, ReduceOp::kAvg);
+      compress::compressed_allreduce(ctx, b.values(), *codec, name, ReduceOp::kAvg);
       ++calls;
     } else {
       for (int id : b.params) {
@@ -296,11 +326,11 @@ void Reducer::mark_ready(int id) {
   s.begin_step();
   if (!communicates()) return;
   if (s.reductions == 0 && s.options.rebuild_buckets) s.ready_order.push_back(id);
-  if (!p.external.empty()) {
+  State::Bucket& b = s.buckets[static_cast<std::size_t>(p.bucket)];
+  if (!p.external.empty() && b.view.empty()) {
     timeline::Span span("pack " + p.name, "pack");
     std::memcpy(s.slot(p).data(), p.external.data(), p.count * sizeof(float));
   }
-  State::Bucket& b = s.buckets[static_cast<std::size_t>(p.bucket)];
   if (--b.pending == 0 && s.options.overlap) s.launch_ready();
 }
 
@@ -371,7 +401,9 @@ StepStats Reducer::finish() {
   {
     timeline::Span span("unpack", "pack");
     for (auto& p : s.params) {
-      if (!p.external.empty()) std::memcpy(p.external.data(), s.slot(p).data(), p.count * 4);
+      if (!p.external.empty() && s.buckets[static_cast<std::size_t>(p.bucket)].view.empty()) {
+        std::memcpy(p.external.data(), s.slot(p).data(), p.count * 4);
+      }
     }
   }
   for (const auto& p : s.params) stats.raw_bytes += p.count * sizeof(float);
