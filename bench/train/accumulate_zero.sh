@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # What gradient accumulation and ZeRO save, counted by gradsync-train itself (--json), not
-# timed: all-reduce calls and bytes each rank sent per optimizer step with --accumulate 1 and
-# K, and per-rank optimizer-state and reduced-gradient memory with --zero 0, 1, 2 at each
-# world size. The 14.2 M-parameter MLP, a few steps each. Holds /tmp/gradsync-bench.lock.
+# timed: all-reduce calls and bytes each rank sent per micro-batch and per optimizer step with
+# --accumulate 1 and K (over loopback TCP, whose transport counts every byte; shared memory
+# is not counted), and per-rank optimizer-state and reduced-gradient memory with --zero 0, 1,
+# 2 at each world size. The 14.2 M-parameter MLP, a few steps each. Holds
+# /tmp/gradsync-bench.lock.
 #
 #   bench/train/accumulate_zero.sh [--build DIR] [--ranks "1 2 4"] [--accumulate 4]
 #                                  [--optimizer adamw] [--steps 8]
@@ -21,7 +23,7 @@ while [[ $# -gt 0 ]]; do
     --accumulate) accumulate=$2; shift 2 ;;
     --optimizer) optimizer=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
-    *) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+    *) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
   esac
 done
 [[ $build = /* ]] || build=$root/$build
@@ -39,7 +41,7 @@ train() {  # ranks name args...
 last=${ranks##* }
 for k in 1 "$accumulate"; do
   echo "accumulate_zero: $last ranks, --accumulate $k" >&2
-  train "$last" "acc~$last~$k" --accumulate "$k"
+  GRADSYNC_TRANSPORT=tcp train "$last" "acc~$last~$k" --accumulate "$k"
 done
 for n in $ranks; do
   for z in 0 1 2; do
@@ -55,14 +57,16 @@ for path in glob.glob(os.path.join(results, "*.json")):
     runs[os.path.basename(path)[:-5]] = json.load(open(path))
 acc = sorted((k for k in runs if k.startswith("acc~")), key=lambda k: int(k.split("~")[2]))
 if acc:
-    print(f"Accumulation, {acc[0].split('~')[1]} ranks, {steps} optimizer steps:\n")
-    print("| --accumulate | micro-batches per step | all-reduce calls per step | bytes sent per rank per step |")
-    print("|---:|---:|---:|---:|")
+    print(f"Accumulation, {acc[0].split('~')[1]} ranks over loopback TCP, {steps} optimizer steps:\n")
+    print("| --accumulate | all-reduce calls per optimizer step | per micro-batch | "
+          "bytes sent per rank per optimizer step | per micro-batch |")
+    print("|---:|---:|---:|---:|---:|")
     for k in acc:
         d = runs[k]
         micro = d["config"]["accumulate"]
-        print(f"| {micro} | {micro} | {d['allreduce_calls'] / d['steps']:.1f} | "
-              f"{d['bytes_sent_per_rank'] / d['steps'] / 1e6:.1f} MB |")
+        calls, sent = d["allreduce_calls"] / d["steps"], d["bytes_sent_per_rank"] / d["steps"]
+        print(f"| {micro} | {calls:.1f} | {calls / micro:.2f} | {sent / 1e6:.1f} MB | "
+              f"{sent / micro / 1e6:.1f} MB |")
     print()
 print("ZeRO, per-rank memory (MB):\n")
 print("| ranks | --zero | optimizer state | reduced gradient | state vs stage 0 |")

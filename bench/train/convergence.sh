@@ -6,7 +6,10 @@
 #
 #   bench/train/convergence.sh [--build DIR] [--ranks 4] [--epochs 5] [--hidden 512,512]
 #                              [--codecs "none fp16 ..."] [--out bench/train/convergence.png]
-#                              [--lr X]
+#                              [--lr X] [--seeds "1 2 3"]
+# With several seeds (initialisation and data order) every codec runs once per seed; the
+# table gives the mean test accuracy and its spread, the difference to none seed by seed,
+# and the plot the first seed's curves.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -15,6 +18,7 @@ ranks=4
 epochs=5
 hidden=512,512
 lr=0.05
+seeds=1
 out=$here/convergence.png
 codecs="none fp16 bf16 int8 topk:ratio=0.01 topk:ratio=0.01,ef=0 sign powersgd:rank=4"
 while [[ $# -gt 0 ]]; do
@@ -25,8 +29,9 @@ while [[ $# -gt 0 ]]; do
     --hidden) hidden=$2; shift 2 ;;
     --codecs) codecs=$2; shift 2 ;;
     --lr) lr=$2; shift 2 ;;
+    --seeds) seeds=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    *) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+    *) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
   esac
 done
 [[ $build = /* ]] || build=$root/$build
@@ -36,25 +41,43 @@ exec 9>/tmp/gradsync-bench.lock
 flock 9
 i=0
 for codec in $codecs; do
-  echo "convergence: $codec" >&2
-  "$build/tools/gradsync-run" -n "$ranks" --no-prefix -- "$build/examples/gradsync-train" \
-    --model mlp --hidden "$hidden" --epochs "$epochs" --lr "$lr" --seed 1 --quiet --codec "$codec" \
-    --json "$results/$i.json" >/dev/null 2>&1 || echo "convergence: $codec failed" >&2
+  for seed in $seeds; do
+    echo "convergence: $codec, seed $seed" >&2
+    "$build/tools/gradsync-run" -n "$ranks" --no-prefix -- "$build/examples/gradsync-train" \
+      --model mlp --hidden "$hidden" --epochs "$epochs" --lr "$lr" --seed "$seed" --quiet \
+      --codec "$codec" --json "$results/$i~$seed.json" >/dev/null 2>&1 ||
+      echo "convergence: $codec seed $seed failed" >&2
+  done
   i=$((i + 1))
 done
-python3 - "$results" "$ranks" "$epochs" "$hidden" "$lr" <<'PY'
-import glob, json, os, sys
+python3 - "$results" "$ranks" "$epochs" "$hidden" "$lr" $seeds <<'PY'
+import glob, json, os, statistics, sys
 results, ranks, epochs, hidden, lr = sys.argv[1:6]
-runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(results, "*.json")),
-                                            key=lambda p: int(os.path.basename(p)[:-5]))]
-base = runs[0]["test_accuracy"]
+seeds = sys.argv[6:]
+runs = {}
+for p in glob.glob(os.path.join(results, "*.json")):
+    i, seed = os.path.basename(p)[:-5].split("~")
+    runs.setdefault(int(i), {})[seed] = json.load(open(p))
 print(f"{ranks} ranks, MLP 784-{hidden.replace(',', '-')}-10, batch 64 per rank, SGD momentum "
-      f"0.9 lr {lr}, seed 1, {epochs} epochs\n")
-print("| codec | test accuracy | vs none (pp) | final loss | wall | samples/s |")
+      f"0.9 lr {lr}, {epochs} epochs, seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)}\n")
+multi = len(seeds) > 1
+print("| codec | test accuracy" + (" (mean, min-max)" if multi else "") +
+      " | vs none (pp" + (", mean of the seeds" if multi else "") +
+      ") | final loss | wall | samples/s |")
 print("|:---|---:|---:|---:|---:|---:|")
-for d in runs:
-    acc = d["test_accuracy"]
-    print(f"| {d['config']['codec']} | {100 * acc:.2f}% | {100 * (acc - base):+.2f} | "
-          f"{d['final_loss']:.4f} | {d['wall_s']:.1f} s | {d['samples_per_s']:.0f} |")
+base = runs.get(0, {})
+for i in sorted(runs):
+    by_seed = runs[i]
+    accs = [100 * d["test_accuracy"] for d in by_seed.values()]
+    diffs = [100 * (d["test_accuracy"] - base[s]["test_accuracy"]) for s, d in by_seed.items() if s in base]
+    any_run = next(iter(by_seed.values()))
+    acc = f"{statistics.mean(accs):.2f}%" + (f" ({min(accs):.2f}-{max(accs):.2f})" if multi else "")
+    print(f"| {any_run['config']['codec']} | {acc} | {statistics.mean(diffs):+.2f} | "
+          f"{statistics.mean(d['final_loss'] for d in by_seed.values()):.4f} | "
+          f"{statistics.mean(d['wall_s'] for d in by_seed.values()):.1f} s | "
+          f"{statistics.mean(d['samples_per_s'] for d in by_seed.values()):.0f} |")
 PY
-bash "$root/examples/train/plot_curves.sh" "$out" "$results"/*.json
+first=${seeds%% *}
+plots=()
+for ((j = 0; j < i; j++)); do [[ -f $results/$j~$first.json ]] && plots+=("$results/$j~$first.json"); done
+bash "$root/examples/train/plot_curves.sh" "$out" "${plots[@]}"

@@ -278,13 +278,19 @@ void narrow_bf16_partial(const float* src, std::uint16_t* dst, std::size_t n) {
   std::memcpy(dst, td, n * 2);
 }
 
-// bfloat16 to float, 32 per step; returns how many elements it converted (whole vectors).
-template <bool kStream>
-std::size_t widen_bf16(const std::uint16_t* src, float* dst, std::size_t n) {
-  const auto widen8 = [](const std::uint16_t* p) {
-    return _mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
-  };
+// 8 bfloat16 / float16 widened to float bits.
+inline __m256i widen8_bf16(const std::uint16_t* p) {
+  return _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+}
+inline __m256i widen8_half(const std::uint16_t* p) {
+  return _mm256_castps_si256(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 16-bit floats to float, 32 per step through widen8; returns how many elements it converted
+// (whole vectors).
+template <bool kStream, class Widen8>
+std::size_t widen_vectors(const std::uint16_t* src, float* dst, std::size_t n, Widen8 widen8) {
   std::size_t i = 0;
   for (; i + 32 <= n; i += 32) {
     const __m256i v0 = widen8(src + i), v1 = widen8(src + i + 8);
@@ -915,26 +921,6 @@ std::size_t sum_finish_into(void* dst, DataType dst_type, const float* a, const 
   }
 }
 
-// float16 to float, 32 per step, stored non-temporally to 32-byte aligned dst; returns how
-// many elements it converted (whole vectors).
-std::size_t widen_half_streaming(const std::uint16_t* src, float* dst, std::size_t n) {
-  const auto widen8 = [](const std::uint16_t* p) {
-    return _mm256_castps_si256(
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  };
-  std::size_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const __m256i v0 = widen8(src + i), v1 = widen8(src + i + 8);
-    const __m256i v2 = widen8(src + i + 16), v3 = widen8(src + i + 24);
-    store_si256<true>(dst + i, v0);
-    store_si256<true>(dst + i + 8, v1);
-    store_si256<true>(dst + i + 16, v2);
-    store_si256<true>(dst + i + 24, v3);
-  }
-  for (; i + 8 <= n; i += 8) store_si256<true>(dst + i, widen8(src + i));
-  return i;
-}
-
 }  // namespace
 
 std::size_t sum_finish(void* dst, DataType dst_type, const float* a, const float* b, std::size_t n,
@@ -957,8 +943,9 @@ void float_from_16bit_streaming(const std::uint16_t* src, float* dst, std::size_
   const std::size_t head = head_to_align32(dst, 4);
   if (head == kUnaligned || head >= n) return widen(src, dst, n);
   widen(src, dst, head);
-  const std::size_t done = head + (bf16 ? widen_bf16<true>(src + head, dst + head, n - head)
-                                        : widen_half_streaming(src + head, dst + head, n - head));
+  const std::size_t done =
+      head + (bf16 ? widen_vectors<true>(src + head, dst + head, n - head, widen8_bf16)
+                   : widen_vectors<true>(src + head, dst + head, n - head, widen8_half));
   _mm_sfence();
   widen(src + done, dst + done, n - done);
 }
@@ -1021,7 +1008,8 @@ void bfloat16_to_float(const std::uint16_t* src, float* dst, std::size_t n) {
   const std::size_t head = head_to_align32(dst, 4);
   if (n * 6 >= kStreamBytes && head != kUnaligned) {
     convert<BF16Lane, F32Lane>(src, dst, head);
-    const std::size_t done = head + widen_bf16<true>(src + head, dst + head, n - head);
+    const std::size_t done =
+        head + widen_vectors<true>(src + head, dst + head, n - head, widen8_bf16);
     _mm_sfence();
     convert<BF16Lane, F32Lane>(src + done, dst + done, n - done);
   } else {
