@@ -85,6 +85,12 @@ struct Config {
   std::exit(2);
 }
 
+// A codec with momentum correction (DGC) applies SGD's momentum before the wire: what arrives
+// is already the update, so the optimizer must not apply momentum again.
+bool codec_has_momentum(const std::string& spec) {
+  return gradsync::compress::CodecSpec::parse(spec).get("momentum", 0) > 0;
+}
+
 double number(const std::string& flag, const std::string& v) {
   char* end = nullptr;
   const double x = std::strtod(v.c_str(), &end);
@@ -168,8 +174,7 @@ Config parse(int argc, char** argv) {
   if ((c.resume || c.checkpoint_every) && c.checkpoint.empty()) {
     usage_error("--resume and --checkpoint-every need --checkpoint DIR");
   }
-  if (c.optimizer != "sgd" &&
-      gradsync::compress::CodecSpec::parse(c.codec).get("momentum", 0) > 0) {
+  if (c.optimizer != "sgd" && codec_has_momentum(c.codec)) {
     usage_error("a codec with momentum= takes the place of SGD's momentum: use --optimizer sgd");
   }
   if (c.zero > 0 && c.codec != "none") {
@@ -332,12 +337,9 @@ int run(const Config& c) {
     if (c.optimizer == "adamw") {
       return gradsync::optim::make_adamw(count, {.lr = static_cast<float>(c.lr)});
     }
-    // A codec with momentum correction (DGC) applies the momentum before the wire: what
-    // arrives is already the update, and momentum here as well would apply it twice.
-    const bool codec_momentum =
-        gradsync::compress::CodecSpec::parse(c.codec).get("momentum", 0) > 0;
     return gradsync::optim::make_sgd(
-        count, {.lr = static_cast<float>(c.lr), .momentum = codec_momentum ? 0.0f : 0.9f});
+        count,
+        {.lr = static_cast<float>(c.lr), .momentum = codec_has_momentum(c.codec) ? 0.0f : 0.9f});
   };
   // ZeRO 0 with the reducer: the gradients arrive averaged, every rank updates everything.
   std::unique_ptr<gradsync::optim::Optimizer> optimizer;

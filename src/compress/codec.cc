@@ -20,8 +20,7 @@ namespace {
                   " (like \"none\", \"fp16\", \"bf16\", \"int8:block=256\", \"qsgd:levels=15\", "
                   "\"topk:ratio=0.01\", \"randomk:ratio=0.01\", \"threshold:rel=0.1\", \"sign\", "
                   "\"powersgd:rank=4\", each with an optional ef=0|1, the lossy ones but powersgd "
-                  "with an optional "
-                  "momentum=M)");
+                  "with an optional momentum=M)");
 }
 
 // What a key admits: [low, high], whole numbers only or not, and low itself excluded or not.

@@ -164,17 +164,16 @@ class ErrorFeedback final : public Codec {
   void load_state(std::span<const std::uint8_t> state) override;
 
   Codec& inner() { return *inner_; }
-  float momentum() const { return momentum_; }
   // The residual of `tensor` (zeros the first time); an error if its size changed.
   std::vector<float>& residual(const Tensor& tensor, std::size_t count);
   // What this step owes for `tensor`: residual + gradient, or with momentum residual + u after
   // u = momentum * u + gradient. Keeps the residual; the caller sets it from what was sent.
   void owe(const Tensor& tensor, std::span<const float> in, std::span<float> owed);
+
+ private:
   // Momentum factor masking, after a sparse codec sent the elements where residual differs
   // from `owed` (the residual is owed - sent): their momentum starts again from zero.
   void clear_sent_momentum(const Tensor& tensor, std::span<const float> owed);
-
- private:
   std::vector<float>& state_of(std::map<std::string, std::vector<float>>& states,
                                const Tensor& tensor, std::size_t count, const char* what);
 

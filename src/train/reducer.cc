@@ -78,45 +78,40 @@ struct Reducer::State {
   // Gradients already in bucket memory move with their parameter.
   void build(const std::vector<int>& order) {
     std::vector<Bucket> fresh;
+    std::vector<std::size_t> floats;  // per fresh bucket
     std::size_t cap = options.first_bucket_bytes;
     bool closed = false;  // the last bucket holds a large parameter
     for (int id : order) {
-      const std::size_t bytes = params[static_cast<std::size_t>(id)].count * sizeof(float);
-      const bool large = 2 * bytes >= options.bucket_bytes;
-      if (fresh.empty() || closed || large ||
-          fresh.back().data.size() * sizeof(float) + bytes > cap) {
+      const std::size_t count = params[static_cast<std::size_t>(id)].count;
+      const bool large = 2 * count * sizeof(float) >= options.bucket_bytes;
+      if (fresh.empty() || closed || large || (floats.back() + count) * sizeof(float) > cap) {
         if (!fresh.empty()) cap = options.bucket_bytes;
         fresh.emplace_back();
+        floats.push_back(0);
       }
-      Bucket& b = fresh.back();
-      b.params.push_back(id);
-      b.data.resize(b.data.size() + params[static_cast<std::size_t>(id)].count);
+      fresh.back().params.push_back(id);
+      floats.back() += count;
       closed = large;
     }
-    for (Bucket& b : fresh) view_if_contiguous(b);
     for (std::size_t b = 0; b < fresh.size(); ++b) {
+      Bucket& bucket = fresh[b];
+      view_if_contiguous(bucket);
+      if (bucket.view.empty()) bucket.data.resize(floats[b]);
       std::size_t offset = 0;
-      for (int id : fresh[b].params) {
+      for (int id : bucket.params) {
         Param& p = params[static_cast<std::size_t>(id)];
-        if (p.bucket >= 0 && p.count && fresh[b].view.empty()) {  // carry the gradient over
-          std::memcpy(fresh[b].data.data() + offset,
+        if (p.bucket >= 0 && p.count && bucket.view.empty()) {  // carry the gradient over
+          std::memcpy(bucket.data.data() + offset,
                       buckets[static_cast<std::size_t>(p.bucket)].values().data() + p.offset,
                       p.count * sizeof(float));
         }
-        offset += p.count;
-      }
-    }
-    for (std::size_t b = 0; b < fresh.size(); ++b) {
-      std::size_t offset = 0;
-      for (int id : fresh[b].params) {
-        Param& p = params[static_cast<std::size_t>(id)];
         p.bucket = static_cast<int>(b);
-        p.offset = fresh[b].view.empty()
+        p.offset = bucket.view.empty()
                        ? offset
-                       : static_cast<std::size_t>(p.external.data() - fresh[b].view.data());
+                       : static_cast<std::size_t>(p.external.data() - bucket.view.data());
         offset += p.count;
       }
-      fresh[b].pending = fresh[b].params.size();
+      bucket.pending = bucket.params.size();
     }
     buckets = std::move(fresh);
   }
@@ -141,7 +136,6 @@ struct Reducer::State {
     b.view = {
         spans.front().data(),
         static_cast<std::size_t>(spans.back().data() + spans.back().size() - spans.front().data())};
-    b.data = {};
   }
 
   // The step's first event (a mark_ready, or finish() if none came) starts its clock.
