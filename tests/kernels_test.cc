@@ -16,6 +16,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gradsync/error.h"
@@ -1325,8 +1326,17 @@ TEST(CodecKernels, SumFinishIsReduceScaleAndNarrowInOnePass) {
     }
   }
   float x = 1;
-  EXPECT_THROW(sum_finish(&x, DataType::kFloat32, &x, &x, 1, 0), Error);
-  EXPECT_THROW(sum_finish(&x, DataType::kInt32, &x, &x, 1, 1), Error);
+  for (const auto& [type, divisor, says] :
+       {std::tuple{DataType::kFloat32, 0, "divisor must be >= 1, got 0"},
+        std::tuple{DataType::kInt32, 1, "stores float32, float16 or bfloat16, not int32"}}) {
+    try {
+      sum_finish(&x, type, &x, &x, 1, divisor);
+      ADD_FAILURE() << says;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  }
 }
 
 // ---------------------------------------------------------------- qsgd
