@@ -46,6 +46,31 @@ TEST(Optimizers, SgdAndAdamWFollowTheirFormulas) {
   testing::expect_error(ErrorKind::kInvalidArgument, [&] { adam->step(p, g); });
 }
 
+// A schedule sets the rate before each step: the next steps use it, the state is untouched,
+// and ZeRO passes it to its shards' optimizers.
+TEST(Optimizers, SetLrScalesTheStepsThatFollow) {
+  std::vector<float> p = {1.0f}, g = {0.5f};
+  auto sgd = optim::make_sgd(1, {.lr = 0.1f});
+  sgd->step(p, g);
+  EXPECT_FLOAT_EQ(p[0], 1.0f - 0.05f);
+  sgd->set_lr(0.02f);
+  sgd->step(p, g);
+  EXPECT_FLOAT_EQ(p[0], 1.0f - 0.05f - 0.01f);
+  auto adam = optim::make_adamw(1, {.lr = 0.01f, .weight_decay = 0});
+  adam->set_lr(0.03f);
+  std::vector<float> q = {1.0f};
+  adam->step(q, g);  // first step: the update is lr
+  EXPECT_NEAR(q[0], 1.0f - 0.03f, 1e-6);
+  const std::size_t count = 7;
+  testing::run_inproc_contexts(2, [&](Context& ctx) {
+    ZeroOptimizer zero(ctx, count, 2, [](std::size_t n) { return optim::make_sgd(n, {.lr = 1}); });
+    zero.set_lr(0.25f);
+    std::vector<float> params(count, 1.0f), grads(count, 2.0f);
+    zero.step(params, grads);
+    for (float v : params) EXPECT_FLOAT_EQ(v, 0.5f);  // shards and the tail alike
+  });
+}
+
 // ZeRO 1 and 2 against stage 0 (all-reduce, full update), 1-4 ranks, counts that do not
 // divide by N, SGD with momentum and AdamW: the same parameters within float tolerance,
 // identical on every rank, optimizer state 1/N.

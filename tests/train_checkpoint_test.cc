@@ -38,7 +38,7 @@ TEST(TrainCheckpoint, ResumeAfterACrashInTheMiddleOfASaveRepeatsTheLossesBitForB
   const std::string run = "GRADSYNC_ALGO=ring " + testing::build_dir() +
                           "/tools/gradsync-run -n 2 --no-prefix -- " + testing::build_dir() +
                           "/examples/gradsync-train --hidden 32 --max-steps 24 --quiet "
-                          "--checkpoint-every 8 ";
+                          "--checkpoint-every 8 --lr-schedule cosine ";
   for (const std::string codec : {"none", "topk:ratio=0.1"}) {
     const std::string base = dir + "/" + (codec == "none" ? "plain" : "topk");
     auto r = testing::run_shell(run + "--codec " + codec + " --checkpoint " + base +

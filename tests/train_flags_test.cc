@@ -1,5 +1,6 @@
-// gradsync-train's flag checks that span two flags: refused before any rank starts, with a
-// message naming what to change (exit code 2, the usage text after it).
+// gradsync-train's flag checks: conflicts between two flags and unknown values, refused
+// before any rank starts, with a message naming what to change (exit code 2, the usage
+// text after it).
 #include <gtest/gtest.h>
 
 #include <string>
@@ -9,7 +10,7 @@
 namespace gradsync {
 namespace {
 
-TEST(TrainFlags, ACodecWithMomentumTakesThePlaceOfSgdsMomentum) {
+TEST(TrainFlags, ConflictsAndUnknownValuesAreRefused) {
   const std::string train = testing::build_dir() + "/examples/gradsync-train";
   auto r =
       testing::run_shell(train + " --optimizer adamw --codec topk:ratio=0.01,momentum=0.9 2>&1");
@@ -22,6 +23,9 @@ TEST(TrainFlags, ACodecWithMomentumTakesThePlaceOfSgdsMomentum) {
   EXPECT_EQ(r.exit_code(), 2) << r.output;
   EXPECT_TRUE(testing::contains(r.output, "--zero 1|2 reduce-scatters float32 gradients"))
       << r.output;
+  r = testing::run_shell(train + " --lr-schedule linear 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "--lr-schedule is constant or cosine")) << r.output;
 }
 
 }  // namespace

@@ -41,6 +41,8 @@ constexpr const char* kUsage =
     "  --epochs N             passes over the training set (default 1)\n"
     "  --batch B              samples per rank per micro-batch (default 64)\n"
     "  --lr X                 learning rate (default 0.05 sgd, 0.001 adamw)\n"
+    "  --lr-schedule S        constant (default) or cosine: lr (1 + cos(pi t / T)) / 2 at step\n"
+    "                         t of T, as torch's CosineAnnealingLR to zero\n"
     "  --optimizer sgd|adamw  (default sgd, momentum 0.9; none when the codec has momentum=M)\n"
     "  --seed S               weights and data order (default 1)\n"
     "  --codec SPEC           gradient codec (default none; fp16, int8, topk:ratio=0.01, ...)\n"
@@ -64,6 +66,7 @@ struct Config {
   int epochs = 1;
   std::size_t batch = 64;
   double lr = -1;
+  bool cosine = false;
   std::string optimizer = "sgd";
   std::uint64_t seed = 1;
   std::string codec = "none";
@@ -129,6 +132,10 @@ Config parse(int argc, char** argv) {
       c.batch = static_cast<std::size_t>(whole(a, value(), 1));
     } else if (a == "--lr") {
       c.lr = number(a, value());
+    } else if (a == "--lr-schedule") {
+      const std::string v = value();
+      if (v != "constant" && v != "cosine") usage_error("--lr-schedule is constant or cosine");
+      c.cosine = v == "cosine";
     } else if (a == "--optimizer") {
       c.optimizer = value();
       if (c.optimizer != "sgd" && c.optimizer != "adamw")
@@ -354,6 +361,17 @@ int run(const Config& c) {
   const std::size_t micro_per_epoch = sampler.steps_per_epoch();
   const std::size_t steps_per_epoch = micro_per_epoch / static_cast<std::size_t>(c.accumulate);
   if (steps_per_epoch == 0) throw std::runtime_error("an epoch holds no full step: lower --batch");
+  // The learning rate of optimizer step `step` (0-based): a function of the step alone, so a
+  // resumed run continues the schedule without saving it.
+  long total_steps = static_cast<long>(steps_per_epoch) * c.epochs;
+  if (c.max_steps >= 0) total_steps = std::min(total_steps, c.max_steps);
+  const double pi = std::acos(-1.0);
+  auto lr_at = [&](long step) {
+    if (!c.cosine) return static_cast<float>(c.lr);
+    return static_cast<float>(c.lr * 0.5 *
+                              (1 + std::cos(pi * static_cast<double>(step) /
+                                            static_cast<double>(std::max(total_steps, 1L)))));
+  };
 
   auto save = [&](const Position& at, int saves) {
     std::filesystem::create_directories(c.checkpoint);
@@ -433,10 +451,10 @@ int run(const Config& c) {
   if (talk) {
     std::fprintf(stderr,
                  "gradsync-train: %s; %d ranks x batch %zu x %d micro-batches; %zu steps per "
-                 "epoch; codec %s; zero %d; %s lr %g; %s\n",
+                 "epoch; codec %s; zero %d; %s lr %g%s; %s\n",
                  model->describe().c_str(), world, c.batch, c.accumulate, steps_per_epoch,
                  reducer ? reducer->codec_spec().c_str() : "none", c.zero, c.optimizer.c_str(),
-                 c.lr, c.overlap ? "overlap" : "no overlap");
+                 c.lr, c.cosine ? " cosine" : "", c.overlap ? "overlap" : "no overlap");
   }
 
   const std::size_t pixels = train_set.rows * train_set.cols;
@@ -497,6 +515,7 @@ int run(const Config& c) {
         gradsync::timeline::Span span(zero ? "zero step" : "optimizer", "optimizer");
         const auto comm_start = Clock::now();
         if (zero) {
+          zero->set_lr(lr_at(steps_done));
           const auto before = ctx->total_traffic().bytes_sent;
           zero->step(model->values(), grads);
           stats.communication_s = stats.exposed_s =
@@ -505,6 +524,7 @@ int run(const Config& c) {
           stats.raw_bytes = total * sizeof(float);
           stats.allreduce_calls = 1;
         } else {
+          optimizer->set_lr(lr_at(steps_done));
           optimizer->step(model->values(), grads);
         }
       }
@@ -617,7 +637,8 @@ int run(const Config& c) {
     }
     f << "],\n  \"config\": {\"model\": \"" << json_escape(model->describe())
       << "\", \"ranks\": " << world << ", \"batch\": " << c.batch << ", \"lr\": " << c.lr
-      << ", \"optimizer\": \"" << c.optimizer << "\", \"seed\": " << c.seed << ", \"codec\": \""
+      << ", \"lr_schedule\": \"" << (c.cosine ? "cosine" : "constant") << "\", \"optimizer\": \""
+      << c.optimizer << "\", \"seed\": " << c.seed << ", \"codec\": \""
       << json_escape(reducer ? reducer->codec_spec() : c.codec)
       << "\", \"bucket_mb\": " << c.bucket_mb << ", \"first_bucket_mb\": " << c.first_bucket_mb
       << ", \"overlap\": " << (c.overlap ? "true" : "false") << ", \"accumulate\": " << c.accumulate

@@ -43,6 +43,9 @@ class Optimizer {
   virtual ~Optimizer() = default;
   // params.size() == grads.size() == the count it was made for.
   virtual void step(std::span<float> params, std::span<const float> grads) = 0;
+  // The learning rate of the steps from now on (a schedule sets it before each step; it is
+  // not part of the saved state, being a function of the step).
+  virtual void set_lr(float lr) = 0;
   virtual std::size_t state_bytes() const = 0;
   // The state as bytes for a checkpoint; load_state refuses bytes it did not write
   // (Error kProtocol).
@@ -69,6 +72,7 @@ class ZeroOptimizer {
   // `grads` is this rank's own gradient (it is used as scratch); the average over ranks is
   // applied to `params`, which end identical on every rank.
   void step(std::span<float> params, std::span<float> grads);
+  void set_lr(float lr);
 
   struct Memory {
     std::size_t optimizer_state_bytes = 0;   // this rank's

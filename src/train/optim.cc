@@ -68,6 +68,7 @@ class Sgd final : public Optimizer {
     }
     ++steps_;
   }
+  void set_lr(float lr) override { o_.lr = lr; }
   std::size_t state_bytes() const override { return momentum_.size() * sizeof(float); }
   std::vector<std::uint8_t> save_state() const override { return pack(kMagic, steps_, momentum_); }
   void load_state(std::span<const std::uint8_t> s) override {
@@ -100,6 +101,7 @@ class AdamW final : public Optimizer {
       p[i] -= o_.lr * (m[i] / c1) / (std::sqrt(v[i] / c2) + o_.eps);
     }
   }
+  void set_lr(float lr) override { o_.lr = lr; }
   std::size_t state_bytes() const override { return moments_.size() * sizeof(float); }
   std::vector<std::uint8_t> save_state() const override { return pack(kMagic, steps_, moments_); }
   void load_state(std::span<const std::uint8_t> s) override { unpack(kMagic, s, steps_, moments_); }
@@ -176,6 +178,11 @@ void ZeroOptimizer::step(std::span<float> params, std::span<float> grads) {
   if (shard_) {
     ctx_.allgather(params.data() + first_, params.data(), shard_, DataType::kFloat32);
   }
+}
+
+void ZeroOptimizer::set_lr(float lr) {
+  main_->set_lr(lr);
+  if (tail_opt_) tail_opt_->set_lr(lr);
 }
 
 ZeroOptimizer::Memory ZeroOptimizer::memory() const {
