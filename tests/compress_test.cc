@@ -1001,6 +1001,72 @@ TEST_P(CompressedAllreduceWorlds, RandomKAndPowerSgdAllreduceOnlyTheirFactors) {
   }
 }
 
+// top-k with union=1: every rank's value at every index any rank picked, summed; the
+// residuals keep the rest (so over two steps residuals + results = the inputs), the same
+// bits everywhere, a fraction of a dense all-reduce's bytes.
+TEST_P(CompressedAllreduceWorlds, TopKUnionSendsEveryRanksValueAtEveryPickedIndex) {
+  const int n = GetParam();
+  for (const char* spec : {"topk:ratio=0.01,union=1", "topk:ratio=0.02,union=1,momentum=0.9"}) {
+    for (std::size_t count : {std::size_t{1}, static_cast<std::size_t>(n + 2), std::size_t{4099}}) {
+      const auto first = inputs_of(n, count, 110), second = inputs_of(n, count, 120);
+      // The first step owes exactly the input (no residual yet, and u = g): the union of what
+      // plain top-k picks on each rank.
+      std::vector<bool> picked(count, false);
+      for (const auto& in : first) {
+        std::vector<std::uint8_t> payload;
+        make_codec("topk:ratio=" + std::string(contains(spec, "0.02") ? "0.02" : "0.01"))
+            ->encode("w", in, payload);
+        auto u32_at = [&](std::size_t at) {
+          std::uint32_t v;
+          std::memcpy(&v, payload.data() + at, 4);
+          return v;
+        };
+        for (std::uint32_t j = 0, pairs = u32_at(4); j < pairs; ++j)
+          picked[u32_at(8 + 4 * j)] = true;
+      }
+      std::vector<std::vector<float>> results(static_cast<std::size_t>(n)), later(results.size()),
+          residuals(results.size());
+      std::vector<std::uint64_t> sent(results.size());
+      testing::run_inproc_contexts(n, [&](Context& ctx) {
+        const auto r = static_cast<std::size_t>(ctx.rank());
+        auto codec = make_codec(spec);
+        std::vector<float> data = first[r];
+        const auto before = ctx.total_traffic().bytes_sent;
+        EXPECT_TRUE(compress::compressed_allreduce(ctx, data, *codec, "w"));
+        sent[r] = ctx.total_traffic().bytes_sent - before;
+        results[r] = data;
+        data = second[r];
+        compress::compressed_allreduce(ctx, data, *codec, "w");
+        later[r] = data;
+        residuals[r] = state_entry(codec->save_state(), "w");
+      });
+      for (std::size_t i = 0; i < count; ++i) {
+        double sum = 0, fed = 0, kept = 0;
+        for (std::size_t r = 0; r < first.size(); ++r) {
+          sum += first[r][i];
+          fed += first[r][i] + second[r][i];
+          kept += residuals[r][i];
+        }
+        ASSERT_NEAR(results[0][i], picked[i] ? sum : 0.0, 1e-6 * (1 + std::fabs(sum)))
+            << spec << " count " << count << " element " << i;
+        if (!contains(spec, "momentum")) {  // with momentum what is owed is not the input
+          ASSERT_NEAR(results[0][i] + later[0][i] + kept, fed, 1e-6 * (1 + std::fabs(fed)))
+              << spec << " element " << i;
+        }
+      }
+      for (int r = 1; r < n; ++r) {
+        ASSERT_EQ(results[static_cast<std::size_t>(r)], results[0]) << spec << " rank " << r;
+        ASSERT_EQ(later[static_cast<std::size_t>(r)], later[0]) << spec << " rank " << r;
+      }
+      if (count == 4099 && n > 1) {  // k indices and at most N k values, not 4099 floats
+        EXPECT_LT(sent[0], count * 4 / 4) << spec << " n=" << n;
+      }
+    }
+  }
+  testing::expect_error(ErrorKind::kInvalidArgument,
+                        [] { make_codec("topk:ratio=0.01,union=1,ef=0"); });
+}
+
 INSTANTIATE_TEST_SUITE_P(Worlds, CompressedAllreduceWorlds, ::testing::Values(1, 2, 3, 4, 5, 8),
                          [](const auto& p) { return "n" + std::to_string(p.param); });
 

@@ -87,12 +87,16 @@ class Codec {
 //   int8[:block=B]         symmetric 8-bit, one scale per block of B elements (default 256)
 //   qsgd[:levels=S,block=B,seed=X]  stochastic rounding to S levels (1..127, default 127) of
 //                          each block's L2 norm (default block 512): unbiased
-//   topk:ratio=R[,exact=1,warmup=S]  the k = ceil(R n) largest magnitudes as (index, value)
-//                          pairs, ties to the lower index. By default a sampled threshold (Deep
-//                          Gradient Compression) narrows the candidates first: the same k
+//   topk:ratio=R[,exact=1,warmup=S,union=1]  the k = ceil(R n) largest magnitudes as (index,
+//                          value) pairs, ties to the lower index. By default a sampled threshold
+//                          (Deep Gradient Compression) narrows the candidates first: the same k
 //                          elements, faster on large tensors; exact=1 selects over the whole
 //                          tensor. warmup=S: R starts at 0.25 and falls exponentially to R over
-//                          each tensor's first S steps (DGC's warm-up)
+//                          each tensor's first S steps (DGC's warm-up). union=1 (all-reduce
+//                          only, with error feedback): the ranks exchange their k indices, then
+//                          all send their values at every index any rank picked (one float32
+//                          all-reduce of at most N k values), so what one rank found large
+//                          leaves every rank's residual in the same step
 //   randomk:ratio=R[,seed=X]  k values at indices drawn from (seed, tensor, step), the same on
 //                          every rank, so no indices travel
 //   threshold:rel=R        every element with |g| >= R max|g| (0 < R <= 1)

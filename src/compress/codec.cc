@@ -32,15 +32,11 @@ struct KeyRange {
 
 const std::map<std::string, KeyRange>& key_ranges() {
   static const std::map<std::string, KeyRange> ranges = {
-      {"ef", {0, 1, true}},
-      {"block", {1, 1 << 24, true}},
-      {"levels", {1, 127, true}},
-      {"seed", {0, 9007199254740992.0, true}},
-      {"ratio", {0, 1, false, true}},
-      {"exact", {0, 1, true}},
-      {"rel", {0, 1, false, true}},
-      {"rank", {1, 1024, true}},
-      {"momentum", {0, 0.999, false}},
+      {"ef", {0, 1, true}},           {"block", {1, 1 << 24, true}},
+      {"levels", {1, 127, true}},     {"seed", {0, 9007199254740992.0, true}},
+      {"ratio", {0, 1, false, true}}, {"exact", {0, 1, true}},
+      {"union", {0, 1, true}},        {"rel", {0, 1, false, true}},
+      {"rank", {1, 1024, true}},      {"momentum", {0, 0.999, false}},
       {"warmup", {0, 1e9, true}},
   };
   return ranges;
@@ -54,7 +50,7 @@ const std::set<std::string>& keys_of(const std::string& name) {
       {"bf16", {"ef", "momentum"}},
       {"int8", {"block", "ef", "momentum"}},
       {"qsgd", {"levels", "block", "seed", "ef", "momentum"}},
-      {"topk", {"ratio", "exact", "warmup", "ef", "momentum"}},
+      {"topk", {"ratio", "exact", "warmup", "union", "ef", "momentum"}},
       {"randomk", {"ratio", "seed", "ef", "momentum"}},
       {"threshold", {"rel", "ef", "momentum"}},
       {"sign", {"block", "ef", "momentum"}},
@@ -265,6 +261,16 @@ void ErrorFeedback::owe(const Tensor& tensor, std::span<const float> in, std::sp
   }
 }
 
+void ErrorFeedback::keep_unsent(const Tensor& tensor, std::span<const float> owed,
+                                std::span<const std::uint32_t> sent) {
+  std::vector<float>& r = residual(tensor, owed.size());
+  r.assign(owed.begin(), owed.end());
+  for (std::uint32_t i : sent) r[i] = 0.0f;
+  if (momentum_ == 0) return;
+  std::vector<float>& u = state_of(velocities_, tensor, owed.size(), "momentum");
+  for (std::uint32_t i : sent) u[i] = 0.0f;
+}
+
 void ErrorFeedback::clear_sent_momentum(const Tensor& tensor, std::span<const float> owed) {
   if (momentum_ == 0) return;
   const std::vector<float>& r = residual(tensor, owed.size());
@@ -414,6 +420,9 @@ std::unique_ptr<Codec> make_codec(std::string_view text) {
   } else if (s.name == "sign") {
     codec = make_sign(s);
   } else if (s.name == "topk") {
+    if (s.get("union", 0) != 0 && s.get("ef", 1) == 0) {
+      bad_spec(text, "union=1 sends what error feedback holds at the union; it needs ef=1");
+    }
     codec = make_topk(s);
   } else if (s.name == "randomk") {
     codec = make_randomk(s);

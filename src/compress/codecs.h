@@ -129,6 +129,19 @@ class SubtractsPayload {
   ~SubtractsPayload() = default;
 };
 
+// Top-k with union=1: each rank picks its k indices, the ranks exchange just those, and every
+// rank then sends its value at every index any rank picked, summed by a float32 all-reduce.
+class SelectsIndices {
+ public:
+  virtual bool exchanges_union() const = 0;
+  // The indices encode would send for `in` (ascending); counts a warm-up step as encode does.
+  virtual void select_indices(const Tensor& tensor, std::span<const float> in,
+                              std::vector<std::uint32_t>& out) = 0;
+
+ protected:
+  ~SelectsIndices() = default;
+};
+
 // Error feedback (Seide et al. 2014; Karimireddy et al. 2019, EF-SignSGD): the part of each
 // step's gradient the wire could not carry is kept per tensor and added to the next step's
 // before encoding, so over T steps transmitted + residual = the sum of the inputs.
@@ -169,6 +182,10 @@ class ErrorFeedback final : public Codec {
   // What this step owes for `tensor`: residual + gradient, or with momentum residual + u after
   // u = momentum * u + gradient. Keeps the residual; the caller sets it from what was sent.
   void owe(const Tensor& tensor, std::span<const float> in, std::span<float> owed);
+  // After the elements `sent` of `owed` went out whole: the residual is `owed` but there, and
+  // their momentum starts again from zero (factor masking).
+  void keep_unsent(const Tensor& tensor, std::span<const float> owed,
+                   std::span<const std::uint32_t> sent);
 
  private:
   // Momentum factor masking, after a sparse codec sent the elements where residual differs

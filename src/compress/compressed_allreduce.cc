@@ -256,6 +256,38 @@ void randomk_allreduce(Context& ctx, std::span<float> data, Codec& codec, const 
   finish_average(data, op, ctx.size());
 }
 
+// top-k with union=1: the ranks exchange their k indices, then every rank sends what it owes
+// at each index any rank picked, in one float32 all-reduce of the union. An element one rank
+// found large leaves every rank's residual at once, instead of waiting there until each rank
+// finds it large too: up to N k elements per step leave the residuals, for the bytes of k
+// indices and at most N k values.
+void union_allreduce(Context& ctx, std::span<float> data, ErrorFeedback& feedback,
+                     SelectsIndices& selector, const Tensor& tensor, ReduceOp op) {
+  thread_local std::vector<float> owed;
+  thread_local std::vector<std::uint32_t> mine, picked;
+  owed.resize(data.size());
+  feedback.owe(tensor, data, owed);
+  selector.select_indices(tensor, owed, mine);
+  // Every rank picks the same k (the ratio and the warm-up step agree); a rank that does not
+  // fails the all-gather's signature check.
+  picked.resize(mine.size() * static_cast<std::size_t>(ctx.size()));
+  ctx.allgather(mine.data(), picked.data(), mine.size(), DataType::kInt32);
+  std::sort(picked.begin(), picked.end());
+  picked.erase(std::unique(picked.begin(), picked.end()), picked.end());
+  if (!picked.empty() && picked.back() >= data.size()) {
+    throw Error(ErrorKind::kProtocol,
+                "tensor '" + tensor.name + "': a rank picked index " +
+                    std::to_string(picked.back()) + " of " + std::to_string(data.size()),
+                ctx.rank(), Error::kNoPeer, kOp, data.size_bytes());
+  }
+  std::vector<float> values(picked.size());
+  for (std::size_t j = 0; j < picked.size(); ++j) values[j] = owed[picked[j]];
+  ctx.allreduce(values.data(), values.data(), values.size(), DataType::kFloat32, op);
+  feedback.keep_unsent(tensor, owed, picked);
+  std::fill(data.begin(), data.end(), 0.0f);
+  for (std::size_t j = 0; j < picked.size(); ++j) data[picked[j]] = values[j];
+}
+
 }  // namespace
 
 bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& tensor,
@@ -319,6 +351,9 @@ bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, con
     finish_average(data, op, n);
   } else if (spec.name == "randomk") {
     randomk_allreduce(ctx, data, codec, tensor, op);
+  } else if (auto* selector = dynamic_cast<SelectsIndices*>(&inner);
+             feedback && selector && selector->exchanges_union()) {
+    if (!data.empty()) union_allreduce(ctx, data, *feedback, *selector, tensor, op);
   } else {  // topk, threshold, sign, and casts with feedback
     gather_allreduce(ctx, data, codec, tensor, op);
   }

@@ -90,14 +90,15 @@ std::size_t k_of(double ratio, std::size_t n) {
 // Compression's warm-up) the ratio starts at kWarmupStart and falls exponentially to its
 // target over a tensor's first S steps, so the early, fast-changing gradients are not held
 // back for hundreds of steps.
-class TopKCodec final : public SparseDecoder {
+class TopKCodec final : public SparseDecoder, public SelectsIndices {
  public:
-  TopKCodec(double ratio, bool exact, std::uint64_t warmup)
-      : ratio_(ratio), exact_(exact), warmup_(warmup) {}
+  TopKCodec(double ratio, bool exact, std::uint64_t warmup, bool exchange_union)
+      : ratio_(ratio), exact_(exact), warmup_(warmup), union_(exchange_union) {}
   std::string spec() const override {
     return "topk:" + std::string(exact_ ? "exact=1," : "") + "ratio=" + format_number(ratio_) +
-           (warmup_ > 0 ? ",warmup=" + std::to_string(warmup_) : "");
+           (warmup_ > 0 ? ",warmup=" + std::to_string(warmup_) : "") + (union_ ? ",union=1" : "");
   }
+  bool exchanges_union() const override { return union_; }
   bool biased() const override { return true; }
   std::size_t encoded_bytes(std::size_t count) const override {
     return 8 + 8 * k_of(warmup_ > 0 ? std::max(ratio_, kWarmupStart) : ratio_, count);
@@ -105,6 +106,11 @@ class TopKCodec final : public SparseDecoder {
   bool size_varies() const override { return warmup_ > 0; }
   void encode(const Tensor& tensor, std::span<const float> in,
               std::vector<std::uint8_t>& out) override {
+    select_indices(tensor, in, chosen_);
+    write(in.size(), chosen_, in, out);
+  }
+  void select_indices(const Tensor& tensor, std::span<const float> in,
+                      std::vector<std::uint32_t>& chosen) override {
     check_encodable("topk", tensor, in.size());
     refuse_non_finite(tensor, in, "topk");  // NaN would break the ranking
     const std::size_t n = in.size(), k = k_of(ratio_at(tensor), n);
@@ -114,8 +120,7 @@ class TopKCodec final : public SparseDecoder {
       candidates_.resize(n);
       for (std::size_t i = 0; i < n; ++i) candidates_[i] = static_cast<std::uint32_t>(i);
     }
-    select(in, k);
-    write(n, chosen_, in, out);
+    select(in, k, chosen);
   }
   // The warm-up's step counts; none without warm-up.
   std::vector<std::uint8_t> save_state() const override {
@@ -155,8 +160,8 @@ class TopKCodec final : public SparseDecoder {
 
   // The k largest magnitudes among the candidates (ascending indices), ties to the lower
   // index: everything above the k-th largest magnitude, then the first ties.
-  void select(std::span<const float> in, std::size_t k) {
-    chosen_.clear();
+  void select(std::span<const float> in, std::size_t k, std::vector<std::uint32_t>& chosen) {
+    chosen.clear();
     if (k == 0) return;
     magnitudes_.resize(candidates_.size());
     for (std::size_t j = 0; j < candidates_.size(); ++j) {
@@ -172,7 +177,7 @@ class TopKCodec final : public SparseDecoder {
       const float a = std::fabs(in[i]);
       if (a > kth || (a == kth && ties > 0)) {
         if (a == kth) --ties;
-        chosen_.push_back(i);
+        chosen.push_back(i);
       }
     }
   }
@@ -192,6 +197,7 @@ class TopKCodec final : public SparseDecoder {
   double ratio_;
   bool exact_;
   std::uint64_t warmup_;
+  bool union_;
   std::map<std::string, std::vector<float>> steps_;  // per tensor, with warm-up
   std::vector<std::uint32_t> candidates_, chosen_;
   std::vector<float> magnitudes_;
@@ -306,7 +312,8 @@ std::size_t randomk_values_offset() {
 
 std::unique_ptr<Codec> make_topk(const CodecSpec& s) {
   return std::make_unique<TopKCodec>(s.get("ratio", 0.01), s.get("exact", 0) != 0,
-                                     static_cast<std::uint64_t>(s.get("warmup", 0)));
+                                     static_cast<std::uint64_t>(s.get("warmup", 0)),
+                                     s.get("union", 0) != 0);
 }
 
 std::unique_ptr<Codec> make_randomk(const CodecSpec& s) {
