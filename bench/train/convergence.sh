@@ -6,10 +6,10 @@
 #
 #   bench/train/convergence.sh [--build DIR] [--ranks 4] [--epochs 5] [--hidden 512,512]
 #                              [--codecs "none fp16 ..."] [--out bench/train/convergence.png]
-#                              [--lr X] [--seeds "1 2 3"]
+#                              [--lr X] [--seeds "1 2 3"] [--train-args "--lr-schedule cosine"]
 # With several seeds (initialisation and data order) every codec runs once per seed; the
 # table gives the mean test accuracy and its spread, the difference to none seed by seed,
-# and the plot the first seed's curves.
+# and the plot the first seed's curves. --train-args go to every gradsync-train run.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -20,7 +20,8 @@ hidden=512,512
 lr=0.05
 seeds=1
 out=$here/convergence.png
-codecs="none fp16 bf16 int8 topk:ratio=0.01 topk:ratio=0.01,ef=0 sign powersgd:rank=4"
+codecs="none fp16 bf16 int8 topk:ratio=0.01 topk:ratio=0.01,ef=0 topk:ratio=0.01,union=1 sign powersgd:rank=4"
+train_args=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --build) build=$2; shift 2 ;;
@@ -31,7 +32,8 @@ while [[ $# -gt 0 ]]; do
     --lr) lr=$2; shift 2 ;;
     --seeds) seeds=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    *) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+    --train-args) train_args=$2; shift 2 ;;
+    *) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
   esac
 done
 [[ $build = /* ]] || build=$root/$build
@@ -45,21 +47,22 @@ for codec in $codecs; do
     echo "convergence: $codec, seed $seed" >&2
     "$build/tools/gradsync-run" -n "$ranks" --no-prefix -- "$build/examples/gradsync-train" \
       --model mlp --hidden "$hidden" --epochs "$epochs" --lr "$lr" --seed "$seed" --quiet \
-      --codec "$codec" --json "$results/$i~$seed.json" >/dev/null 2>&1 ||
+      --codec "$codec" $train_args --json "$results/$i~$seed.json" >/dev/null 2>&1 ||
       echo "convergence: $codec seed $seed failed" >&2
   done
   i=$((i + 1))
 done
-python3 - "$results" "$ranks" "$epochs" "$hidden" "$lr" $seeds <<'PY'
+python3 - "$results" "$ranks" "$epochs" "$hidden" "$lr" "$train_args" $seeds <<'PY'
 import glob, json, os, statistics, sys
-results, ranks, epochs, hidden, lr = sys.argv[1:6]
-seeds = sys.argv[6:]
+results, ranks, epochs, hidden, lr, train_args = sys.argv[1:7]
+seeds = sys.argv[7:]
 runs = {}
 for p in glob.glob(os.path.join(results, "*.json")):
     i, seed = os.path.basename(p)[:-5].split("~")
     runs.setdefault(int(i), {})[seed] = json.load(open(p))
 print(f"{ranks} ranks, MLP 784-{hidden.replace(',', '-')}-10, batch 64 per rank, SGD momentum "
-      f"0.9 lr {lr}, {epochs} epochs, seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)}\n")
+      f"0.9 lr {lr}, {epochs} epochs, seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)}"
+      f"{', ' + train_args if train_args else ''}\n")
 multi = len(seeds) > 1
 print("| codec | test accuracy" + (" (mean, min-max)" if multi else "") +
       " | vs none (pp" + (", mean of the seeds" if multi else "") +
