@@ -31,14 +31,21 @@ struct KeyRange {
 };
 
 const std::map<std::string, KeyRange>& key_ranges() {
+  // clang-format off
   static const std::map<std::string, KeyRange> ranges = {
-      {"ef", {0, 1, true}},           {"block", {1, 1 << 24, true}},
-      {"levels", {1, 127, true}},     {"seed", {0, 9007199254740992.0, true}},
-      {"ratio", {0, 1, false, true}}, {"exact", {0, 1, true}},
-      {"union", {0, 1, true}},        {"rel", {0, 1, false, true}},
-      {"rank", {1, 1024, true}},      {"momentum", {0, 0.999, false}},
+      {"ef", {0, 1, true}},
+      {"block", {1, 1 << 24, true}},
+      {"levels", {1, 127, true}},
+      {"seed", {0, 9007199254740992.0, true}},
+      {"ratio", {0, 1, false, true}},
+      {"exact", {0, 1, true}},
+      {"union", {0, 1, true}},
+      {"rel", {0, 1, false, true}},
+      {"rank", {1, 1024, true}},
+      {"momentum", {0, 0.999, false}},
       {"warmup", {0, 1e9, true}},
   };
+  // clang-format on
   return ranges;
 }
 
