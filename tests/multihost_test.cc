@@ -103,10 +103,15 @@ TEST(NetnsCluster, UpShapesEveryLinkAndDownLeavesNothing) {
   EXPECT_EQ(run_shell(script() + " down --prefix " + prefix).status, 0);
 }
 
-// The job token also names the jobs' shared-memory segments, and /dev/shm is one for all the
-// namespaces: tests that run at once (ctest -j) must not share a token.
-const std::string kEnv =
-    "GRADSYNC_TOKEN=multihost" + std::to_string(::getpid()) + " GRADSYNC_TIMEOUT=60000 ";
+// The job token's first 8 characters name the job's shared-memory segments, and a launcher
+// removes every segment of that prefix when its job ends; /dev/shm is one for all the
+// namespaces. So tests that run at once (ctest -j) must differ there: with "multihost<pid>"
+// one test's launchers deleted another's segments before its ranks had opened them.
+std::string own_token() {
+  std::string pid = std::to_string(::getpid());
+  return std::string(pid.size() < 8 ? 8 - pid.size() : 0, '0') + pid + "-multihost";
+}
+const std::string kEnv = "GRADSYNC_TOKEN=" + own_token() + " GRADSYNC_TIMEOUT=60000 ";
 
 class AcrossHosts : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
