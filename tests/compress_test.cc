@@ -1063,8 +1063,21 @@ TEST_P(CompressedAllreduceWorlds, TopKUnionSendsEveryRanksValueAtEveryPickedInde
       }
     }
   }
-  testing::expect_error(ErrorKind::kInvalidArgument,
-                        [] { make_codec("topk:ratio=0.01,union=1,ef=0"); });
+  Error e = testing::expect_error(ErrorKind::kInvalidArgument,
+                                  [] { make_codec("topk:ratio=0.01,union=1,ef=0"); });
+  EXPECT_TRUE(contains(e.what(), "it needs ef=1")) << e.what();
+  // Tensors of different sizes with the same k: every rank names the mismatch.
+  if (n == 1) return;
+  testing::run_inproc_contexts(n, [&](Context& ctx) {
+    auto codec = make_codec("topk:ratio=0.01,union=1");
+    std::vector<float> data = gradient(ctx.rank() == n - 1 ? 999 : 1000, 130);
+    Error m = testing::expect_error(
+        ErrorKind::kMismatch, [&] { compress::compressed_allreduce(ctx, data, *codec, "w"); });
+    const std::string want = ctx.rank() == n - 1 ? "has 1000 elements on rank 0 and 999 here"
+                                                 : "has 999 elements on rank " +
+                                                       std::to_string(n - 1) + " and 1000 here";
+    EXPECT_TRUE(contains(m.what(), want)) << m.what();
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, CompressedAllreduceWorlds, ::testing::Values(1, 2, 3, 4, 5, 8),

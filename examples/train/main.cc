@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <numbers>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -365,11 +366,10 @@ int run(const Config& c) {
   // resumed run continues the schedule without saving it.
   long total_steps = static_cast<long>(steps_per_epoch) * c.epochs;
   if (c.max_steps >= 0) total_steps = std::min(total_steps, c.max_steps);
-  const double pi = std::acos(-1.0);
   auto lr_at = [&](long step) {
     if (!c.cosine) return static_cast<float>(c.lr);
     return static_cast<float>(c.lr * 0.5 *
-                              (1 + std::cos(pi * static_cast<double>(step) /
+                              (1 + std::cos(std::numbers::pi * static_cast<double>(step) /
                                             static_cast<double>(std::max(total_steps, 1L)))));
   };
 

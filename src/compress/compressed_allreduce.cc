@@ -268,18 +268,28 @@ void union_allreduce(Context& ctx, std::span<float> data, ErrorFeedback& feedbac
   owed.resize(data.size());
   feedback.owe(tensor, data, owed);
   selector.select_indices(tensor, owed, mine);
-  // Every rank picks the same k (the ratio and the warm-up step agree); a rank that does not
-  // fails the all-gather's signature check.
-  picked.resize(mine.size() * static_cast<std::size_t>(ctx.size()));
-  ctx.allgather(mine.data(), picked.data(), mine.size(), DataType::kInt32);
+  // Each rank's element count travels ahead of its indices, so ranks that pass tensors of
+  // different sizes but the same k all fail alike instead of indexing past a tensor's end.
+  // (A different k already fails the all-gather's signature check.)
+  mine.insert(mine.begin(), static_cast<std::uint32_t>(data.size()));
+  const std::size_t per_rank = mine.size();
+  picked.resize(per_rank * static_cast<std::size_t>(ctx.size()));
+  ctx.allgather(mine.data(), picked.data(), per_rank, DataType::kInt32);
+  std::size_t kept = 0;
+  for (int r = 0; r < ctx.size(); ++r) {
+    const std::uint32_t* from = picked.data() + static_cast<std::size_t>(r) * per_rank;
+    if (from[0] != data.size()) {
+      throw Error(ErrorKind::kMismatch,
+                  "tensor '" + tensor.name + "' has " + std::to_string(from[0]) +
+                      " elements on rank " + std::to_string(r) + " and " +
+                      std::to_string(data.size()) + " here",
+                  ctx.rank(), r, kOp, data.size_bytes());
+    }
+    for (std::size_t j = 1; j < per_rank; ++j) picked[kept++] = from[j];
+  }
+  picked.resize(kept);
   std::sort(picked.begin(), picked.end());
   picked.erase(std::unique(picked.begin(), picked.end()), picked.end());
-  if (!picked.empty() && picked.back() >= data.size()) {
-    throw Error(ErrorKind::kProtocol,
-                "tensor '" + tensor.name + "': a rank picked index " +
-                    std::to_string(picked.back()) + " of " + std::to_string(data.size()),
-                ctx.rank(), Error::kNoPeer, kOp, data.size_bytes());
-  }
   std::vector<float> values(picked.size());
   for (std::size_t j = 0; j < picked.size(); ++j) values[j] = owed[picked[j]];
   ctx.allreduce(values.data(), values.data(), values.size(), DataType::kFloat32, op);
