@@ -356,7 +356,17 @@ TEST(Launcher, RemovesThisJobsShmSegmentsOnly) {
   token.resize(32, '0');
   std::string ours = "/dev/shm/gradsync-" + token.substr(0, 8) + "-seg";
   std::string other = "/dev/shm/gradsync-other" + std::to_string(::getpid());
-  { std::ofstream(other) << "x"; }
+  // Another job whose token shares the 8 characters: its segments carry their creator's pid.
+  // One whose creator runs (this test) is kept; one whose creator has exited is stale.
+  const pid_t exited = ::fork();
+  if (exited == 0) ::_exit(0);
+  ASSERT_GT(exited, 0);
+  ASSERT_EQ(::waitpid(exited, nullptr, 0), exited);
+  std::string running_job =
+      "/dev/shm/gradsync-" + token.substr(0, 8) + "-k_a-p" + std::to_string(::getpid()) + "-r0-0";
+  std::string exited_job =
+      "/dev/shm/gradsync-" + token.substr(0, 8) + "-k_a-p" + std::to_string(exited) + "-r1-3";
+  for (const auto& path : {other, running_job, exited_job}) std::ofstream(path) << "x";
   RunSpec spec;
   spec.args = {"-n", "2",  "--",
                "sh", "-c", "if [ $RANK = 0 ]; then touch " + ours + "; kill -9 $$; fi; sleep 1000"};
@@ -365,7 +375,10 @@ TEST(Launcher, RemovesThisJobsShmSegmentsOnly) {
   EXPECT_EQ(r.exit_code(), 137) << r.err;
   EXPECT_FALSE(std::filesystem::exists(ours));
   EXPECT_TRUE(std::filesystem::exists(other));
+  EXPECT_TRUE(std::filesystem::exists(running_job));
+  EXPECT_FALSE(std::filesystem::exists(exited_job));
   std::filesystem::remove(other);
+  std::filesystem::remove(running_job);
 }
 
 }  // namespace

@@ -204,7 +204,10 @@ class SharedMemoryAllreduce {
   // every rank and run, so results are bitwise reproducible) into its own slot, where the
   // other members copy it from.
   void reduce(std::size_t k) {
-    const auto [first, last] = sub_block(k, me_);
+    // Plain variables, not a structured binding: the lambda below captures `first`, and
+    // Debian 12's clang 14 refuses to capture bindings (C++20 allows it; clang 16 does).
+    const auto block = sub_block(k, me_);
+    const std::size_t first = block.first, last = block.second;
     unsigned char* dst = slot(me_, k) + first;
     const unsigned char* own_input = send_ + chunk_offset(k) + first;
     auto input = [&](int m, std::size_t offset) {
