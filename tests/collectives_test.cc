@@ -58,10 +58,15 @@ std::vector<float> rounded_input(int rank, std::size_t count) {
   return v;
 }
 
-class AllreduceGrid : public ::testing::TestWithParam<std::tuple<int, Algorithm>> {};
+// Plain members, not a structured binding of GetParam(): the tests' lambdas capture them, and
+// Debian 12's clang 14 refuses to capture bindings.
+class AllreduceGrid : public ::testing::TestWithParam<std::tuple<int, Algorithm>> {
+ protected:
+  const int n = std::get<0>(GetParam());
+  const Algorithm algo = std::get<1>(GetParam());
+};
 
 TEST_P(AllreduceGrid, EveryDtypeOpCountMatchesReference) {
-  const auto [n, algo] = GetParam();
   // Every rank runs the same sequence of calls; each call's outputs are compared across ranks.
   std::vector<std::unique_ptr<Outputs>> outputs;
   std::vector<std::string> labels;
@@ -96,7 +101,6 @@ TEST_P(AllreduceGrid, EveryDtypeOpCountMatchesReference) {
 }
 
 TEST_P(AllreduceGrid, LargeAndPrimeCounts) {
-  const auto [n, algo] = GetParam();
   const std::size_t counts[] = {99991, (std::size_t{1} << 20) + 3};
   const std::pair<DataType, ReduceOp> cases[] = {{DataType::kFloat32, ReduceOp::kSum},
                                                  {DataType::kFloat32, ReduceOp::kAvg},
@@ -121,7 +125,6 @@ TEST_P(AllreduceGrid, LargeAndPrimeCounts) {
 // Non-integer inputs make the result depend on the order of additions: every rank and
 // every run must still produce the same bits.
 TEST_P(AllreduceGrid, RoundedResultsAreIdenticalAcrossRanksAndRuns) {
-  const auto [n, algo] = GetParam();
   const std::size_t count = 300007;
   auto run_once = [&] {
     Outputs outputs(n);
@@ -149,11 +152,9 @@ INSTANTIATE_TEST_SUITE_P(
     Worlds, AllreduceGrid,
     ::testing::Combine(::testing::Values(1, 2, 3, 4, 5, 8),
                        ::testing::Values(Algorithm::kRing, Algorithm::kRecursiveDoubling,
-                                         Algorithm::kHalvingDoubling,
-                                         Algorithm::kParameterServer)),
+                                         Algorithm::kHalvingDoubling, Algorithm::kParameterServer)),
     [](const auto& p) {
-      return "n" + std::to_string(std::get<0>(p.param)) + "_" +
-             to_string(std::get<1>(p.param));
+      return "n" + std::to_string(std::get<0>(p.param)) + "_" + to_string(std::get<1>(p.param));
     });
 
 class CollectivesByWorld : public ::testing::TestWithParam<int> {};
@@ -163,7 +164,8 @@ TEST_P(CollectivesByWorld, ReduceScatterMatchesReference) {
   testing::run_inproc_contexts(n, [&](Context& ctx) {
     for (DataType t : testing::kAllDtypes)
       for (ReduceOp op : testing::kAllOps)
-        for (std::size_t block : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{1031}}) {
+        for (std::size_t block :
+             {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{1031}}) {
           const std::size_t total = block * static_cast<std::size_t>(n), es = dtype_size(t);
           Buffer in = testing::make_input(t, op, ctx.rank(), total);
           Buffer out(block * es, 0xCD);
@@ -193,20 +195,25 @@ TEST_P(CollectivesByWorld, AllgatherAndAllgathervMatchReference) {
         }
         // In place: this rank's block already sits at its offset in the output.
         Buffer inplace(out.size(), 0);
-        std::memcpy(inplace.data() + static_cast<std::size_t>(r) * block * es, mine.data(), mine.size());
-        ctx.allgather(inplace.data() + static_cast<std::size_t>(r) * block * es, inplace.data(), block, t);
+        std::memcpy(inplace.data() + static_cast<std::size_t>(r) * block * es, mine.data(),
+                    mine.size());
+        ctx.allgather(inplace.data() + static_cast<std::size_t>(r) * block * es, inplace.data(),
+                      block, t);
         EXPECT_TRUE(inplace == out) << "in-place allgather n=" << n;
       }
       // Variable counts, some zero.
       std::vector<std::size_t> counts(static_cast<std::size_t>(n));
-      for (int i = 0; i < n; ++i) counts[static_cast<std::size_t>(i)] = static_cast<std::size_t>((i * 37) % 5 == 1 ? 0 : i * 101 + 1);
+      for (int i = 0; i < n; ++i)
+        counts[static_cast<std::size_t>(i)] =
+            static_cast<std::size_t>((i * 37) % 5 == 1 ? 0 : i * 101 + 1);
       const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
       Buffer mine = testing::make_input(t, ReduceOp::kSum, r, counts[static_cast<std::size_t>(r)]);
       Buffer out(total * es, 0x11);
       ctx.allgatherv(mine.data(), out.data(), counts, t);
       std::size_t off = 0;
       for (int src = 0; src < n; ++src) {
-        Buffer want = testing::make_input(t, ReduceOp::kSum, src, counts[static_cast<std::size_t>(src)]);
+        Buffer want =
+            testing::make_input(t, ReduceOp::kSum, src, counts[static_cast<std::size_t>(src)]);
         EXPECT_EQ(0, std::memcmp(out.data() + off * es, want.data(), want.size()))
             << "allgatherv n=" << n << " block " << src;
         off += counts[static_cast<std::size_t>(src)];
@@ -220,7 +227,8 @@ TEST_P(CollectivesByWorld, BroadcastFromEveryRoot) {
   testing::run_inproc_contexts(n, [&](Context& ctx) {
     for (int root = 0; root < n; ++root) {
       // Small sizes take the binomial tree, large ones the pipelined chain.
-      for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{1031}, std::size_t{300007}}) {
+      for (std::size_t count :
+           {std::size_t{0}, std::size_t{1}, std::size_t{1031}, std::size_t{300007}}) {
         Buffer want = testing::make_input(DataType::kFloat32, ReduceOp::kSum, root, count);
         Buffer buf = ctx.rank() == root ? want : Buffer(want.size(), 0x5A);
         ctx.broadcast(buf.data(), count, DataType::kFloat32, root);
@@ -242,7 +250,8 @@ TEST_P(CollectivesByWorld, ReduceToEveryRoot) {
           ctx.reduce(in.data(), ctx.rank() == root ? out.data() : nullptr, count, t, op, root);
           if (ctx.rank() == root) {
             EXPECT_TRUE(out == testing::reference_reduce(t, op, n, count))
-                << "reduce n=" << n << " root=" << root << " " << to_string(t) << " " << to_string(op);
+                << "reduce n=" << n << " root=" << root << " " << to_string(t) << " "
+                << to_string(op);
           }
         }
       }
@@ -256,7 +265,9 @@ TEST_P(CollectivesByWorld, BarrierAndAsyncKeepIssueOrder) {
     ctx.barrier();
     std::vector<Buffer> bufs;
     std::vector<Work> works;
-    for (int i = 0; i < 6; ++i) bufs.push_back(testing::make_input(DataType::kFloat32, ReduceOp::kSum, ctx.rank(), 5000 + static_cast<std::size_t>(i)));
+    for (int i = 0; i < 6; ++i)
+      bufs.push_back(testing::make_input(DataType::kFloat32, ReduceOp::kSum, ctx.rank(),
+                                         5000 + static_cast<std::size_t>(i)));
     for (int i = 0; i < 6; ++i) {
       auto& b = bufs[static_cast<std::size_t>(i)];
       works.push_back(ctx.allreduce_async(b.data(), b.data(), 5000 + static_cast<std::size_t>(i),
@@ -268,7 +279,8 @@ TEST_P(CollectivesByWorld, BarrierAndAsyncKeepIssueOrder) {
     for (auto& w : works) w.wait();
     for (int i = 0; i < 6; ++i) {
       EXPECT_TRUE(bufs[static_cast<std::size_t>(i)] ==
-                  testing::reference_reduce(DataType::kFloat32, ReduceOp::kSum, n, 5000 + static_cast<std::size_t>(i)));
+                  testing::reference_reduce(DataType::kFloat32, ReduceOp::kSum, n,
+                                            5000 + static_cast<std::size_t>(i)));
     }
     EXPECT_TRUE(last == testing::reference_reduce(DataType::kFloat32, ReduceOp::kSum, n, 7));
     ctx.barrier();

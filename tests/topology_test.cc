@@ -168,10 +168,13 @@ INSTANTIATE_TEST_SUITE_P(Worlds, PermutedRing, ::testing::Values(2, 3, 4, 5, 8),
 // Hosts emulated by topology groups over the inproc transport: the hierarchical all-reduce,
 // reduce-scatter and all-gather(v) equal the reference (and every rank's all-reduce output is
 // the same bits), whatever the placement; uneven hosts fall back to the ring.
+// Plain variables, not a structured binding of GetParam(): the lambda captures them, and
+// Debian 12's clang 14 refuses to capture bindings.
 class Hierarchical : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
 
 TEST_P(Hierarchical, MatchesReferenceForEveryDtypeAndOp) {
-  const auto [n, spec] = GetParam();
+  const int n = std::get<0>(GetParam());
+  const std::string spec = std::get<1>(GetParam());
   Options options;
   options.topology = spec;
   std::vector<Buffer> outputs(static_cast<std::size_t>(n));

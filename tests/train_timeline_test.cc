@@ -34,11 +34,14 @@ struct Json {
   Kind kind = Kind::kNull;
   std::string text;  // a string's value, or a number as written
   std::vector<Json> items;
-  std::vector<std::pair<std::string, Json>> members;
+  // An object's members, as two vectors: a std::pair of an incomplete Json is refused by
+  // clang with libstdc++, a std::vector of one is allowed.
+  std::vector<std::string> keys;
+  std::vector<Json> values;
 
   const Json* find(const std::string& key) const {
-    for (const auto& [k, v] : members) {
-      if (k == key) return &v;
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i] == key) return &values[i];
     }
     return nullptr;
   }
@@ -96,7 +99,8 @@ class JsonParser {
         std::string key = string();
         skip_space();
         expect(':');
-        v.members.emplace_back(std::move(key), value());
+        v.keys.push_back(std::move(key));
+        v.values.push_back(value());
         skip_space();
         if (peek() == '}') {
           ++at_;
