@@ -19,6 +19,7 @@ namespace {
 
 using compress::CodecSpec;
 using compress::make_codec;
+using compress::TensorSlice;
 using testing::contains;
 using testing::expect_error;
 
@@ -330,11 +331,17 @@ INSTANTIATE_TEST_SUITE_P(Worlds, HalfWireAllreduce, ::testing::Values(1, 2, 3, 4
 // round once: exactly the float32 all-reduce's result, rounded, on every rank. The larger
 // count spans many chunks and is past the size whose output streams past the cache.
 TEST(CompressedAllreduce, HalfOnSharedMemoryIsTheFloat32SumRoundedOnce) {
-  for (const auto& [spec, count, ranks] : {std::tuple{"fp16", 300007, 4},
-                                           {"bf16", 300007, 4},
-                                           {"fp16", 2500011, 3},
-                                           {"bf16", 2500011, 2}}) {
-    testing::run_shm_contexts(ranks, [&](Context& ctx) {
+  struct Case {
+    const char* spec;
+    int count, ranks;
+  };
+  // A struct, not a structured binding: the lambda captures the fields, and Debian 12's
+  // clang 14 refuses to capture bindings.
+  for (const Case c : {Case{"fp16", 300007, 4}, Case{"bf16", 300007, 4}, Case{"fp16", 2500011, 3},
+                       Case{"bf16", 2500011, 2}}) {
+    const char* spec = c.spec;
+    const int count = c.count;
+    testing::run_shm_contexts(c.ranks, [&](Context& ctx) {
       auto codec = make_codec(spec);
       std::vector<float> data = gradient(count, 90 + static_cast<unsigned>(ctx.rank()));
       std::vector<float> want = data;
@@ -692,6 +699,113 @@ TEST(ErrorFeedback, MomentumCorrectionIsDeepGradientCompressions) {
     make_codec("topk:ratio=0.05,exact=1")->load_state(codec->save_state());
   });
   EXPECT_TRUE(contains(e.what(), "holds momentum")) << e.what();
+}
+
+// A bucket call ranks the whole bucket: a small tensor of large gradients takes all of the k
+// that 1% of each tensor would have spread. Error feedback stays per tensor, so when the
+// tensors are bucketed the other way round, and then reduced one by one, what was sent plus
+// the residuals is still what every rank put in.
+TEST(CompressedAllreduce, BucketCallsRankAcrossTensorsAndKeepFeedbackPerTensor) {
+  const std::size_t na = 37, nb = 1000;
+  for (int ranks : {1, 2, 3, 4, 5, 8}) {
+    std::vector<std::vector<float>> owed(static_cast<std::size_t>(ranks)), left(owed.size());
+    std::vector<float> sent(na + nb, 0.0f);
+    testing::run_inproc_contexts(ranks, [&](Context& ctx) {
+      const auto r = static_cast<std::size_t>(ctx.rank());
+      auto codec = make_codec("topk:ratio=0.02");  // k = 21 of 1037
+      owed[r].assign(na + nb, 0.0f);
+      auto inputs = [&](unsigned step) {  // a (37, large) then b (1000, small)
+        std::vector<float> g = gradient(na + nb, 700 + step + 10 * static_cast<unsigned>(r));
+        for (std::size_t i = 0; i < na; ++i) g[i] = (i % 2 ? 1.0f : -1.0f) * (1.0f + g[i]);
+        for (std::size_t i = 0; i < na + nb; ++i) owed[r][i] += g[i];
+        return g;
+      };
+      auto keep = [&](std::size_t at, std::span<const float> out) {
+        if (r == 0) {
+          for (std::size_t i = 0; i < out.size(); ++i) sent[at + i] += out[i];
+        }
+      };
+      const compress::Tensor a("a"), b("b");
+      std::vector<float> g = inputs(0);
+      const std::vector<TensorSlice> ab{{a, 0, na}, {b, na, nb}};
+      compress::compressed_allreduce(ctx, g, *codec, "bucket 0 (a, b)", ab);
+      for (std::size_t i = na; i < na + nb; ++i) ASSERT_EQ(g[i], 0.0f) << "b got k, i " << i;
+      keep(0, g);
+
+      std::vector<float> step1 = inputs(1), swapped(na + nb);  // b then a
+      std::copy(step1.begin() + na, step1.end(), swapped.begin());
+      std::copy(step1.begin(), step1.begin() + na, swapped.begin() + nb);
+      const std::vector<TensorSlice> ba{{a, nb, na}, {b, 0, nb}};
+      compress::compressed_allreduce(ctx, swapped, *codec, "bucket 0 (b, a)", ba);
+      keep(0, std::span<const float>(swapped).subspan(nb, na));
+      keep(na, std::span<const float>(swapped).subspan(0, nb));
+
+      std::vector<float> step2 = inputs(2);
+      std::vector<float> ga(step2.begin(), step2.begin() + na), gb(step2.begin() + na, step2.end());
+      compress::compressed_allreduce(ctx, ga, *codec, a);
+      compress::compressed_allreduce(ctx, gb, *codec, b);
+      keep(0, ga);
+      keep(na, gb);
+
+      const std::vector<std::uint8_t> state = codec->save_state();
+      EXPECT_TRUE(state_entry(state, "bucket 0 (a, b)").empty());
+      EXPECT_TRUE(state_entry(state, "bucket 0 (b, a)").empty());
+      left[r] = state_entry(state, "a");
+      const std::vector<float> residual_b = state_entry(state, "b");
+      ASSERT_EQ(left[r].size(), na);
+      ASSERT_EQ(residual_b.size(), nb);
+      left[r].insert(left[r].end(), residual_b.begin(), residual_b.end());
+    });
+    for (std::size_t i = 0; i < na + nb; ++i) {
+      double total_owed = 0, total_left = 0;
+      for (std::size_t r = 0; r < owed.size(); ++r) {
+        total_owed += owed[r][i];
+        total_left += left[r][i];
+      }
+      ASSERT_NEAR(sent[i] + total_left, total_owed, 1e-4) << "ranks " << ranks << " i " << i;
+    }
+  }
+}
+
+// With momentum correction too, a bucket call is a call on the bucket as one tensor: the
+// momentum goes back to the tensors and returns, so a second step matches bit for bit.
+TEST(CompressedAllreduce, BucketCallsMatchOneTensorWithMomentum) {
+  testing::run_inproc_contexts(3, [&](Context& ctx) {
+    auto parted = make_codec("topk:ratio=0.05,momentum=0.9,warmup=3");
+    auto whole = make_codec("topk:ratio=0.05,momentum=0.9,warmup=3");
+    const std::vector<TensorSlice> parts{{compress::Tensor("a", 5), 0, 300},
+                                         {compress::Tensor("b"), 300, 77}};
+    for (unsigned step = 0; step < 4; ++step) {
+      std::vector<float> x = gradient(377, 800 + step + 10 * static_cast<unsigned>(ctx.rank()));
+      std::vector<float> y = x;
+      compress::compressed_allreduce(ctx, x, *parted, "ab", parts, ReduceOp::kAvg);
+      compress::compressed_allreduce(ctx, y, *whole, "ab", ReduceOp::kAvg);
+      ASSERT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * 4)) << "step " << step;
+    }
+  });
+}
+
+// Parts that do not tile the bucket would lose a residual or feed one back twice.
+TEST(CompressedAllreduce, BucketPartsMustTileTheBucket) {
+  testing::run_inproc_contexts(1, [&](Context& ctx) {
+    auto codec = make_codec("topk:ratio=0.1");
+    std::vector<float> g(100, 1.0f);
+    const compress::Tensor a("a"), b("b");
+    const std::pair<std::vector<TensorSlice>, const char*> cases[] = {
+        {{{a, 0, 60}, {b, 50, 50}}, "part 'b' at [50, 100) overlaps the part before it"},
+        {{{a, 0, 40}, {b, 50, 50}}, "part 'b' at [50, 100) leaves a gap after 40"},
+        {{{a, 0, 60}, {b, 60, 50}}, "part 'b' at [60, 110) ends past the bucket's 100 floats"},
+        {{{a, 0, 60}, {b, 60, 30}}, "its parts cover 90 of its 100 floats"},
+    };
+    for (const auto& c : cases) {
+      Error e = testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+        compress::compressed_allreduce(ctx, g, *codec, "bucket 7", c.first);
+      });
+      EXPECT_TRUE(contains(e.what(), "bucket 'bucket 7': ")) << e.what();
+      EXPECT_TRUE(contains(e.what(), c.second)) << e.what();
+    }
+    EXPECT_EQ(g, std::vector<float>(100, 1.0f));  // refused before anything happened
+  });
 }
 
 // Dense codecs keep their momentum (no masking), so over T steps what was sent plus the

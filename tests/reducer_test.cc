@@ -259,8 +259,9 @@ TEST(Reducer, UnusedParametersAreAnErrorOnEveryRankOrZeros) {
   });
 }
 
-// Codecs plug in: fp16 reduces whole buckets, top-k (with error feedback) one parameter at a
-// time under its name; both near the average (top-k: within what it drops this step).
+// Codecs plug in: fp16 and top-k (with error feedback) reduce whole buckets, int8 one
+// parameter at a time under its name; all near the average (top-k: within what it drops this
+// step).
 TEST(Reducer, CodecsReduceBucketsOrParameters) {
   const int n = 4;
   testing::run_inproc_contexts(n, [&](Context& ctx) {
@@ -274,13 +275,21 @@ TEST(Reducer, CodecsReduceBucketsOrParameters) {
     EXPECT_EQ(stats.allreduce_calls, stats.buckets);
     expect_average(half, m, n, 0, "fp16", 1e-3);
 
-    o.codec = "topk:ratio=1";  // keeps everything: exact, but one call per parameter
+    o.codec = "topk:ratio=1";  // keeps everything: exact
     Reducer topk(ctx, o);
     Model t = register_all(topk, true);
     backward(topk, t, ctx.rank(), 0, 9);
     const StepStats s2 = topk.finish();
-    EXPECT_EQ(s2.allreduce_calls, kSizes.size());
+    EXPECT_EQ(s2.allreduce_calls, s2.buckets);
     expect_average(topk, t, n, 0, "topk");
+
+    o.codec = "int8";
+    Reducer int8(ctx, o);
+    Model q = register_all(int8, true);
+    backward(int8, q, ctx.rank(), 0, 9);
+    const StepStats s3 = int8.finish();
+    EXPECT_EQ(s3.allreduce_calls, kSizes.size());
+    expect_average(int8, q, n, 0, "int8", 0.05);
   });
 }
 

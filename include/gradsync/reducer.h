@@ -37,7 +37,10 @@ struct ReducerOptions {
   bool find_unused_parameters = false;
   // Communicate every k-th step only; the k-1 steps between accumulate gradients locally.
   int accumulate_steps = 1;
-  // Codec spec of compress::make_codec ("none", "fp16", "topk:ratio=0.01", ...).
+  // Codec spec of compress::make_codec ("none", "fp16", "topk:ratio=0.01", ...). none,
+  // fp16, bf16 and top-k reduce each bucket in one call (top-k ranks the whole bucket, so the
+  // bucket sizes bound how widely it ranks; its error feedback stays per parameter); the
+  // others reduce parameter by parameter.
   std::string codec = "none";
   // Rebuild the buckets once, after the first step, in the order gradients became ready on
   // rank 0 (every rank adopts it, so all launch the same buckets in the same order).

@@ -278,6 +278,32 @@ void ErrorFeedback::keep_unsent(const Tensor& tensor, std::span<const float> owe
   for (std::uint32_t i : sent) u[i] = 0.0f;
 }
 
+void ErrorFeedback::join(const Tensor& bucket, std::span<const TensorSlice> parts,
+                         std::size_t count) {
+  for (auto* states : {&residuals_, &velocities_}) {
+    if (states == &velocities_ && momentum_ == 0) continue;
+    const char* what = states == &residuals_ ? "error-feedback residual" : "momentum";
+    std::vector<float> whole(count, 0.0f);
+    for (const TensorSlice& part : parts) {
+      const std::vector<float>& own = state_of(*states, part.tensor, part.count, what);
+      std::copy(own.begin(), own.end(), whole.begin() + static_cast<long>(part.offset));
+    }
+    (*states)[bucket.name] = std::move(whole);
+  }
+}
+
+void ErrorFeedback::split(const Tensor& bucket, std::span<const TensorSlice> parts) {
+  for (auto* states : {&residuals_, &velocities_}) {
+    auto node = states->extract(bucket.name);  // first: a part may share the bucket's name
+    if (node.empty()) continue;
+    const std::vector<float>& whole = node.mapped();
+    for (const TensorSlice& part : parts) {
+      const auto from = whole.begin() + static_cast<long>(part.offset);
+      (*states)[part.tensor.name].assign(from, from + static_cast<long>(part.count));
+    }
+  }
+}
+
 void ErrorFeedback::clear_sent_momentum(const Tensor& tensor, std::span<const float> owed) {
   if (momentum_ == 0) return;
   const std::vector<float>& r = residual(tensor, owed.size());

@@ -186,6 +186,11 @@ class ErrorFeedback final : public Codec {
   // their momentum starts again from zero (factor masking).
   void keep_unsent(const Tensor& tensor, std::span<const float> owed,
                    std::span<const std::uint32_t> sent);
+  // A bucket call (compressed_allreduce over TensorSlices) keeps its state under `bucket`,
+  // assembled by join from its parts' (zeros for a part not seen before) and handed back to
+  // them by split, so state lives per tensor whatever bucket a tensor travels in.
+  void join(const Tensor& bucket, std::span<const TensorSlice> parts, std::size_t count);
+  void split(const Tensor& bucket, std::span<const TensorSlice> parts);
 
  private:
   // Momentum factor masking, after a sparse codec sent the elements where residual differs

@@ -370,4 +370,65 @@ bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, con
   return true;
 }
 
+namespace {
+
+// `parts` must tile `data`: a float outside every part would lose its residual, one in two
+// would be fed back twice.
+void check_tiling(const Context& ctx, std::span<const float> data, const Tensor& bucket,
+                  std::span<const TensorSlice> parts) {
+  std::vector<const TensorSlice*> by_offset;
+  for (const TensorSlice& part : parts) by_offset.push_back(&part);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const TensorSlice* a, const TensorSlice* b) { return a->offset < b->offset; });
+  std::size_t covered = 0;
+  for (const TensorSlice* part : by_offset) {
+    const bool empty_inside = part->count == 0 && part->offset <= data.size();
+    if (!empty_inside && (part->offset != covered || part->count > data.size() - covered)) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "bucket '" + bucket.name + "': part '" + part->tensor.name + "' at [" +
+                      std::to_string(part->offset) + ", " +
+                      std::to_string(part->offset + part->count) + ") " +
+                      (part->offset < covered ? "overlaps the part before it"
+                       : part->offset > covered
+                           ? "leaves a gap after " + std::to_string(covered)
+                           : "ends past the bucket's " + std::to_string(data.size()) + " floats"),
+                  ctx.rank(), Error::kNoPeer, kOp, data.size_bytes());
+    }
+    covered += part->count;
+  }
+  if (covered != data.size()) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "bucket '" + bucket.name + "': its parts cover " + std::to_string(covered) +
+                    " of its " + std::to_string(data.size()) + " floats",
+                ctx.rank(), Error::kNoPeer, kOp, data.size_bytes());
+  }
+}
+
+}  // namespace
+
+bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& bucket,
+                          std::span<const TensorSlice> parts, ReduceOp op, NonFinite non_finite) {
+  check_tiling(ctx, data, bucket, parts);
+  if (dynamic_cast<PowerSgd*>(&codec)) {
+    bool all_reduced = true;
+    for (const TensorSlice& part : parts) {
+      all_reduced &= compressed_allreduce(ctx, data.subspan(part.offset, part.count), codec,
+                                          part.tensor, op, non_finite);
+    }
+    return all_reduced;
+  }
+  auto* feedback = dynamic_cast<ErrorFeedback*>(&codec);
+  if (!feedback) return compressed_allreduce(ctx, data, codec, bucket, op, non_finite);
+  feedback->join(bucket, parts, data.size());
+  // Handed back on the way out, also when the call throws: the parts keep what the call had
+  // done to the state by then.
+  struct Split {
+    ErrorFeedback& feedback;
+    const Tensor& bucket;
+    std::span<const TensorSlice> parts;
+    ~Split() { feedback.split(bucket, parts); }
+  } split{*feedback, bucket, parts};
+  return compressed_allreduce(ctx, data, codec, bucket, op, non_finite);
+}
+
 }  // namespace gradsync::compress

@@ -52,10 +52,13 @@ struct Reducer::State {
   State(Context& c, ReducerOptions o)
       : ctx(c), options(std::move(o)), codec(compress::make_codec(options.codec)) {
     const compress::CodecSpec spec = compress::CodecSpec::parse(codec->spec());
-    // Elementwise codecs without state reduce a bucket in one call; the others per
-    // parameter, where their state (residuals, PowerSGD's Q) and shape belong.
-    whole_buckets = (spec.name == "none" || spec.name == "fp16" || spec.name == "bf16") &&
-                    spec.get("ef", 0) == 0;
+    // Elementwise codecs without state reduce a bucket in one call, and so does top-k: it
+    // ranks the whole bucket, so the parameters with the largest gradients get most of the k
+    // (its error feedback stays per parameter). The others go parameter by parameter, where
+    // their state (PowerSGD's Q) and shape belong.
+    whole_buckets = ((spec.name == "none" || spec.name == "fp16" || spec.name == "bf16") &&
+                     spec.get("ef", 0) == 0) ||
+                    spec.name == "topk";
     if (options.accumulate_steps < 1) misuse(ctx, "accumulate_steps must be at least 1");
     worker = std::thread([this] { run_worker(); });
   }
@@ -179,7 +182,13 @@ struct Reducer::State {
         name += (i ? ", " : "") + params[static_cast<std::size_t>(b.params[i])].name;
       }
       name += b.params.size() > 3 ? ", ...)" : ")";
-      compress::compressed_allreduce(ctx, b.values(), *codec, name, ReduceOp::kAvg);
+      std::vector<compress::TensorSlice> parts;
+      for (int id : b.params) {
+        const Param& p = params[static_cast<std::size_t>(id)];
+        // An empty parameter's offset in a view bucket means nothing: it has no floats.
+        if (p.count) parts.push_back({compress::Tensor(p.name, p.rows), p.offset, p.count});
+      }
+      compress::compressed_allreduce(ctx, b.values(), *codec, name, parts, ReduceOp::kAvg);
       ++calls;
     } else {
       for (int id : b.params) {
