@@ -767,8 +767,8 @@ TEST(CompressedAllreduce, BucketCallsRankAcrossTensorsAndKeepFeedbackPerTensor) 
   }
 }
 
-// With momentum correction too, a bucket call is a call on the bucket as one tensor: the
-// momentum goes back to the tensors and returns, so a second step matches bit for bit.
+// With momentum correction too, a bucket call is a call on the bucket as one tensor, step
+// after step, and across a save and restore of the codec between steps.
 TEST(CompressedAllreduce, BucketCallsMatchOneTensorWithMomentum) {
   testing::run_inproc_contexts(3, [&](Context& ctx) {
     auto parted = make_codec("topk:ratio=0.05,momentum=0.9,warmup=3");
@@ -781,6 +781,15 @@ TEST(CompressedAllreduce, BucketCallsMatchOneTensorWithMomentum) {
       compress::compressed_allreduce(ctx, x, *parted, "ab", parts, ReduceOp::kAvg);
       compress::compressed_allreduce(ctx, y, *whole, "ab", ReduceOp::kAvg);
       ASSERT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * 4)) << "step " << step;
+      if (step != 1) continue;
+      // Saved while the bucket holds the state: per tensor, and a codec restored from it
+      // continues as the original.
+      const std::vector<std::uint8_t> state = parted->save_state();
+      EXPECT_EQ(state_entry(state, "a").size(), 300u);
+      EXPECT_EQ(state_entry(state, "b").size(), 77u);
+      EXPECT_TRUE(state_entry(state, "ab").empty());
+      parted = make_codec("topk:ratio=0.05,momentum=0.9,warmup=3");
+      parted->load_state(state);
     }
   });
 }

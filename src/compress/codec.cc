@@ -1,6 +1,7 @@
 // Spec parsing, the codecs that are plain casts (none, fp16, bf16), the error-feedback
 // wrapper, the per-tensor state format, and make_codec.
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <cmath>
 #include <cstring>
@@ -240,6 +241,8 @@ std::string ErrorFeedback::spec() const {
 std::vector<float>& ErrorFeedback::state_of(std::map<std::string, std::vector<float>>& states,
                                             const Tensor& tensor, std::size_t count,
                                             const char* what) {
+  // A tensor's own state while its bucket's is joined would be a second, stale copy.
+  if (!joined_.empty() && !joined_.contains(tensor.name)) split_all();
   std::vector<float>& r = states[tensor.name];
   if (r.empty()) r.assign(count, 0.0f);
   if (r.size() != count) {
@@ -280,28 +283,63 @@ void ErrorFeedback::keep_unsent(const Tensor& tensor, std::span<const float> owe
 
 void ErrorFeedback::join(const Tensor& bucket, std::span<const TensorSlice> parts,
                          std::size_t count) {
-  for (auto* states : {&residuals_, &velocities_}) {
-    if (states == &velocities_ && momentum_ == 0) continue;
-    const char* what = states == &residuals_ ? "error-feedback residual" : "momentum";
-    std::vector<float> whole(count, 0.0f);
+  if (const auto it = joined_.find(bucket.name);
+      it != joined_.end() &&
+      std::equal(it->second.begin(), it->second.end(), parts.begin(), parts.end(),
+                 [](const TensorSlice& a, const TensorSlice& b) {
+                   return a.tensor.name == b.tensor.name && a.offset == b.offset &&
+                          a.count == b.count;
+                 })) {
+    return;  // as last time: the state is where the call will look for it
+  }
+  split_all();  // a tensor may have travelled in another bucket
+  std::vector<float> wholes[2];
+  const std::array states{&residuals_, &velocities_};
+  const int kinds = momentum_ > 0 ? 2 : 1;
+  for (int kind = 0; kind < kinds; ++kind) {  // may throw (a size changed): nothing moved yet
+    wholes[kind].assign(count, 0.0f);
     for (const TensorSlice& part : parts) {
-      const std::vector<float>& own = state_of(*states, part.tensor, part.count, what);
-      std::copy(own.begin(), own.end(), whole.begin() + static_cast<long>(part.offset));
+      const std::vector<float>& own = state_of(*states[kind], part.tensor, part.count,
+                                               kind == 0 ? "error-feedback residual" : "momentum");
+      std::copy(own.begin(), own.end(), wholes[kind].begin() + static_cast<long>(part.offset));
     }
-    (*states)[bucket.name] = std::move(whole);
+  }
+  for (int kind = 0; kind < kinds; ++kind) {
+    for (const TensorSlice& part : parts) states[kind]->erase(part.tensor.name);
+    (*states[kind])[bucket.name] = std::move(wholes[kind]);
+  }
+  joined_[bucket.name].assign(parts.begin(), parts.end());
+}
+
+namespace {
+
+// Moves the entry `bucket` of `states` into one entry per part.
+void split_into_parts(std::map<std::string, std::vector<float>>& states, const std::string& bucket,
+                      const std::vector<TensorSlice>& parts) {
+  auto node = states.extract(bucket);  // first: a part may share the bucket's name
+  if (node.empty()) return;
+  const std::vector<float>& whole = node.mapped();
+  for (const TensorSlice& part : parts) {
+    const auto from = whole.begin() + static_cast<long>(part.offset);
+    states[part.tensor.name].assign(from, from + static_cast<long>(part.count));
   }
 }
 
-void ErrorFeedback::split(const Tensor& bucket, std::span<const TensorSlice> parts) {
-  for (auto* states : {&residuals_, &velocities_}) {
-    auto node = states->extract(bucket.name);  // first: a part may share the bucket's name
-    if (node.empty()) continue;
-    const std::vector<float>& whole = node.mapped();
-    for (const TensorSlice& part : parts) {
-      const auto from = whole.begin() + static_cast<long>(part.offset);
-      (*states)[part.tensor.name].assign(from, from + static_cast<long>(part.count));
-    }
+}  // namespace
+
+void ErrorFeedback::split_all() {
+  for (const auto& [bucket, parts] : joined_) {
+    split_into_parts(residuals_, bucket, parts);
+    split_into_parts(velocities_, bucket, parts);
   }
+  joined_.clear();
+}
+
+std::map<std::string, std::vector<float>> ErrorFeedback::per_tensor(
+    const std::map<std::string, std::vector<float>>& states) const {
+  std::map<std::string, std::vector<float>> out = states;
+  for (const auto& [bucket, parts] : joined_) split_into_parts(out, bucket, parts);
+  return out;
 }
 
 void ErrorFeedback::clear_sent_momentum(const Tensor& tensor, std::span<const float> owed) {
@@ -336,8 +374,10 @@ void ErrorFeedback::encode(const Tensor& tensor, std::span<const float> in,
 // residuals, then the momentum (no tensors without momentum).
 std::vector<std::uint8_t> ErrorFeedback::save_state() const {
   const std::vector<std::uint8_t> inner = inner_->save_state();
-  const std::vector<std::uint8_t> residuals = save_tensor_state(kFeedbackMagic, residuals_);
-  const std::vector<std::uint8_t> velocities = save_tensor_state(kMomentumMagic, velocities_);
+  const std::vector<std::uint8_t> residuals =
+      save_tensor_state(kFeedbackMagic, per_tensor(residuals_));
+  const std::vector<std::uint8_t> velocities =
+      save_tensor_state(kMomentumMagic, per_tensor(velocities_));
   std::vector<std::uint8_t> s(20 + inner.size() + residuals.size() + velocities.size());
   std::memcpy(s.data(), kWrapperMagic, 4);
   std::size_t at = 4;
@@ -373,6 +413,7 @@ void ErrorFeedback::load_state(std::span<const std::uint8_t> state) {
   inner_->load_state(parts[0]);  // may throw: nothing of ours replaced yet
   residuals_ = std::move(residuals);
   velocities_ = std::move(velocities);
+  joined_.clear();  // what was loaded is per tensor
 }
 
 CodecSpec CodecSpec::parse(std::string_view spec) {

@@ -187,10 +187,11 @@ class ErrorFeedback final : public Codec {
   void keep_unsent(const Tensor& tensor, std::span<const float> owed,
                    std::span<const std::uint32_t> sent);
   // A bucket call (compressed_allreduce over TensorSlices) keeps its state under `bucket`,
-  // assembled by join from its parts' (zeros for a part not seen before) and handed back to
-  // them by split, so state lives per tensor whatever bucket a tensor travels in.
+  // assembled from its parts' (zeros for a part not seen before). It stays joined while the
+  // same bucket comes back with the same parts (copying 2 x 2.7 MB in and out cost the
+  // Fashion-MNIST MLP 4 ms a step); any other use of the state splits it back into the
+  // tensors first, and save_state saves it per tensor, so checkpoints keep tensor names.
   void join(const Tensor& bucket, std::span<const TensorSlice> parts, std::size_t count);
-  void split(const Tensor& bucket, std::span<const TensorSlice> parts);
 
  private:
   // Momentum factor masking, after a sparse codec sent the elements where residual differs
@@ -198,11 +199,18 @@ class ErrorFeedback final : public Codec {
   void clear_sent_momentum(const Tensor& tensor, std::span<const float> owed);
   std::vector<float>& state_of(std::map<std::string, std::vector<float>>& states,
                                const Tensor& tensor, std::size_t count, const char* what);
+  // Hands every joined bucket's state back to its tensors.
+  void split_all();
+  // `states` with every joined bucket's entry split into its tensors'.
+  std::map<std::string, std::vector<float>> per_tensor(
+      const std::map<std::string, std::vector<float>>& states) const;
 
   std::unique_ptr<Codec> inner_;
   const double momentum_spec_;  // as written in the spec
   const float momentum_;
   std::map<std::string, std::vector<float>> residuals_, velocities_;
+  // The joined buckets: name -> parts (name, offset, count).
+  std::map<std::string, std::vector<TensorSlice>> joined_;
   std::vector<float> owed_, sent_;  // scratch: residual + input, what the wire carried
 };
 

@@ -417,17 +417,9 @@ bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, con
     }
     return all_reduced;
   }
-  auto* feedback = dynamic_cast<ErrorFeedback*>(&codec);
-  if (!feedback) return compressed_allreduce(ctx, data, codec, bucket, op, non_finite);
-  feedback->join(bucket, parts, data.size());
-  // Handed back on the way out, also when the call throws: the parts keep what the call had
-  // done to the state by then.
-  struct Split {
-    ErrorFeedback& feedback;
-    const Tensor& bucket;
-    std::span<const TensorSlice> parts;
-    ~Split() { feedback.split(bucket, parts); }
-  } split{*feedback, bucket, parts};
+  if (auto* feedback = dynamic_cast<ErrorFeedback*>(&codec)) {
+    feedback->join(bucket, parts, data.size());
+  }
   return compressed_allreduce(ctx, data, codec, bucket, op, non_finite);
 }
 
