@@ -188,9 +188,11 @@ class ErrorFeedback final : public Codec {
                    std::span<const std::uint32_t> sent);
   // A bucket call (compressed_allreduce over TensorSlices) keeps its state under `bucket`,
   // assembled from its parts' (zeros for a part not seen before). It stays joined while the
-  // same bucket comes back with the same parts (copying 2 x 2.7 MB in and out cost the
-  // Fashion-MNIST MLP 4 ms a step); any other use of the state splits it back into the
-  // tensors first, and save_state saves it per tensor, so checkpoints keep tensor names.
+  // same bucket comes back with the same parts, as the reducer's do step after step (a copy
+  // in and out per call would move the residual and momentum, 2 x 2.7 MB for the
+  // Fashion-MNIST MLP's large bucket, twice a step); any other use of the state splits it
+  // back into the tensors first, and save_state saves it per tensor, so checkpoints keep
+  // tensor names.
   void join(const Tensor& bucket, std::span<const TensorSlice> parts, std::size_t count);
 
  private:
