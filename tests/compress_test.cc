@@ -794,6 +794,25 @@ TEST(CompressedAllreduce, BucketCallsMatchOneTensorWithMomentum) {
   });
 }
 
+// PowerSGD's matrices are the tensors': a bucket call reduces part by part, exactly as calls
+// on the tensors one by one.
+TEST(CompressedAllreduce, PowerSgdBucketCallsGoPartByPart) {
+  testing::run_inproc_contexts(3, [&](Context& ctx) {
+    auto parted = make_codec("powersgd:rank=2"), single = make_codec("powersgd:rank=2");
+    const compress::Tensor a("a", 20), b("b");
+    const std::vector<TensorSlice> parts{{a, 0, 20 * 30}, {b, 600, 45}};
+    for (unsigned step = 0; step < 3; ++step) {
+      std::vector<float> x = gradient(645, 900 + step + 10 * static_cast<unsigned>(ctx.rank()));
+      std::vector<float> ya(x.begin(), x.begin() + 600), yb(x.begin() + 600, x.end());
+      compress::compressed_allreduce(ctx, x, *parted, "bucket 0 (a, b)", parts);
+      compress::compressed_allreduce(ctx, ya, *single, a);
+      compress::compressed_allreduce(ctx, yb, *single, b);
+      ASSERT_EQ(0, std::memcmp(x.data(), ya.data(), 600 * 4)) << "step " << step;
+      ASSERT_EQ(0, std::memcmp(x.data() + 600, yb.data(), 45 * 4)) << "step " << step;
+    }
+  });
+}
+
 // Parts that do not tile the bucket would lose a residual or feed one back twice.
 TEST(CompressedAllreduce, BucketPartsMustTileTheBucket) {
   testing::run_inproc_contexts(1, [&](Context& ctx) {

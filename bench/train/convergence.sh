@@ -8,8 +8,9 @@
 #                              [--codecs "none fp16 ..."] [--out bench/train/convergence.png]
 #                              [--lr X] [--seeds "1 2 3"] [--train-args "--lr-schedule cosine"]
 # With several seeds (initialisation and data order) every codec runs once per seed; the
-# table gives the mean test accuracy and its spread, the difference to none seed by seed,
-# and the plot the first seed's curves. --train-args go to every gradsync-train run.
+# table gives the mean test accuracy and its spread and the mean difference to none, a list
+# below it the difference seed by seed, and the plot the first seed's curves. --train-args
+# go to every gradsync-train run.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -33,7 +34,7 @@ while [[ $# -gt 0 ]]; do
     --seeds) seeds=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --train-args) train_args=$2; shift 2 ;;
-    *) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+    *) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
   esac
 done
 [[ $build = /* ]] || build=$root/$build
@@ -79,6 +80,14 @@ for i in sorted(runs):
           f"{statistics.mean(d['final_loss'] for d in by_seed.values()):.4f} | "
           f"{statistics.mean(d['wall_s'] for d in by_seed.values()):.1f} s | "
           f"{statistics.mean(d['samples_per_s'] for d in by_seed.values()):.0f} |")
+# Seed by seed, for paired comparisons later (the results directory is removed at exit).
+if multi:
+    print("\nvs none, seed by seed (pp):")
+    for i in sorted(runs):
+        by_seed = runs[i]
+        cells = [f"{s} {100 * (by_seed[s]['test_accuracy'] - base[s]['test_accuracy']):+.2f}"
+                 for s in seeds if s in by_seed and s in base]
+        print(f"- {next(iter(by_seed.values()))['config']['codec']}: " + ", ".join(cells))
 PY
 first=${seeds%% *}
 plots=()
