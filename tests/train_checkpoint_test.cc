@@ -33,22 +33,26 @@ TEST(TrainCheckpoint, ResumeAfterACrashInTheMiddleOfASaveRepeatsTheLossesBitForB
   const std::string dir = testing::build_dir() + "/train_checkpoint_" + std::to_string(::getpid());
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
-  // One algorithm throughout: the cost model, recalibrated at every start, could otherwise
-  // pick another summation order for the resumed run.
-  const std::string run = "GRADSYNC_ALGO=ring " + testing::build_dir() +
-                          "/tools/gradsync-run -n 2 --no-prefix -- " + testing::build_dir() +
+  // The interrupted runs choose their algorithms with a cost model unlike this machine's; the
+  // resumed run is not told, and must take it from the checkpoint: measuring the machine again
+  // would pick other algorithms, whose float32 sums of three ranks round differently.
+  const std::string pinned =
+      "GRADSYNC_COST_MODEL=alpha_us=500,bandwidth_gbps=0.5,reduce_gbps=1,shm_call_us=100000 ";
+  const std::string run = testing::build_dir() + "/tools/gradsync-run -n 3 --no-prefix -- " +
+                          testing::build_dir() +
                           "/examples/gradsync-train --hidden 32 --max-steps 24 --quiet "
                           "--checkpoint-every 8 --lr-schedule cosine ";
   for (const std::string codec : {"none", "topk:ratio=0.1"}) {
     const std::string base = dir + "/" + (codec == "none" ? "plain" : "topk");
-    auto r = testing::run_shell(run + "--codec " + codec + " --checkpoint " + base +
+    auto r = testing::run_shell(pinned + run + "--codec " + codec + " --checkpoint " + base +
                                 "-full --json " + base + "-full.json 2>&1");
     ASSERT_EQ(r.status, 0) << r.output;
     // Rank 0 aborts after writing its second checkpoint's temporary file, before the rename.
-    r = testing::run_shell("GRADSYNC_TRAIN_CRASH_AT_SAVE=2 " + run + "--codec " + codec +
+    r = testing::run_shell("GRADSYNC_TRAIN_CRASH_AT_SAVE=2 " + pinned + run + "--codec " + codec +
                            " --checkpoint " + base + "-crash 2>&1");
     ASSERT_NE(r.status, 0) << r.output;
     EXPECT_EQ(testing::read_file(base + "-crash/LATEST"), "8\n");
+    EXPECT_TRUE(contains(testing::read_file(base + "-crash/COST_MODEL"), "alpha_us=500,"));
     r = testing::run_shell(run + "--codec " + codec + " --checkpoint " + base +
                            "-crash --resume --json " + base + "-resumed.json 2>&1");
     ASSERT_EQ(r.status, 0) << r.output;

@@ -58,7 +58,8 @@ constexpr const char* kUsage =
     "  --checkpoint DIR       save model, optimizer, codec and data position to DIR (each\n"
     "                         rank its file, written atomically; DIR/LATEST names the step)\n"
     "  --checkpoint-every N   every N steps (default: at the end of each epoch)\n"
-    "  --resume               continue from DIR/LATEST (same ranks and flags)\n"
+    "  --resume               continue from DIR/LATEST (same ranks and flags), with the\n"
+    "                         cost model the checkpoint's run chose algorithms by\n"
     "  --quiet                no progress bar\n";
 
 struct Config {
@@ -320,7 +321,18 @@ struct Position {
   std::size_t step = 0;
 };
 
+// The cost model a checkpoint's run chose its algorithms with (see save): a resumed run
+// that measured the machine again could choose others, whose float32 sums round differently.
+std::string cost_model_file(const std::string& dir) {
+  return dir + "/COST_MODEL";
+}
+
 int run(const Config& c) {
+  if (c.resume && !std::getenv("GRADSYNC_COST_MODEL") &&
+      std::filesystem::exists(cost_model_file(c.checkpoint))) {
+    const auto saved = read_file(cost_model_file(c.checkpoint));
+    ::setenv("GRADSYNC_COST_MODEL", std::string(saved.begin(), saved.end()).c_str(), 1);
+  }
   auto ctx = gradsync::init();
   const int rank = ctx->rank(), world = ctx->size();
   const bool talk = rank == 0 && !c.quiet;
@@ -393,6 +405,10 @@ int run(const Config& c) {
     write_atomically(rank_file(c.checkpoint, at.steps_done, rank), out, crash_now);
     ctx->barrier();  // every rank's file is in place before LATEST names the step
     if (rank == 0) {
+      const std::string cost_model = ctx->cost_model();  // rank 0's, which every rank uses
+      write_atomically(
+          cost_model_file(c.checkpoint),
+          {reinterpret_cast<const std::uint8_t*>(cost_model.data()), cost_model.size()}, false);
       const std::string latest = std::to_string(at.steps_done) + "\n";
       write_atomically(c.checkpoint + "/LATEST",
                        {reinterpret_cast<const std::uint8_t*>(latest.data()), latest.size()},

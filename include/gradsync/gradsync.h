@@ -106,7 +106,9 @@ class Context {
   // The algorithm kAuto would use for an all-reduce of `bytes` (from the cost model).
   Algorithm choose_allreduce_algorithm(std::size_t bytes) const;
   // The cost model's constants, in the form GRADSYNC_COST_MODEL accepts
-  // ("alpha_us=0.4,bandwidth_gbps=18,..."): measured at start-up unless configured.
+  // ("alpha_us=0.4,bandwidth_gbps=18,..."): measured at start-up unless configured. The
+  // algorithms it picks decide how float32 sums round, so a run that must repeat another
+  // bit for bit (a resumed one) sets GRADSYNC_COST_MODEL to the other's.
   std::string cost_model() const;
   // Which ranks share a host, as init() found them (or GRADSYNC_TOPOLOGY set them):
   // "2 hosts: [0 2] [1 3]". Ring algorithms visit each host's ranks in a row.

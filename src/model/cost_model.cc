@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -232,6 +233,9 @@ std::optional<LinkParams> CostModel::parse(std::string_view spec, LinkParams bas
 
 std::string CostModel::to_string() const {
   std::ostringstream o;
+  // Every digit: parsed back, the constants are the same doubles and choose the same
+  // algorithms (a resumed training run continues bit for bit only if they do).
+  o.precision(std::numeric_limits<double>::max_digits10);
   o << "alpha_us=" << p_.alpha_us << ",bandwidth_gbps=" << p_.bandwidth_gbps
     << ",reduce_gbps=" << p_.reduce_gbps << ",copy_gbps=" << p_.copy_gbps
     << ",cache_mib=" << p_.cache_mib;
