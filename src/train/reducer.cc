@@ -46,6 +46,9 @@ struct Reducer::State {
     std::vector<float> data;
     std::span<float> view;
     std::size_t pending = 0;  // parameters not yet ready this step
+    // A whole-bucket call's tensor name and its parameters' slices, fixed when it is built.
+    std::string name;
+    std::vector<compress::TensorSlice> parts;
     std::span<float> values() { return view.empty() ? std::span<float>(data) : view; }
   };
 
@@ -113,7 +116,14 @@ struct Reducer::State {
                        ? offset
                        : static_cast<std::size_t>(p.external.data() - bucket.view.data());
         offset += p.count;
+        // An empty parameter's offset in a view bucket means nothing: it has no floats.
+        if (p.count) bucket.parts.push_back({compress::Tensor(p.name, p.rows), p.offset, p.count});
       }
+      bucket.name = "bucket " + std::to_string(b) + " (";
+      for (std::size_t i = 0; i < bucket.params.size() && i < 3; ++i) {
+        bucket.name += (i ? ", " : "") + params[static_cast<std::size_t>(bucket.params[i])].name;
+      }
+      bucket.name += bucket.params.size() > 3 ? ", ...)" : ")";
       bucket.pending = bucket.params.size();
     }
     buckets = std::move(fresh);
@@ -177,18 +187,7 @@ struct Reducer::State {
                         "comm");
     const auto t0 = Clock::now();
     if (whole_buckets) {
-      std::string name = "bucket " + std::to_string(index) + " (";
-      for (std::size_t i = 0; i < b.params.size() && i < 3; ++i) {
-        name += (i ? ", " : "") + params[static_cast<std::size_t>(b.params[i])].name;
-      }
-      name += b.params.size() > 3 ? ", ...)" : ")";
-      std::vector<compress::TensorSlice> parts;
-      for (int id : b.params) {
-        const Param& p = params[static_cast<std::size_t>(id)];
-        // An empty parameter's offset in a view bucket means nothing: it has no floats.
-        if (p.count) parts.push_back({compress::Tensor(p.name, p.rows), p.offset, p.count});
-      }
-      compress::compressed_allreduce(ctx, b.values(), *codec, name, parts, ReduceOp::kAvg);
+      compress::compressed_allreduce(ctx, b.values(), *codec, b.name, b.parts, ReduceOp::kAvg);
       ++calls;
     } else {
       for (int id : b.params) {
