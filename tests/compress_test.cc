@@ -794,6 +794,51 @@ TEST(CompressedAllreduce, BucketCallsMatchOneTensorWithMomentum) {
   });
 }
 
+// The reducer's buckets take turns on one codec, step after step: each keeps its state joined
+// (only a call that needs a tensor of one bucket splits that bucket), and every bucket
+// continues exactly as it would on a codec of its own, through a call on one of its tensors
+// alone and a save and restore.
+TEST(CompressedAllreduce, BucketsTakingTurnsMatchACodecEach) {
+  testing::run_inproc_contexts(3, [&](Context& ctx) {
+    const char* spec = "topk:ratio=0.05,momentum=0.9";
+    auto shared = make_codec(spec), only_ab = make_codec(spec), only_cd = make_codec(spec);
+    const std::vector<TensorSlice> ab{{compress::Tensor("a"), 0, 200}, {"b", 200, 37}};
+    const std::vector<TensorSlice> cd{{compress::Tensor("c"), 0, 90}, {"d", 90, 310}};
+    const auto seed = [&](unsigned step, unsigned bucket) {
+      return 1000 + 10 * step + 3 * bucket + 100 * static_cast<unsigned>(ctx.rank());
+    };
+    for (unsigned step = 0; step < 5; ++step) {
+      std::vector<float> x = gradient(237, seed(step, 0)), y = x;
+      compress::compressed_allreduce(ctx, x, *shared, "ab", ab, ReduceOp::kAvg);
+      compress::compressed_allreduce(ctx, y, *only_ab, "ab", ab, ReduceOp::kAvg);
+      ASSERT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * 4)) << "ab, step " << step;
+      x = gradient(400, seed(step, 1)), y = x;
+      compress::compressed_allreduce(ctx, x, *shared, "cd", cd, ReduceOp::kAvg);
+      compress::compressed_allreduce(ctx, y, *only_cd, "cd", cd, ReduceOp::kAvg);
+      ASSERT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * 4)) << "cd, step " << step;
+      if (step == 2) {  // c alone: cd hands its state back, ab stays joined
+        x = gradient(90, seed(step, 2)), y = x;
+        compress::compressed_allreduce(ctx, x, *shared, "c", ReduceOp::kAvg);
+        compress::compressed_allreduce(ctx, y, *only_cd, "c", ReduceOp::kAvg);
+        ASSERT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * 4)) << "c alone";
+      }
+      if (step == 3) {
+        const std::vector<std::uint8_t> state = shared->save_state();
+        const std::vector<std::uint8_t> ab_state = only_ab->save_state();
+        const std::vector<std::uint8_t> cd_state = only_cd->save_state();
+        ASSERT_EQ(state_entry(state, "a").size(), 200u);
+        ASSERT_EQ(state_entry(state, "d").size(), 310u);
+        EXPECT_EQ(state_entry(state, "a"), state_entry(ab_state, "a"));
+        EXPECT_EQ(state_entry(state, "b"), state_entry(ab_state, "b"));
+        EXPECT_EQ(state_entry(state, "c"), state_entry(cd_state, "c"));
+        EXPECT_EQ(state_entry(state, "d"), state_entry(cd_state, "d"));
+        shared = make_codec(spec);
+        shared->load_state(state);
+      }
+    }
+  });
+}
+
 // PowerSGD's matrices are the tensors': a bucket call reduces part by part, exactly as calls
 // on the tensors one by one.
 TEST(CompressedAllreduce, PowerSgdBucketCallsGoPartByPart) {

@@ -242,7 +242,7 @@ std::vector<float>& ErrorFeedback::state_of(std::map<std::string, std::vector<fl
                                             const Tensor& tensor, std::size_t count,
                                             const char* what) {
   // A tensor's own state while its bucket's is joined would be a second, stale copy.
-  if (!joined_.empty() && !joined_.contains(tensor.name)) split_all();
+  if (!joined_.contains(tensor.name)) split_holder_of(tensor.name);
   std::vector<float>& r = states[tensor.name];
   if (r.empty()) r.assign(count, 0.0f);
   if (r.size() != count) {
@@ -292,7 +292,14 @@ void ErrorFeedback::join(const Tensor& bucket, std::span<const TensorSlice> part
                  })) {
     return;  // as last time: the state is where the call will look for it
   }
-  split_all();  // a tensor may have travelled in another bucket
+  // The bucket under another layout, and every joined bucket a part (or the bucket's name)
+  // travelled in or is named like, hand their state back first.
+  split(bucket.name);
+  split_holder_of(bucket.name);
+  for (const TensorSlice& part : parts) {
+    split(part.tensor.name);
+    split_holder_of(part.tensor.name);
+  }
   std::vector<float> wholes[2];
   const std::array states{&residuals_, &velocities_};
   const int kinds = momentum_ > 0 ? 2 : 1;
@@ -309,6 +316,10 @@ void ErrorFeedback::join(const Tensor& bucket, std::span<const TensorSlice> part
     (*states[kind])[bucket.name] = std::move(wholes[kind]);
   }
   joined_[bucket.name].assign(parts.begin(), parts.end());
+  for (const TensorSlice& part : parts) {
+    bucket_of_[part.tensor.name] = bucket.name;
+    next_residual_.erase(part.tensor.name);
+  }
 }
 
 namespace {
@@ -327,12 +338,21 @@ void split_into_parts(std::map<std::string, std::vector<float>>& states, const s
 
 }  // namespace
 
+void ErrorFeedback::split(const std::string& bucket) {
+  const auto node = joined_.extract(bucket);
+  if (node.empty()) return;
+  split_into_parts(residuals_, bucket, node.mapped());
+  split_into_parts(velocities_, bucket, node.mapped());
+  next_residual_.erase(bucket);
+  for (const TensorSlice& part : node.mapped()) bucket_of_.erase(part.tensor.name);
+}
+
+void ErrorFeedback::split_holder_of(const std::string& name) {
+  if (const auto it = bucket_of_.find(name); it != bucket_of_.end()) split(it->second);
+}
+
 void ErrorFeedback::split_all() {
-  for (const auto& [bucket, parts] : joined_) {
-    split_into_parts(residuals_, bucket, parts);
-    split_into_parts(velocities_, bucket, parts);
-  }
-  joined_.clear();
+  while (!joined_.empty()) split(joined_.begin()->first);
 }
 
 std::map<std::string, std::vector<float>> ErrorFeedback::per_tensor(
@@ -355,19 +375,20 @@ void ErrorFeedback::encode(const Tensor& tensor, std::span<const float> in,
                            std::vector<std::uint8_t>& out) {
   std::vector<float>& r = residual(tensor, in.size());
   // What is owed now; the residual changes only once the encoding succeeded.
-  owed_.resize(in.size());
-  owe(tensor, in, owed_);
-  inner_->encode(tensor, owed_, out);
+  std::vector<float>& owed = next_residual_[tensor.name];
+  owed.resize(in.size());
+  owe(tensor, in, owed);
+  inner_->encode(tensor, owed, out);
   if (const auto* in_place = dynamic_cast<const SubtractsPayload*>(inner_.get())) {
-    if (momentum_ > 0) sent_ = owed_;  // kept to see what was sent
-    in_place->subtract(out, owed_);
-    r.swap(owed_);
+    if (momentum_ > 0) sent_ = owed;  // kept to see what was sent
+    in_place->subtract(out, owed);
+    r.swap(owed);
     if (momentum_ > 0) clear_sent_momentum(tensor, sent_);
     return;
   }
   sent_.resize(in.size());
   inner_->decode(out, sent_);
-  for (std::size_t i = 0; i < in.size(); ++i) r[i] = owed_[i] - sent_[i];
+  for (std::size_t i = 0; i < in.size(); ++i) r[i] = owed[i] - sent_[i];
 }
 
 // "GSEW", u64 bytes of the inner codec's state, that state, u64 bytes of the residuals, the
@@ -414,6 +435,7 @@ void ErrorFeedback::load_state(std::span<const std::uint8_t> state) {
   residuals_ = std::move(residuals);
   velocities_ = std::move(velocities);
   joined_.clear();  // what was loaded is per tensor
+  bucket_of_.clear();
 }
 
 CodecSpec CodecSpec::parse(std::string_view spec) {

@@ -201,7 +201,13 @@ class ErrorFeedback final : public Codec {
   void clear_sent_momentum(const Tensor& tensor, std::span<const float> owed);
   std::vector<float>& state_of(std::map<std::string, std::vector<float>>& states,
                                const Tensor& tensor, std::size_t count, const char* what);
-  // Hands every joined bucket's state back to its tensors.
+  // Hands joined bucket `bucket`'s state back to its tensors (nothing if it is not joined).
+  void split(const std::string& bucket);
+  // Splits whatever joined bucket holds the state a call on `name` would look for elsewhere:
+  // the bucket `name` is a part of. The other buckets stay joined: the reducer's buckets take
+  // turns step after step, and splitting all of them on every call would copy each bucket's
+  // residual and momentum out and back in twice a step.
+  void split_holder_of(const std::string& name);
   void split_all();
   // `states` with every joined bucket's entry split into its tensors'.
   std::map<std::string, std::vector<float>> per_tensor(
@@ -211,9 +217,14 @@ class ErrorFeedback final : public Codec {
   const double momentum_spec_;  // as written in the spec
   const float momentum_;
   std::map<std::string, std::vector<float>> residuals_, velocities_;
-  // The joined buckets: name -> parts (name, offset, count).
+  // The joined buckets: name -> parts (name, offset, count), and each part's bucket.
   std::map<std::string, std::vector<TensorSlice>> joined_;
-  std::vector<float> owed_, sent_;  // scratch: residual + input, what the wire carried
+  std::map<std::string, std::string> bucket_of_;
+  // Per tensor, the buffer that becomes its residual at the next encode (what is owed is
+  // written there, and swapped with the residual once sent). One per tensor, since a scratch
+  // shared by tensors of other sizes would be reallocated and zeroed on every call.
+  std::map<std::string, std::vector<float>> next_residual_;
+  std::vector<float> sent_;  // scratch: what the wire carried
 };
 
 // PowerSGD (Vogels et al. 2019): M (rows x cols, plus the residual with error feedback) is
