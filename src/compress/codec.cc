@@ -271,13 +271,20 @@ void ErrorFeedback::owe(const Tensor& tensor, std::span<const float> in, std::sp
   }
 }
 
-void ErrorFeedback::keep_unsent(const Tensor& tensor, std::span<const float> owed,
-                                std::span<const std::uint32_t> sent) {
+std::span<float> ErrorFeedback::owe_next(const Tensor& tensor, std::span<const float> in) {
+  std::vector<float>& owed = next_residual_[tensor.name];
+  owed.resize(in.size());
+  owe(tensor, in, owed);
+  return owed;
+}
+
+void ErrorFeedback::keep_unsent(const Tensor& tensor, std::span<const std::uint32_t> sent) {
+  std::vector<float>& owed = next_residual_[tensor.name];
   std::vector<float>& r = residual(tensor, owed.size());
-  r.assign(owed.begin(), owed.end());
+  r.swap(owed);
   for (std::uint32_t i : sent) r[i] = 0.0f;
   if (momentum_ == 0) return;
-  std::vector<float>& u = state_of(velocities_, tensor, owed.size(), "momentum");
+  std::vector<float>& u = state_of(velocities_, tensor, r.size(), "momentum");
   for (std::uint32_t i : sent) u[i] = 0.0f;
 }
 
@@ -373,16 +380,14 @@ void ErrorFeedback::clear_sent_momentum(const Tensor& tensor, std::span<const fl
 
 void ErrorFeedback::encode(const Tensor& tensor, std::span<const float> in,
                            std::vector<std::uint8_t>& out) {
-  std::vector<float>& r = residual(tensor, in.size());
   // What is owed now; the residual changes only once the encoding succeeded.
-  std::vector<float>& owed = next_residual_[tensor.name];
-  owed.resize(in.size());
-  owe(tensor, in, owed);
+  const std::span<float> owed = owe_next(tensor, in);
+  std::vector<float>& r = residual(tensor, in.size());
   inner_->encode(tensor, owed, out);
   if (const auto* in_place = dynamic_cast<const SubtractsPayload*>(inner_.get())) {
-    if (momentum_ > 0) sent_ = owed;  // kept to see what was sent
+    if (momentum_ > 0) sent_.assign(owed.begin(), owed.end());  // kept to see what was sent
     in_place->subtract(out, owed);
-    r.swap(owed);
+    r.swap(next_residual_[tensor.name]);
     if (momentum_ > 0) clear_sent_momentum(tensor, sent_);
     return;
   }

@@ -182,10 +182,12 @@ class ErrorFeedback final : public Codec {
   // What this step owes for `tensor`: residual + gradient, or with momentum residual + u after
   // u = momentum * u + gradient. Keeps the residual; the caller sets it from what was sent.
   void owe(const Tensor& tensor, std::span<const float> in, std::span<float> owed);
-  // After the elements `sent` of `owed` went out whole: the residual is `owed` but there, and
-  // their momentum starts again from zero (factor masking).
-  void keep_unsent(const Tensor& tensor, std::span<const float> owed,
-                   std::span<const std::uint32_t> sent);
+  // owe() into the buffer that becomes the tensor's residual once what was sent is taken out
+  // of it (by encode, or by keep_unsent for a caller that sends values itself).
+  std::span<float> owe_next(const Tensor& tensor, std::span<const float> in);
+  // After the elements `sent` of what owe_next returned went out whole: the rest is the
+  // residual, and their momentum starts again from zero (factor masking).
+  void keep_unsent(const Tensor& tensor, std::span<const std::uint32_t> sent);
   // A bucket call (compressed_allreduce over TensorSlices) keeps its state under `bucket`,
   // assembled from its parts' (zeros for a part not seen before). It stays joined while the
   // same bucket comes back with the same parts, as the reducer's do step after step (a copy

@@ -263,10 +263,8 @@ void randomk_allreduce(Context& ctx, std::span<float> data, Codec& codec, const 
 // indices and at most N k values.
 void union_allreduce(Context& ctx, std::span<float> data, ErrorFeedback& feedback,
                      SelectsIndices& selector, const Tensor& tensor, ReduceOp op) {
-  thread_local std::vector<float> owed;
   thread_local std::vector<std::uint32_t> mine, picked;
-  owed.resize(data.size());
-  feedback.owe(tensor, data, owed);
+  const std::span<const float> owed = feedback.owe_next(tensor, data);
   selector.select_indices(tensor, owed, mine);
   // Each rank's element count travels ahead of its indices, so ranks that pass tensors of
   // different sizes but the same k all fail alike instead of indexing past a tensor's end.
@@ -293,7 +291,7 @@ void union_allreduce(Context& ctx, std::span<float> data, ErrorFeedback& feedbac
   std::vector<float> values(picked.size());
   for (std::size_t j = 0; j < picked.size(); ++j) values[j] = owed[picked[j]];
   ctx.allreduce(values.data(), values.data(), values.size(), DataType::kFloat32, op);
-  feedback.keep_unsent(tensor, owed, picked);
+  feedback.keep_unsent(tensor, picked);
   std::fill(data.begin(), data.end(), 0.0f);
   for (std::size_t j = 0; j < picked.size(); ++j) data[picked[j]] = values[j];
 }
