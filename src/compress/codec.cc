@@ -358,10 +358,6 @@ void ErrorFeedback::split_holder_of(const std::string& name) {
   if (const auto it = bucket_of_.find(name); it != bucket_of_.end()) split(it->second);
 }
 
-void ErrorFeedback::split_all() {
-  while (!joined_.empty()) split(joined_.begin()->first);
-}
-
 std::map<std::string, std::vector<float>> ErrorFeedback::per_tensor(
     const std::map<std::string, std::vector<float>>& states) const {
   std::map<std::string, std::vector<float>> out = states;

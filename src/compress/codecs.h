@@ -192,9 +192,9 @@ class ErrorFeedback final : public Codec {
   // assembled from its parts' (zeros for a part not seen before). It stays joined while the
   // same bucket comes back with the same parts, as the reducer's do step after step (a copy
   // in and out per call would move the residual and momentum, 2 x 2.7 MB for the
-  // Fashion-MNIST MLP's large bucket, twice a step); any other use of the state splits it
-  // back into the tensors first, and save_state saves it per tensor, so checkpoints keep
-  // tensor names.
+  // Fashion-MNIST MLP's large bucket, twice a step). A call on one of its tensors, or on the
+  // bucket with other parts, splits it back into the tensors first (other buckets stay
+  // joined), and save_state saves it per tensor, so checkpoints keep tensor names.
   void join(const Tensor& bucket, std::span<const TensorSlice> parts, std::size_t count);
 
  private:
@@ -210,7 +210,6 @@ class ErrorFeedback final : public Codec {
   // turns step after step, and splitting all of them on every call would copy each bucket's
   // residual and momentum out and back in twice a step.
   void split_holder_of(const std::string& name);
-  void split_all();
   // `states` with every joined bucket's entry split into its tensors'.
   std::map<std::string, std::vector<float>> per_tensor(
       const std::map<std::string, std::vector<float>>& states) const;
