@@ -380,16 +380,17 @@ void ErrorFeedback::encode(const Tensor& tensor, std::span<const float> in,
   const std::span<float> owed = owe_next(tensor, in);
   std::vector<float>& r = residual(tensor, in.size());
   inner_->encode(tensor, owed, out);
-  if (const auto* in_place = dynamic_cast<const SubtractsPayload*>(inner_.get())) {
+  const auto* in_place = dynamic_cast<const SubtractsPayload*>(inner_.get());
+  if (in_place) {
     if (momentum_ > 0) sent_.assign(owed.begin(), owed.end());  // kept to see what was sent
     in_place->subtract(out, owed);
-    r.swap(next_residual_[tensor.name]);
-    if (momentum_ > 0) clear_sent_momentum(tensor, sent_);
-    return;
+  } else {
+    sent_.resize(in.size());
+    inner_->decode(out, sent_);
+    for (std::size_t i = 0; i < in.size(); ++i) owed[i] -= sent_[i];
   }
-  sent_.resize(in.size());
-  inner_->decode(out, sent_);
-  for (std::size_t i = 0; i < in.size(); ++i) r[i] = owed[i] - sent_[i];
+  r.swap(next_residual_[tensor.name]);
+  if (in_place && momentum_ > 0) clear_sent_momentum(tensor, sent_);
 }
 
 // "GSEW", u64 bytes of the inner codec's state, that state, u64 bytes of the residuals, the
