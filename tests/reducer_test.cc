@@ -293,6 +293,73 @@ TEST(Reducer, CodecsReduceBucketsOrParameters) {
   });
 }
 
+// Error feedback loses nothing: what the steps delivered (the averages) plus what every rank
+// still holds back is the average of every gradient computed. So held_back(id) must show each
+// rank's residual of that parameter, also when top-k keeps it in a joined bucket whose
+// layout the rebuild after the first step changes, and PowerSGD in its own state.
+TEST(Reducer, HeldBackIsWhatTheWireHasNotCarriedYet) {
+  const std::vector<std::size_t> rows = {0, 0, 20, 0, 0, 0, 15};  // 1000 = 20 x 50, 300 = 15 x 20
+  for (const std::string codec :
+       {"topk:ratio=0.05", "topk:ratio=0.05,union=1", "int8", "sign", "powersgd:rank=2"}) {
+    for (int n : {1, 3, 4}) {
+      const int steps = 3;
+      // Per rank and parameter: the gradients it computed, what was delivered, what it holds.
+      std::vector<std::vector<std::vector<double>>> computed(n), delivered(n), held(n);
+      std::vector<int> held_nonzero(static_cast<std::size_t>(n), 0);
+      testing::run_inproc_contexts(n, [&](Context& ctx) {
+        ReducerOptions o;
+        o.codec = codec;
+        o.bucket_bytes = 8192;
+        Reducer reducer(ctx, o);
+        std::vector<int> ids;
+        for (std::size_t p = 0; p < kSizes.size(); ++p) {
+          ids.push_back(reducer.add_parameter("layer" + std::to_string(p), kSizes[p], {}, rows[p]));
+        }
+        const auto r = static_cast<std::size_t>(ctx.rank());
+        for (auto* sums : {&computed[r], &delivered[r], &held[r]}) {
+          for (std::size_t size : kSizes) sums->emplace_back(size, 0.0);
+        }
+        for (int step = 0; step < steps; ++step) {
+          for (std::size_t p = 0; p < kSizes.size(); ++p) {
+            std::span<float> g = reducer.gradient(ids[p]);
+            for (std::size_t i = 0; i < g.size(); ++i) {
+              g[i] = grad_value(ctx.rank(), p, step, i) * (1.0f + 0.1f * static_cast<float>(i % 5));
+              computed[r][p][i] += g[i];
+            }
+            reducer.mark_ready(ids[p]);
+          }
+          reducer.finish();
+          for (std::size_t p = 0; p < kSizes.size(); ++p) {
+            std::span<float> g = reducer.gradient(ids[p]);
+            for (std::size_t i = 0; i < g.size(); ++i) delivered[r][p][i] += g[i];
+          }
+        }
+        for (std::size_t p = 0; p < kSizes.size(); ++p) {
+          const std::span<const float> h = reducer.held_back(ids[p]);
+          if (h.empty()) continue;  // nothing held back (a vector under PowerSGD)
+          ASSERT_EQ(h.size(), kSizes[p]) << codec;
+          for (std::size_t i = 0; i < h.size(); ++i) {
+            held[r][p][i] = h[i];
+            held_nonzero[r] += h[i] != 0;
+          }
+        }
+      });
+      for (int r = 0; r < n; ++r) EXPECT_GT(held_nonzero[r], 0) << codec << " rank " << r;
+      for (std::size_t p = 0; p < kSizes.size(); ++p) {
+        for (std::size_t i = 0; i < kSizes[p]; ++i) {
+          double owed = 0;  // the average of what the ranks computed and did not hold back
+          for (int r = 0; r < n; ++r) owed += computed[r][p][i] - held[r][p][i];
+          owed /= n;
+          for (int r = 0; r < n; ++r) {
+            ASSERT_NEAR(delivered[r][p][i], owed, 1e-4 * (1 + std::fabs(owed)))
+                << codec << " n " << n << " rank " << r << " param " << p << " i " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(Reducer, MisuseIsAClearError) {
   testing::run_inproc_contexts(1, [&](Context& ctx) {
     Reducer reducer(ctx);
@@ -307,6 +374,12 @@ TEST(Reducer, MisuseIsAClearError) {
     EXPECT_TRUE(contains(e.what(), "'w' marked ready twice")) << e.what();
     reducer.finish();
     testing::expect_error(ErrorKind::kInvalidArgument, [&] { reducer.add_parameter("late", 1); });
+    EXPECT_TRUE(reducer.held_back(id).empty());  // float32 holds nothing back
+    testing::expect_error(ErrorKind::kInvalidArgument, [&] { reducer.held_back(1); });
+    reducer.mark_ready(id);
+    e = testing::expect_error(ErrorKind::kInvalidArgument, [&] { reducer.held_back(id); });
+    EXPECT_TRUE(contains(e.what(), "inside a step")) << e.what();
+    reducer.finish();
     ReducerOptions bad;
     bad.accumulate_steps = 0;
     testing::expect_error(ErrorKind::kInvalidArgument, [&] { Reducer r(ctx, bad); });

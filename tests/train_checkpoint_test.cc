@@ -1,7 +1,8 @@
 // Checkpoints that lose nothing: the trainer killed in the middle of a save leaves the
 // previous checkpoint loadable, and a run resumed from it produces, bit for bit, the losses
 // of a run that was never interrupted (model, optimizer, codec state and data position all
-// restored). Runs the real gradsync-train under gradsync-run on Fashion-MNIST.
+// restored). And step-ahead error feedback, loss for loss against a run without it. Runs the
+// real gradsync-train under gradsync-run on Fashion-MNIST.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -72,6 +73,39 @@ TEST(TrainCheckpoint, ResumeAfterACrashInTheMiddleOfASaveRepeatsTheLossesBitForB
   EXPECT_NE(r.status, 0);
   EXPECT_TRUE(contains(r.output, "plain-full/step-24.rank-")) << r.output;
   EXPECT_TRUE(contains(r.output, "parameters; this run has")) << r.output;
+  std::filesystem::remove_all(dir);
+}
+
+// Step-ahead error feedback moves where the gradient is computed by what the codec holds
+// back: nothing for float32 (the same losses with it on or off), and for top-k nothing at
+// the first step (nothing held back yet) and something at every later one.
+TEST(TrainStepAhead, MovesTheGradientOnlyByWhatTheCodecHoldsBack) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no data";
+  const std::string dir = testing::build_dir() + "/train_step_ahead_" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  const std::string run = testing::build_dir() + "/tools/gradsync-run -n 2 --no-prefix -- " +
+                          testing::build_dir() +
+                          "/examples/gradsync-train --hidden 32 --max-steps 6 --quiet ";
+  for (const std::string codec : {"none", "topk:ratio=0.1"}) {
+    std::vector<std::string> trajectory[2];
+    for (int ahead : {0, 1}) {
+      const std::string json = dir + "/" + std::to_string(ahead) + ".json";
+      const auto r = testing::run_shell(run + "--codec " + codec + " --step-ahead " +
+                                        std::to_string(ahead) + " --json " + json + " 2>&1");
+      ASSERT_EQ(r.status, 0) << r.output;
+      trajectory[ahead] = losses(json);
+      EXPECT_TRUE(contains(testing::read_file(json),
+                           std::string("\"step_ahead\": ") + (ahead ? "true" : "false")))
+          << codec << " --step-ahead " << ahead;
+    }
+    ASSERT_EQ(trajectory[0].size(), 6u);
+    ASSERT_EQ(trajectory[1].size(), 6u);
+    EXPECT_EQ(trajectory[0][0], trajectory[1][0]) << codec;
+    for (std::size_t step = 1; step < 6; ++step) {
+      EXPECT_EQ(trajectory[0][step] == trajectory[1][step], codec == "none")
+          << codec << " step " << step;
+    }
+  }
   std::filesystem::remove_all(dir);
 }
 

@@ -26,6 +26,9 @@ TEST(TrainFlags, ConflictsAndUnknownValuesAreRefused) {
   r = testing::run_shell(train + " --lr-schedule linear 2>&1");
   EXPECT_EQ(r.exit_code(), 2) << r.output;
   EXPECT_TRUE(testing::contains(r.output, "--lr-schedule is constant or cosine")) << r.output;
+  r = testing::run_shell(train + " --step-ahead yes 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "--step-ahead is 0 or 1")) << r.output;
 }
 
 }  // namespace

@@ -74,6 +74,14 @@ class Codec {
   // repeat exactly.
   virtual void set_stream(std::uint64_t stream) { (void)stream; }
 
+  // What this rank holds back of `tensor`'s gradient: the error-feedback residual, the part
+  // of past gradients the wire has not carried yet (empty for a codec without one, or a
+  // tensor it has not seen). A view of the codec's state, valid until its next call.
+  virtual std::span<const float> held_back(const std::string& tensor) const {
+    (void)tensor;
+    return {};
+  }
+
   // Per-tensor state (error-feedback residuals...), as bytes for a checkpoint, and back.
   // load_state throws Error(kProtocol) on bytes it did not write.
   virtual std::vector<std::uint8_t> save_state() const { return {}; }

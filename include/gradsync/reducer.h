@@ -9,6 +9,10 @@
 //     forward(); backward();          // backward calls reducer.mark_ready(id) per gradient
 //     auto stats = reducer.finish();  // every gradient now holds the average over ranks
 //
+// With a codec that holds gradient back (error feedback: topk, int8, sign, powersgd), run
+// forward and backward at value - lr * reducer.held_back(id) and step from the values as
+// they were: step-ahead error feedback, see held_back (gradsync-train does it).
+//
 // Threading: add_parameter, mark_ready and finish come from one thread (the one running
 // backward). Between the first mark_ready of a step and finish(), the reducer's thread owns
 // the context: issue no other collective on it then.
@@ -107,6 +111,14 @@ class Reducer {
   // must come before the first step.
   std::vector<std::uint8_t> save_state() const;
   void load_state(std::span<const std::uint8_t> state);
+
+  // What this rank's codec holds back of parameter `id`'s gradient: the error-feedback
+  // residual, gradient computed here but not yet sent (empty when the codec keeps none).
+  // Step-ahead error feedback (Xu et al. 2021) evaluates the next gradient at
+  // value - lr * held_back, where the model is headed, rather than at the value the residual
+  // has not reached yet. Only between steps (after finish(), before the next mark_ready);
+  // the view is valid until then.
+  std::span<const float> held_back(int id) const;
 
   // The buckets as parameter ids in launch order (for tests and the timeline).
   std::vector<std::vector<int>> buckets() const;

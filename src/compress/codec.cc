@@ -354,6 +354,19 @@ void ErrorFeedback::split(const std::string& bucket) {
   for (const TensorSlice& part : node.mapped()) bucket_of_.erase(part.tensor.name);
 }
 
+std::span<const float> ErrorFeedback::held_back(const std::string& tensor) const {
+  if (const auto bucket = bucket_of_.find(tensor); bucket != bucket_of_.end()) {
+    const std::vector<float>& whole = residuals_.at(bucket->second);
+    for (const TensorSlice& part : joined_.at(bucket->second)) {
+      if (part.tensor.name == tensor) {
+        return std::span<const float>(whole).subspan(part.offset, part.count);
+      }
+    }
+  }
+  const auto own = residuals_.find(tensor);
+  return own == residuals_.end() ? std::span<const float>() : std::span<const float>(own->second);
+}
+
 void ErrorFeedback::split_holder_of(const std::string& name) {
   if (const auto it = bucket_of_.find(name); it != bucket_of_.end()) split(it->second);
 }

@@ -175,6 +175,8 @@ class ErrorFeedback final : public Codec {
   void set_stream(std::uint64_t stream) override { inner_->set_stream(stream); }
   std::vector<std::uint8_t> save_state() const override;
   void load_state(std::span<const std::uint8_t> state) override;
+  // The residual: the tensor's own, or its slice of the joined bucket that holds it.
+  std::span<const float> held_back(const std::string& tensor) const override;
 
   Codec& inner() { return *inner_; }
   // The residual of `tensor` (zeros the first time); an error if its size changed.
@@ -244,6 +246,7 @@ class PowerSgd final : public Codec {
   void decode(std::span<const std::uint8_t> payload, std::span<float> out) const override;
   std::vector<std::uint8_t> save_state() const override;
   void load_state(std::span<const std::uint8_t> state) override;
+  std::span<const float> held_back(const std::string& tensor) const override;
 
   // Sums `values` over every rank in place (the identity for one process).
   using Sum = std::function<void(std::span<float> values)>;

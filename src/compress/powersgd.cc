@@ -214,6 +214,12 @@ void PowerSgd::decode(std::span<const std::uint8_t> payload, std::span<float> ou
   reconstruct(p.data(), q.data(), out.data(), rows, cols, r, 1);
 }
 
+std::span<const float> PowerSgd::held_back(const std::string& tensor) const {
+  const auto residual = state_.find("r:" + tensor);
+  return residual == state_.end() ? std::span<const float>()
+                                  : std::span<const float>(residual->second);
+}
+
 std::vector<std::uint8_t> PowerSgd::save_state() const {
   return save_tensor_state(kMagic, state_);
 }

@@ -503,6 +503,16 @@ std::vector<std::vector<int>> Reducer::buckets() const {
   return out;
 }
 
+std::span<const float> Reducer::held_back(int id) const {
+  const State& s = *s_;
+  if (id < 0 || static_cast<std::size_t>(id) >= s.params.size()) {
+    misuse(s.ctx, "held_back(" + std::to_string(id) + "): no such parameter");
+  }
+  // Within a step the engine thread may be changing the residuals this would show.
+  if (s.in_step) misuse(s.ctx, "held_back() inside a step: call it after finish()");
+  return s.codec->held_back(s.params[static_cast<std::size_t>(id)].name);
+}
+
 std::string Reducer::codec_spec() const {
   return s_->codec->spec();
 }
