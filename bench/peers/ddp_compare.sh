@@ -43,9 +43,11 @@ torch_run() {  # ranks variant rep
     echo "ddp_compare: torch failed: $1 ranks, $2" >&2
 }
 
+# --step-ahead 0: torch's PowerSGD hook computes gradients where the model stands, so equal
+# settings leave out gradsync's step-ahead error feedback (and its copy of the values).
 gradsync_run() {  # ranks variant rep
   "$build/tools/gradsync-run" -n "$1" --no-prefix -- "$build/examples/gradsync-train" \
-    --model mlp --max-steps $((steps + warmup)) --quiet --codec "$(codec_of "$2")" \
+    --model mlp --max-steps $((steps + warmup)) --quiet --codec "$(codec_of "$2")" --step-ahead 0 \
     --json "$results/gradsync~$1~$2~$3.json" >/dev/null 2>&1 ||
     echo "ddp_compare: gradsync-train failed: $1 ranks, $2" >&2
 }
