@@ -61,9 +61,11 @@ runs = {}
 for p in glob.glob(os.path.join(results, "*.json")):
     i, seed = os.path.basename(p)[:-5].split("~")
     runs.setdefault(int(i), {})[seed] = json.load(open(p))
+# Step-ahead error feedback (gradsync-train's default) changes every codec that holds back.
+ahead = any(d["config"].get("step_ahead") for r in runs.values() for d in r.values())
 print(f"{ranks} ranks, MLP 784-{hidden.replace(',', '-')}-10, batch 64 per rank, SGD momentum "
       f"0.9 lr {lr}, {epochs} epochs, seed{'s' if len(seeds) > 1 else ''} {', '.join(seeds)}"
-      f"{', ' + train_args if train_args else ''}\n")
+      f"{', ' + train_args if train_args else ''}, step-ahead {'on' if ahead else 'off'}\n")
 multi = len(seeds) > 1
 print("| codec | test accuracy" + (" (mean, min-max)" if multi else "") +
       " | vs none (pp" + (", mean of the seeds" if multi else "") +
