@@ -375,7 +375,8 @@ TEST(Reducer, MisuseIsAClearError) {
     reducer.finish();
     testing::expect_error(ErrorKind::kInvalidArgument, [&] { reducer.add_parameter("late", 1); });
     EXPECT_TRUE(reducer.held_back(id).empty());  // float32 holds nothing back
-    testing::expect_error(ErrorKind::kInvalidArgument, [&] { reducer.held_back(1); });
+    e = testing::expect_error(ErrorKind::kInvalidArgument, [&] { reducer.held_back(1); });
+    EXPECT_TRUE(contains(e.what(), "held_back(1): no such parameter")) << e.what();
     reducer.mark_ready(id);
     e = testing::expect_error(ErrorKind::kInvalidArgument, [&] { reducer.held_back(id); });
     EXPECT_TRUE(contains(e.what(), "inside a step")) << e.what();

@@ -532,6 +532,8 @@ int run(const Config& c) {
       float loss = 0;
       std::size_t correct = 0;
       gradsync::StepStats stats;
+      // Once per optimizer step: the residuals change only when the step communicates.
+      const bool ahead = step_ahead && look_ahead(*reducer, *model, lr_at(steps_done), saved);
       for (int micro = 0; micro < c.accumulate; ++micro) {
         const auto batch = sampler.batch(
             static_cast<std::size_t>(epoch),
@@ -541,7 +543,6 @@ int run(const Config& c) {
                       pixels * sizeof(float));
           labels[i] = train_set.labels[batch[i]];
         }
-        const bool ahead = step_ahead && look_ahead(*reducer, *model, lr_at(steps_done), saved);
         {
           gradsync::timeline::Span span("forward", "compute");
           model->forward(images, batch.size());
@@ -557,12 +558,12 @@ int run(const Config& c) {
           }
           const gradsync::StepStats s = reducer->finish();
           if (s.communicated) stats = s;
-          if (ahead) look_back(*model, saved);
         } else {
           gradsync::timeline::Span span("backward", "compute");
           model->backward(labels, micro > 0, [](std::size_t) {});
         }
       }
+      if (ahead) look_back(*model, saved);
       std::span<float> grads = model->grads();
       if (c.accumulate > 1) {  // the mean over the K micro-batches
         for (float& g : grads) g /= static_cast<float>(c.accumulate);
