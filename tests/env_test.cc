@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "model/cost_model.h"
+#include "cost/cost_model.h"
 
 namespace gradsync {
 namespace {
@@ -168,7 +168,7 @@ TEST(Env, TopologyInlineOrFromAFile) {
 }
 
 TEST(CostModel, LatencyOptimalForSmallRingForLarge) {
-  model::CostModel m(model::LinkParams{5.0, 5.0, 10.0});
+  cost::CostModel m(cost::LinkParams{5.0, 5.0, 10.0});
   for (int n : {2, 3, 4, 5, 8}) {
     EXPECT_EQ(m.choose_allreduce(n, 4096), Algorithm::kRecursiveDoubling) << n;
     EXPECT_NE(m.choose_allreduce(n, 256 << 20), Algorithm::kRecursiveDoubling) << n;
@@ -189,15 +189,15 @@ TEST(CostModel, LatencyOptimalForSmallRingForLarge) {
 }
 
 TEST(CostModel, ParsesAndRejectsSpecs) {
-  auto p = model::CostModel::parse("alpha_us=2.5,bandwidth_gbps=12");
+  auto p = cost::CostModel::parse("alpha_us=2.5,bandwidth_gbps=12");
   ASSERT_TRUE(p.has_value());
   EXPECT_DOUBLE_EQ(p->alpha_us, 2.5);
   EXPECT_DOUBLE_EQ(p->bandwidth_gbps, 12);
-  EXPECT_DOUBLE_EQ(p->reduce_gbps, model::LinkParams{}.reduce_gbps);
-  EXPECT_FALSE(model::CostModel::parse("alpha_us=-1"));
-  EXPECT_FALSE(model::CostModel::parse("speed=3"));
-  EXPECT_FALSE(model::CostModel::parse("alpha_us"));
-  EXPECT_FALSE(model::CostModel::parse("alpha_us=3x"));
+  EXPECT_DOUBLE_EQ(p->reduce_gbps, cost::LinkParams{}.reduce_gbps);
+  EXPECT_FALSE(cost::CostModel::parse("alpha_us=-1"));
+  EXPECT_FALSE(cost::CostModel::parse("speed=3"));
+  EXPECT_FALSE(cost::CostModel::parse("alpha_us"));
+  EXPECT_FALSE(cost::CostModel::parse("alpha_us=3x"));
 }
 
 // The shared-memory all-reduce competes only where the ranks share an arena: there it takes
@@ -205,12 +205,12 @@ TEST(CostModel, ParsesAndRejectsSpecs) {
 // doubling keeps small ones in power-of-two worlds (the shared-memory algorithm waits on
 // every rank three times, log2(N) exchanges are no more).
 TEST(CostModel, SharedMemoryForLargeMessagesWhereRanksShareMemory) {
-  const model::LinkParams defaults{5.0, 5.0, 10.0};
+  const cost::LinkParams defaults{5.0, 5.0, 10.0};
   // Constants measured at start-up on the 2-core EPYC VM (shm transport), with 2 ranks and
   // with 4 ranks sharing the 2 cores (alpha, a barrier round, then includes scheduling).
-  const model::LinkParams measured{0.16, 28.0, 40.0}, oversubscribed{1.8, 28.0, 40.0};
+  const cost::LinkParams measured{0.16, 28.0, 40.0}, oversubscribed{1.8, 28.0, 40.0};
   for (const auto& params : {defaults, measured, oversubscribed}) {
-    model::CostModel m(params);
+    cost::CostModel m(params);
     for (int n : {2, 3, 4, 5, 8}) {
       if ((n & (n - 1)) == 0) {
         EXPECT_EQ(m.choose_allreduce(n, 1024, true), Algorithm::kRecursiveDoubling) << n;
@@ -236,25 +236,25 @@ TEST(CostModel, SharedMemoryForLargeMessagesWhereRanksShareMemory) {
 // pairwise exchanges win. A message of one chunk is not pipelined, so the ring takes the
 // few-hundred-KiB range with 2 ranks. (Constants measured on the 2-core EPYC VM.)
 TEST(CostModel, SharedMemoryFixedCostDecidesSmallMessages) {
-  model::LinkParams two{0.57, 29.0, 40.0};
+  cost::LinkParams two{0.57, 29.0, 40.0};
   two.shm_call_us = 0.33;
-  model::CostModel m2(two);
+  cost::CostModel m2(two);
   EXPECT_EQ(m2.choose_allreduce(2, 4096, true), Algorithm::kSharedMemory);
   EXPECT_EQ(m2.choose_allreduce(2, 256 << 10, true), Algorithm::kRing);
   EXPECT_EQ(m2.choose_allreduce(2, 64 << 20, true), Algorithm::kSharedMemory);
 
-  model::LinkParams four{3.0, 29.0, 40.0};
+  cost::LinkParams four{3.0, 29.0, 40.0};
   four.shm_call_us = 7.4;
-  model::CostModel m4(four);
+  cost::CostModel m4(four);
   EXPECT_EQ(m4.choose_allreduce(4, 4096, true), Algorithm::kRecursiveDoubling);
   EXPECT_EQ(m4.choose_allreduce(4, 1 << 20, true), Algorithm::kSharedMemory);
   EXPECT_EQ(m4.choose_allreduce(4, 64 << 20, true), Algorithm::kSharedMemory);
 
   // Round trip through the GRADSYNC_COST_MODEL form.
-  auto parsed = model::CostModel::parse(m4.to_string());
+  auto parsed = cost::CostModel::parse(m4.to_string());
   ASSERT_TRUE(parsed.has_value());
   EXPECT_DOUBLE_EQ(parsed->shm_call_us, 7.4);
-  EXPECT_EQ(model::CostModel(model::LinkParams{}).to_string().find("shm_call_us"),
+  EXPECT_EQ(cost::CostModel(cost::LinkParams{}).to_string().find("shm_call_us"),
             std::string::npos);
 }
 
@@ -262,10 +262,10 @@ TEST(CostModel, SharedMemoryFixedCostDecidesSmallMessages) {
 // hierarchical algorithm keeps most of its traffic inside hosts and wins large messages there,
 // while small ones stay latency-optimal. One host never gets it.
 TEST(CostModel, HierarchicalForLargeMessagesAcrossHosts) {
-  model::LinkParams p{0.6, 20.0, 40.0};
+  cost::LinkParams p{0.6, 20.0, 40.0};
   p.inter_alpha_us = 60;
   p.inter_bandwidth_gbps = 0.12;  // 1 Gbit/s
-  model::CostModel m(p);
+  cost::CostModel m(p);
   EXPECT_EQ(m.choose_allreduce(4, 16 << 20, false, 2), Algorithm::kHierarchical);
   EXPECT_EQ(m.choose_allreduce(8, 64 << 20, false, 4), Algorithm::kHierarchical);
   EXPECT_NE(m.choose_allreduce(4, 1024, false, 2), Algorithm::kHierarchical);
@@ -277,7 +277,7 @@ TEST(CostModel, HierarchicalForLargeMessagesAcrossHosts) {
   const double flat = m.allreduce_us(Algorithm::kRing, 4, 16 << 20, 2);
   const double hier = m.allreduce_us(Algorithm::kHierarchical, 4, 16 << 20, 2);
   EXPECT_GT(flat / hier, 1.3);
-  auto parsed = model::CostModel::parse(m.to_string());
+  auto parsed = cost::CostModel::parse(m.to_string());
   ASSERT_TRUE(parsed.has_value());
   EXPECT_DOUBLE_EQ(parsed->inter_bandwidth_gbps, 0.12);
 }
@@ -285,16 +285,16 @@ TEST(CostModel, HierarchicalForLargeMessagesAcrossHosts) {
 // Main-memory traffic counts only for what the cache cannot hold, so small messages cost what
 // they always did, and the slower memory is, the more the bytes an algorithm moves matter.
 TEST(CostModel, MemoryTrafficChargesOnlyMessagesBeyondTheCache) {
-  model::LinkParams fast_memory{5.0, 5.0, 10.0}, slow_memory = fast_memory;
+  cost::LinkParams fast_memory{5.0, 5.0, 10.0}, slow_memory = fast_memory;
   slow_memory.copy_gbps = fast_memory.copy_gbps / 4;
-  model::CostModel fast(fast_memory), slow(slow_memory);
+  cost::CostModel fast(fast_memory), slow(slow_memory);
   for (Algorithm a : {Algorithm::kRing, Algorithm::kRecursiveDoubling, Algorithm::kSharedMemory}) {
     EXPECT_DOUBLE_EQ(fast.allreduce_us(a, 4, 1 << 20), slow.allreduce_us(a, 4, 1 << 20));
     EXPECT_GT(slow.allreduce_us(a, 4, 256 << 20), fast.allreduce_us(a, 4, 256 << 20));
   }
   // The ring writes 2(N-1)/N of the message through the cache, the shared-memory algorithm
   // streams it out once: slower memory widens the gap.
-  const auto gap = [](const model::CostModel& m) {
+  const auto gap = [](const cost::CostModel& m) {
     return m.allreduce_us(Algorithm::kRing, 4, 256 << 20) -
            m.allreduce_us(Algorithm::kSharedMemory, 4, 256 << 20);
   };
@@ -302,12 +302,12 @@ TEST(CostModel, MemoryTrafficChargesOnlyMessagesBeyondTheCache) {
 }
 
 TEST(CostModel, ParsesMemoryParameters) {
-  auto p = model::CostModel::parse("copy_gbps=7.5,cache_mib=64");
+  auto p = cost::CostModel::parse("copy_gbps=7.5,cache_mib=64");
   ASSERT_TRUE(p.has_value());
   EXPECT_DOUBLE_EQ(p->copy_gbps, 7.5);
   EXPECT_DOUBLE_EQ(p->cache_mib, 64);
-  EXPECT_NE(model::CostModel(*p).to_string().find("copy_gbps=7.5,cache_mib=64"), std::string::npos);
-  EXPECT_FALSE(model::CostModel::parse("copy_gbps=0"));
+  EXPECT_NE(cost::CostModel(*p).to_string().find("copy_gbps=7.5,cache_mib=64"), std::string::npos);
+  EXPECT_FALSE(cost::CostModel::parse("copy_gbps=0"));
 }
 
 }  // namespace

@@ -17,7 +17,7 @@ void run_inproc_contexts(int n, const std::function<void(Context&)>& fn, Options
   run_threads(n, [&](int rank) {
     // Fixed cost constants: calibration would make algorithm choice timing-dependent.
     auto ctx = make_context(transport::make_inproc_transport(group, rank, topts), options,
-                            model::LinkParams{});
+                            cost::LinkParams{});
     fn(*ctx);
   });
 }
@@ -37,7 +37,7 @@ void run_shm_contexts(int n, const std::function<void(Context&)>& fn, Options op
       // Setup is collective: every rank maps every other's segment, so all run at once.
       auto t = transport::make_shm_transport(*store, prefix, rank, n, group, topts,
                                              std::chrono::seconds(60));
-      auto ctx = make_context(std::move(t), options, model::LinkParams{});
+      auto ctx = make_context(std::move(t), options, cost::LinkParams{});
       fn(*ctx);
       all_done.arrive_and_wait();
     } catch (...) {

@@ -302,7 +302,7 @@ std::vector<std::string> start_with(const std::vector<std::string>& specs) {
       transport::TransportOptions topts;
       topts.format_tag = collectives::describe_tag;
       auto ctx = make_context(transport::make_inproc_transport(group, rank, topts), options,
-                              model::LinkParams{});
+                              cost::LinkParams{});
       ctx->barrier();
     } catch (const Error& e) {
       errors[static_cast<std::size_t>(rank)] = std::string(to_string(e.kind())) + ": " + e.what();

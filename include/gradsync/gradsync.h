@@ -44,14 +44,6 @@ struct Options {
   std::string topology;
 };
 
-// Bytes moved to and from one peer by the transports since the context was created.
-struct PeerTraffic {
-  std::uint64_t bytes_sent = 0;
-  std::uint64_t bytes_received = 0;
-  std::uint64_t messages_sent = 0;
-  std::uint64_t messages_received = 0;
-};
-
 // Handle of an async collective. wait() rethrows the collective's error, if any.
 class Work {
  public:

@@ -1,4 +1,4 @@
-// Element types, reduction operators and algorithm names shared by the whole API.
+// Element types, reduction operators, algorithm names and traffic counters shared by the whole API.
 #pragma once
 
 #include <cstddef>
@@ -41,5 +41,13 @@ std::optional<DataType> parse_dtype(std::string_view s);  // "float32"/"f32"/"fl
 std::optional<ReduceOp> parse_op(std::string_view s);     // "sum", "avg", "min", "max", "prod"
 // "auto", "ring", "rd", "hd", "ps", "shm"
 std::optional<Algorithm> parse_algorithm(std::string_view s);
+
+// Bytes moved to and from one peer by the transports since the context was created.
+struct PeerTraffic {
+  std::uint64_t bytes_sent = 0;
+  std::uint64_t bytes_received = 0;
+  std::uint64_t messages_sent = 0;
+  std::uint64_t messages_received = 0;
+};
 
 }  // namespace gradsync

@@ -16,7 +16,7 @@
 #include "collectives/signature.h"
 #include "collectives/topology.h"
 #include "gradsync/gradsync.h"
-#include "model/cost_model.h"
+#include "cost/cost_model.h"
 #include "transport/transport.h"
 
 namespace gradsync {
@@ -35,7 +35,7 @@ struct Context::Impl {
   int local_size = 1;
   std::chrono::milliseconds timeout{300000};
   Algorithm forced_algorithm = Algorithm::kAuto;
-  model::CostModel cost;
+  cost::CostModel cost;
   collectives::AlgorithmConfig config;
   std::unique_ptr<transport::Transport> transport;
   std::vector<std::string> peer_transport;  // name per peer, for transport_name()
@@ -85,7 +85,7 @@ struct Context::Impl {
 // (kMismatch otherwise). Collective over all ranks of the transport.
 std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> transport,
                                       const Options& options,
-                                      std::optional<model::LinkParams> cost = std::nullopt,
+                                      std::optional<cost::LinkParams> cost = std::nullopt,
                                       const std::vector<std::string>& host_of = {});
 
 }  // namespace gradsync

@@ -74,7 +74,7 @@ double pingpong_us(Comm& c, int a, int b, std::vector<unsigned char>& buf, std::
 //  - gamma: rank 0 times the float32 sum kernel in cache.
 //  - shm_call_us: where the ranks share an arena, the shared-memory all-reduce of one element
 //    per rank, i.e. its three waits on every rank.
-model::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
+cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
                                const collectives::Topology& topology) {
   constexpr std::size_t kProbeBytes = 4096;
   const int n = c.size(), r = c.rank();
@@ -133,7 +133,7 @@ model::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
   }
   collectives::AlgorithmConfig cfg;
   collectives::broadcast(c, values, 6, DataType::kFloat64, 0, cfg);
-  model::LinkParams p{values[0], values[1], values[2]};
+  cost::LinkParams p{values[0], values[1], values[2]};
   p.shm_call_us = values[3];
   p.inter_alpha_us = values[4];
   p.inter_bandwidth_gbps = values[5];
@@ -200,7 +200,7 @@ collectives::Topology agreed_topology(Context::Impl& impl, const Options& option
 }  // namespace
 
 std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> transport,
-                                      const Options& options, std::optional<model::LinkParams> cost,
+                                      const Options& options, std::optional<cost::LinkParams> cost,
                                       const std::vector<std::string>& host_of) {
   auto impl = std::make_unique<Context::Impl>();
   impl->rank = transport->rank();
@@ -216,7 +216,7 @@ std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> tran
   impl->topology = agreed_topology(*impl, options, host_of);
   if (!cost) {
     if (auto spec = env::get("GRADSYNC_COST_MODEL")) {
-      cost = model::CostModel::parse(*spec);
+      cost = cost::CostModel::parse(*spec);
       if (!cost) {
         throw Error(ErrorKind::kInvalidArgument,
                     "GRADSYNC_COST_MODEL='" + *spec +
@@ -227,7 +227,7 @@ std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> tran
     }
   }
   if (!cost && impl->size > 1) {
-    model::LinkParams measured;
+    cost::LinkParams measured;
     CallSignature sig{
         0, CollectiveKind::kInternal, DataType::kFloat64, ReduceOp::kSum, Algorithm::kAuto, 0, 6};
     transport::SharedArena* arena = impl->transport->shared_arena();
@@ -236,7 +236,7 @@ std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> tran
         .wait();
     cost = measured;
   }
-  impl->cost = model::CostModel(cost.value_or(model::LinkParams{}));
+  impl->cost = cost::CostModel(cost.value_or(cost::LinkParams{}));
   impl->restart_sequence();
   return std::make_unique<Context>(std::move(impl));
 }

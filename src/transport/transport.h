@@ -11,7 +11,8 @@
 #include <optional>
 #include <string>
 
-#include "gradsync/gradsync.h"
+#include "gradsync/error.h"
+#include "gradsync/types.h"
 
 namespace gradsync::transport {
 

@@ -11,7 +11,7 @@
 
 #include "gradsync/types.h"
 
-namespace gradsync::model {
+namespace gradsync::cost {
 
 struct LinkParams {
   double alpha_us = 5.0;        // one message's fixed cost
@@ -67,4 +67,4 @@ class CostModel {
   LinkParams p_;
 };
 
-}  // namespace gradsync::model
+}  // namespace gradsync::cost

@@ -263,7 +263,7 @@ bool have_data() {
   return std::filesystem::exists("/usr/share/datasets/fashion-mnist");
 }
 
-TEST(TrainTimeline, ThreeRanksWriteOneTraceWithARowPerRankOnOneClock) {
+TEST(TrainerTimeline, ThreeRanksWriteOneTraceWithARowPerRankOnOneClock) {
   if (!have_data()) GTEST_SKIP() << "no data";
   const testing::TempDir dir;  // removes the trace with it
   const std::string path = dir.path() + "/timeline.json";
@@ -400,7 +400,7 @@ TEST(TrainTimeline, ThreeRanksWriteOneTraceWithARowPerRankOnOneClock) {
   }
 }
 
-TEST(TrainTimeline, NothingIsWrittenWithoutGradsyncTimeline) {
+TEST(TrainerTimeline, NothingIsWrittenWithoutGradsyncTimeline) {
   if (!have_data()) GTEST_SKIP() << "no data";
   // Unset, and set but empty: both mean off. The ranks run in an empty directory, where a
   // trace under some default name would show.

@@ -10,7 +10,7 @@
 namespace gradsync {
 namespace {
 
-TEST(TrainFlags, ConflictsAndUnknownValuesAreRefused) {
+TEST(TrainerFlags, ConflictsAndUnknownValuesAreRefused) {
   const std::string train = testing::build_dir() + "/examples/gradsync-train";
   auto r =
       testing::run_shell(train + " --optimizer adamw --codec topk:ratio=0.01,momentum=0.9 2>&1");

@@ -29,7 +29,7 @@ std::vector<std::string> losses(const std::string& json_path) {
   return out;
 }
 
-TEST(TrainCheckpoint, ResumeAfterACrashInTheMiddleOfASaveRepeatsTheLossesBitForBit) {
+TEST(TrainerCheckpoint, ResumeAfterACrashInTheMiddleOfASaveRepeatsTheLossesBitForBit) {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no data";
   const std::string dir = testing::build_dir() + "/train_checkpoint_" + std::to_string(::getpid());
   std::filesystem::remove_all(dir);
@@ -79,7 +79,7 @@ TEST(TrainCheckpoint, ResumeAfterACrashInTheMiddleOfASaveRepeatsTheLossesBitForB
 // Step-ahead error feedback moves where the gradient is computed by what the codec holds
 // back: nothing for float32 (the same losses with it on or off), and for top-k nothing at
 // the first step (nothing held back yet) and something at every later one.
-TEST(TrainStepAhead, MovesTheGradientOnlyByWhatTheCodecHoldsBack) {
+TEST(TrainerStepAhead, MovesTheGradientOnlyByWhatTheCodecHoldsBack) {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no data";
   const std::string dir = testing::build_dir() + "/train_step_ahead_" + std::to_string(::getpid());
   std::filesystem::create_directories(dir);

@@ -193,11 +193,11 @@ void check_gradients(const std::string& kind, const std::vector<std::size_t>& hi
   std::printf("[ info     ] %s: worst relative gradient error %.2e\n", kind.c_str(), worst);
 }
 
-TEST(TrainModel, MlpGradientsMatchCentralDifferences) {
+TEST(TrainerModel, MlpGradientsMatchCentralDifferences) {
   check_gradients("mlp", {16, 8}, 4, 32);
 }
 
-TEST(TrainModel, CnnGradientsMatchCentralDifferences) {
+TEST(TrainerModel, CnnGradientsMatchCentralDifferences) {
   check_gradients("cnn", {}, 3, 8);
 }
 
@@ -238,12 +238,12 @@ void check_ready(const std::string& kind, const std::vector<std::size_t>& hidden
       << "backward without accumulate did not overwrite every gradient";
 }
 
-TEST(TrainModel, ReadyOncePerParameterLastLayerFirstWhenFinal) {
+TEST(TrainerModel, ReadyOncePerParameterLastLayerFirstWhenFinal) {
   check_ready("mlp", {16, 8});
   check_ready("cnn", {});
 }
 
-TEST(TrainModel, AccumulateAddsIntoTheGradients) {
+TEST(TrainerModel, AccumulateAddsIntoTheGradients) {
   for (const char* kind : {"mlp", "cnn"}) {
     auto model = make_model(
         kind, 2,
@@ -263,7 +263,7 @@ TEST(TrainModel, AccumulateAddsIntoTheGradients) {
 }
 
 // A smaller batch after a larger one reuses the grown buffers and must not see their leftovers.
-TEST(TrainModel, SmallerBatchAfterLargerGivesTheSameGradients) {
+TEST(TrainerModel, SmallerBatchAfterLargerGivesTheSameGradients) {
   auto fresh = make_model("cnn", 6);
   auto used = make_model("cnn", 6);
   const Batch big = random_batch(5, 1), small = random_batch(2, 2);
@@ -278,7 +278,7 @@ TEST(TrainModel, SmallerBatchAfterLargerGivesTheSameGradients) {
                            fresh->grads().size() * sizeof(float)));
 }
 
-TEST(TrainModel, SeedDecidesTheInitialParameters) {
+TEST(TrainerModel, SeedDecidesTheInitialParameters) {
   for (const char* kind : {"mlp", "cnn"}) {
     auto a = make_model(kind, 42), b = make_model(kind, 42), c = make_model(kind, 43);
     ASSERT_EQ(a->values().size(), b->values().size());
@@ -290,7 +290,7 @@ TEST(TrainModel, SeedDecidesTheInitialParameters) {
 }
 
 // PyTorch's defaults: weight and bias uniform in +-1/sqrt(fan_in), filling the range.
-TEST(TrainModel, InitialisationIsUniformInOneOverSqrtFanIn) {
+TEST(TrainerModel, InitialisationIsUniformInOneOverSqrtFanIn) {
   auto model = make_model("cnn", 3);
   const auto& params = model->parameters();
   for (std::size_t k = 0; k < params.size(); k += 2) {
@@ -311,7 +311,7 @@ TEST(TrainModel, InitialisationIsUniformInOneOverSqrtFanIn) {
   }
 }
 
-TEST(TrainModel, SgdStepsLowerTheLoss) {
+TEST(TrainerModel, SgdStepsLowerTheLoss) {
   auto model = make_model("mlp", 8, {16, 8});
   const Batch b = random_batch(16, 12);
   float first = 0, last = 0;
@@ -328,7 +328,7 @@ TEST(TrainModel, SgdStepsLowerTheLoss) {
   EXPECT_LT(last, 0.8f * first);
 }
 
-TEST(TrainModel, ParameterLayoutAndCounts) {
+TEST(TrainerModel, ParameterLayoutAndCounts) {
   auto mlp = make_model("mlp", 0);
   const std::size_t expected = 784 * 2048 + 2048 + 3 * (2048 * 2048 + 2048) + 2048 * 10 + 10;
   EXPECT_EQ(mlp->values().size(), expected);
@@ -369,7 +369,7 @@ TEST(TrainModel, ParameterLayoutAndCounts) {
               cnn->describe().c_str());
 }
 
-TEST(TrainModel, BadArgumentsThrow) {
+TEST(TrainerModel, BadArgumentsThrow) {
   try {
     make_model("resnet50", 0);
     FAIL() << "no exception";
@@ -395,7 +395,7 @@ TEST(TrainModel, BadArgumentsThrow) {
 
 // For information (the PyTorch DDP comparison's per-rank step): not asserted, the machine may
 // be busy.
-TEST(TrainModel, DefaultMlpStepTime) {
+TEST(TrainerModel, DefaultMlpStepTime) {
   auto model = make_model("mlp", 0);
   const Batch b = random_batch(64, 7);
   auto step = [&] {

@@ -1,7 +1,7 @@
 // Alpha-beta-gamma formulas of each all-reduce algorithm (Thakur, Rabenseifner & Gropp,
 // "Optimization of Collective Communication Operations in MPICH", 2005), plus the main-memory
 // traffic of messages too large for the cache.
-#include "model/cost_model.h"
+#include "cost/cost_model.h"
 
 #include <algorithm>
 #include <charconv>
@@ -10,7 +10,7 @@
 #include <sstream>
 #include <string>
 
-namespace gradsync::model {
+namespace gradsync::cost {
 
 namespace {
 int floor_pow2(int n) {
@@ -245,4 +245,4 @@ std::string CostModel::to_string() const {
   return o.str();
 }
 
-}  // namespace gradsync::model
+}  // namespace gradsync::cost
