@@ -55,7 +55,7 @@ void run_checks(Context& ctx) {
           std::string what = std::string("allreduce ") + to_string(algo) + " " + to_string(t) +
                              " " + to_string(op) + " count=" + std::to_string(count);
           testing::Buffer in = testing::make_input(t, op, r, count), out(in.size());
-          ctx.allreduce(in.data(), out.data(), count, t, op, algo);
+          ctx.allreduce(in.data(), out.data(), count, t, op, {.algorithm = algo});
           check(out == testing::reference_reduce(t, op, n, count), what, r);
           expect_same_everywhere(ctx, out, what);
         }
@@ -67,7 +67,8 @@ void run_checks(Context& ctx) {
   for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
     const std::size_t count = (std::size_t{3} << 20) + 5;
     testing::Buffer buf = testing::make_input(DataType::kFloat32, op, r, count);
-    ctx.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, op, Algorithm::kHierarchical);
+    ctx.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, op,
+                  {.algorithm = Algorithm::kHierarchical});
     check(buf == testing::reference_reduce(DataType::kFloat32, op, n, count),
           std::string("segmented hierarchical allreduce ") + to_string(op), r);
     expect_same_everywhere(ctx, buf, "segmented hierarchical allreduce");

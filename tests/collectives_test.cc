@@ -87,9 +87,9 @@ TEST_P(AllreduceGrid, EveryDtypeOpCountMatchesReference) {
             Buffer out(in.size(), 0xAB);
             if (in_place) {
               out = in;
-              ctx.allreduce(out.data(), out.data(), count, t, op, algo);
+              ctx.allreduce(out.data(), out.data(), count, t, op, {.algorithm = algo});
             } else {
-              ctx.allreduce(in.data(), out.data(), count, t, op, algo);
+              ctx.allreduce(in.data(), out.data(), count, t, op, {.algorithm = algo});
               EXPECT_TRUE(in == testing::make_input(t, op, ctx.rank(), count))
                   << "input modified: " << labels[call];
             }
@@ -112,7 +112,7 @@ TEST_P(AllreduceGrid, LargeAndPrimeCounts) {
       for (auto [t, op] : cases) {
         if (count > 100000 && t != DataType::kFloat32) continue;  // keep the grid fast
         Buffer buf = testing::make_input(t, op, ctx.rank(), count);
-        ctx.allreduce(buf.data(), buf.data(), count, t, op, algo);
+        ctx.allreduce(buf.data(), buf.data(), count, t, op, {.algorithm = algo});
         EXPECT_TRUE(buf == testing::reference_reduce(t, op, n, count))
             << label(n, algo, t, op, count, true);
         if (count == counts[1] && op == ReduceOp::kSum) outputs.put(ctx.rank(), buf);
@@ -132,7 +132,8 @@ TEST_P(AllreduceGrid, RoundedResultsAreIdenticalAcrossRanksAndRuns) {
     std::mutex mu;
     testing::run_inproc_contexts(n, [&](Context& ctx) {
       std::vector<float> v = rounded_input(ctx.rank(), count);
-      ctx.allreduce(v.data(), v.data(), count, DataType::kFloat32, ReduceOp::kAvg, algo);
+      ctx.allreduce(v.data(), v.data(), count, DataType::kFloat32, ReduceOp::kAvg,
+                    {.algorithm = algo});
       Buffer bytes(count * 4);
       std::memcpy(bytes.data(), v.data(), bytes.size());
       outputs.put(ctx.rank(), bytes);
@@ -353,10 +354,10 @@ class SharedMemoryGrid : public ::testing::TestWithParam<int> {
         Buffer out(in.size(), 0xAB);
         if (call.in_place) {
           out = in;
-          ctx.allreduce(out.data(), out.data(), call.count, call.t, call.op, algo);
+          ctx.allreduce(out.data(), out.data(), call.count, call.t, call.op, {.algorithm = algo});
         } else {
           const Buffer before = in;
-          ctx.allreduce(in.data(), out.data(), call.count, call.t, call.op, algo);
+          ctx.allreduce(in.data(), out.data(), call.count, call.t, call.op, {.algorithm = algo});
           EXPECT_TRUE(in == before) << "input modified: " << what;
         }
         EXPECT_TRUE(out == call.want) << what;
@@ -392,7 +393,7 @@ TEST_P(SharedMemoryGrid, RoundedResultsAreIdenticalAcrossRanksAndRuns) {
     testing::run_shm_contexts(n, [&](Context& ctx) {
       std::vector<float> v = rounded_input(ctx.rank(), count);
       ctx.allreduce(v.data(), v.data(), count, DataType::kFloat32, ReduceOp::kAvg,
-                    Algorithm::kSharedMemory);
+                    {.algorithm = Algorithm::kSharedMemory});
       Buffer bytes(count * 4);
       std::memcpy(bytes.data(), v.data(), bytes.size());
       fingerprints[static_cast<std::size_t>(ctx.rank())] = fingerprint(bytes);
@@ -423,15 +424,16 @@ TEST_P(SharedMemoryGrid, ConsecutiveCallsOfChangingSizesAndOtherCollectives) {
         Buffer& b = bufs[i];
         if (round == 1) {  // the second round issues them asynchronously
           works.push_back(ctx.allreduce_async(b.data(), b.data(), counts[i], DataType::kFloat32,
-                                              ReduceOp::kSum, Algorithm::kSharedMemory));
+                                              ReduceOp::kSum,
+                                              {.algorithm = Algorithm::kSharedMemory}));
         } else {
           ctx.allreduce(b.data(), b.data(), counts[i], DataType::kFloat32, ReduceOp::kSum,
-                        Algorithm::kSharedMemory);
+                        {.algorithm = Algorithm::kSharedMemory});
           if (i % 3 == 2) ctx.barrier();
           if (i % 4 == 1) {
             Buffer ring = testing::make_input(DataType::kInt32, ReduceOp::kSum, ctx.rank(), 999);
             ctx.allreduce(ring.data(), ring.data(), 999, DataType::kInt32, ReduceOp::kSum,
-                          Algorithm::kRing);
+                          {.algorithm = Algorithm::kRing});
             EXPECT_TRUE(ring ==
                         testing::reference_reduce(DataType::kInt32, ReduceOp::kSum, n, 999));
           }
@@ -457,14 +459,14 @@ TEST_P(SharedMemoryGrid, MisalignedBuffersOfStreamedResults) {
     Buffer send(count + 1), recv(count + 3, 0xEE);
     std::memcpy(send.data() + 1, input.data(), count);
     ctx.allreduce(send.data() + 1, recv.data() + 3, count, DataType::kUInt8, ReduceOp::kSum,
-                  Algorithm::kSharedMemory);
+                  {.algorithm = Algorithm::kSharedMemory});
     EXPECT_TRUE(std::equal(want.begin(), want.end(), recv.begin() + 3)) << "n=" << n;
     EXPECT_EQ(recv[0], 0xEE);  // nothing written before the output
     // In place, at yet another offset.
     Buffer both(count + 7);
     std::memcpy(both.data() + 7, input.data(), count);
     ctx.allreduce(both.data() + 7, both.data() + 7, count, DataType::kUInt8, ReduceOp::kSum,
-                  Algorithm::kSharedMemory);
+                  {.algorithm = Algorithm::kSharedMemory});
     EXPECT_TRUE(std::equal(want.begin(), want.end(), both.begin() + 7)) << "in place, n=" << n;
   });
 }
@@ -490,7 +492,7 @@ TEST(SharedMemoryAuto, ChosenForLargeMessagesOnlyWhereMemoryIsShared) {
       // Forced without an arena it runs the ring.
       Buffer b = testing::make_input(DataType::kInt64, ReduceOp::kSum, ctx.rank(), 5000);
       ctx.allreduce(b.data(), b.data(), 5000, DataType::kInt64, ReduceOp::kSum,
-                    Algorithm::kSharedMemory);
+                    {.algorithm = Algorithm::kSharedMemory});
       EXPECT_TRUE(b == testing::reference_reduce(DataType::kInt64, ReduceOp::kSum, n, 5000));
     });
   }
@@ -513,28 +515,28 @@ TEST(SharedMemoryMismatch, EveryRankFailsFastNamingBothSides) {
        2,
        [&](Context& ctx, std::vector<float>& buf) {
          ctx.allreduce(buf.data(), buf.data(), ctx.rank() == 0 ? 100 : 200, DataType::kFloat32,
-                       ReduceOp::kSum, shm);
+                       ReduceOp::kSum, {.algorithm = shm});
        },
        {"allreduce #3 (count=100", "allreduce #3 (count=200"}},
       {"empty against many chunks",
        3,
        [&](Context& ctx, std::vector<float>& buf) {
          ctx.allreduce(buf.data(), buf.data(), ctx.rank() == 1 ? 0 : buf.size(), DataType::kFloat32,
-                       ReduceOp::kSum, shm);
+                       ReduceOp::kSum, {.algorithm = shm});
        },
        {"allreduce #3 (count=0", "allreduce #3 (count=" + std::to_string(3 << 20)}},
       {"shm against ring",
        2,
        [&](Context& ctx, std::vector<float>& buf) {
          ctx.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum,
-                       ctx.rank() == 0 ? shm : Algorithm::kRing);
+                       {.algorithm = ctx.rank() == 0 ? shm : Algorithm::kRing});
        },
        {"algo=shm", "algo=ring"}},
       {"shm against recursive doubling, 4 ranks",
        4,
        [&](Context& ctx, std::vector<float>& buf) {
          ctx.allreduce(buf.data(), buf.data(), 64, DataType::kFloat32, ReduceOp::kSum,
-                       ctx.rank() == 3 ? shm : Algorithm::kRecursiveDoubling);
+                       {.algorithm = ctx.rank() == 3 ? shm : Algorithm::kRecursiveDoubling});
        },
        {"algo=shm", "algo=rd"}},
   };
@@ -544,7 +546,8 @@ TEST(SharedMemoryMismatch, EveryRankFailsFastNamingBothSides) {
     testing::run_shm_contexts(c.n, [&](Context& ctx) {
       std::vector<float> buf(std::size_t{3} << 20, 1.0f);
       // Two matching calls first, so the mismatch meets counters that have moved.
-      ctx.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum, shm);
+      ctx.allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kSum,
+                    {.algorithm = shm});
       ctx.barrier();
       const auto t0 = std::chrono::steady_clock::now();
       try {
@@ -557,8 +560,9 @@ TEST(SharedMemoryMismatch, EveryRankFailsFastNamingBothSides) {
       }
       EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s) << "rank " << ctx.rank();
       // Sticky: the communicator stays failed.
-      EXPECT_THROW(
-          ctx.allreduce(buf.data(), buf.data(), 1, DataType::kFloat32, ReduceOp::kSum, shm), Error);
+      EXPECT_THROW(ctx.allreduce(buf.data(), buf.data(), 1, DataType::kFloat32, ReduceOp::kSum,
+                                 {.algorithm = shm}),
+                   Error);
     });
     for (const auto& m : messages) {
       for (const auto& part : c.named) EXPECT_NE(m.find(part), std::string::npos) << m;

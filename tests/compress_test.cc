@@ -307,7 +307,7 @@ TEST_P(HalfWireAllreduce, HalfTheBytesWithinRoundingAndIdenticalEverywhere) {
         std::vector<float> plain = inputs[static_cast<std::size_t>(r)];
         const auto before = ctx.total_traffic().bytes_sent;
         ctx.allreduce(plain.data(), plain.data(), count, DataType::kFloat32, ReduceOp::kSum,
-                      Algorithm::kRing);
+                      {.algorithm = Algorithm::kRing});
         full_bytes[static_cast<std::size_t>(r)] = ctx.total_traffic().bytes_sent - before;
       });
       for (int r = 1; r < n; ++r) {
@@ -1099,7 +1099,7 @@ TEST_P(CompressedAllreduceWorlds, QuantisedRingIsAQuarterOfTheBytesAndConservesM
         std::vector<float> plain = inputs[r];
         before = ctx.total_traffic().bytes_sent;
         ctx.allreduce(plain.data(), plain.data(), count, DataType::kFloat32, ReduceOp::kSum,
-                      Algorithm::kRing);
+                      {.algorithm = Algorithm::kRing});
         ratio[r] = static_cast<double>(sent) / static_cast<double>(std::max<std::uint64_t>(
                                                    1, ctx.total_traffic().bytes_sent - before));
       });

@@ -63,9 +63,9 @@ TEST(Env, TorchrunConvention) {
               {"GRADSYNC_TOKEN", "s3cret"}});
   Options o = env::resolve({});
   EXPECT_EQ(o.rank, 3);
-  EXPECT_EQ(o.world_size, 8);
+  EXPECT_EQ(o.size, 8);
   EXPECT_EQ(o.local_rank, 1);
-  EXPECT_EQ(o.local_world_size, 2);
+  EXPECT_EQ(o.local_size, 2);
   EXPECT_EQ(o.master_addr, "10.0.0.1");
   EXPECT_EQ(o.master_port, 1234);
   EXPECT_EQ(o.token, "s3cret");
@@ -80,22 +80,22 @@ TEST(Env, MpirunPmiAndSrunConventions) {
                 {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
     Options o = env::resolve({});
     EXPECT_EQ(o.rank, 2);
-    EXPECT_EQ(o.world_size, 4);
+    EXPECT_EQ(o.size, 4);
     EXPECT_EQ(o.local_rank, 0);
-    EXPECT_EQ(o.local_world_size, 2);
+    EXPECT_EQ(o.local_size, 2);
   }
   {
     EnvGuard g({{"PMI_RANK", "5"}, {"PMI_SIZE", "6"}});
     Options o = env::resolve({});
     EXPECT_EQ(o.rank, 5);
-    EXPECT_EQ(o.world_size, 6);
+    EXPECT_EQ(o.size, 6);
     EXPECT_EQ(o.local_rank, -1) << "unknown until host discovery";
   }
   {
     EnvGuard g({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "3"}, {"SLURM_LOCALID", "1"}});
     Options o = env::resolve({});
     EXPECT_EQ(o.rank, 1);
-    EXPECT_EQ(o.world_size, 3);
+    EXPECT_EQ(o.size, 3);
     EXPECT_EQ(o.local_rank, 1);
   }
 }
@@ -108,12 +108,12 @@ TEST(Env, ExplicitOptionsOverrideTheEnvironment) {
               {"GRADSYNC_TIMEOUT", "1500"}});
   Options in;
   in.rank = 0;
-  in.world_size = 2;
+  in.size = 2;
   in.transport = "shm";
   in.algorithm = Algorithm::kRing;
   Options o = env::resolve(in);
   EXPECT_EQ(o.rank, 0);
-  EXPECT_EQ(o.world_size, 2);
+  EXPECT_EQ(o.size, 2);
   EXPECT_EQ(o.transport, "shm");
   EXPECT_EQ(o.algorithm, Algorithm::kRing);
   EXPECT_EQ(o.timeout.count(), 1500) << "not set explicitly, so the environment's";
@@ -254,8 +254,7 @@ TEST(CostModel, SharedMemoryFixedCostDecidesSmallMessages) {
   auto parsed = cost::CostModel::parse(m4.to_string());
   ASSERT_TRUE(parsed.has_value());
   EXPECT_DOUBLE_EQ(parsed->shm_call_us, 7.4);
-  EXPECT_EQ(cost::CostModel(cost::LinkParams{}).to_string().find("shm_call_us"),
-            std::string::npos);
+  EXPECT_EQ(cost::CostModel(cost::LinkParams{}).to_string().find("shm_call_us"), std::string::npos);
 }
 
 // Across hosts the flat algorithms run at the speed of the links between hosts; the

@@ -47,7 +47,7 @@ TEST(Mismatch, DifferentCountsNameBothSidesAndSequenceNumber) {
         std::vector<float> buf(200, 1.0f);
         ctx.barrier();  // call #1 matches
         ctx.allreduce(buf.data(), buf.data(), ctx.rank() == 0 ? 100 : 200, DataType::kFloat32,
-                      ReduceOp::kSum, Algorithm::kRing);
+                      ReduceOp::kSum, {.algorithm = Algorithm::kRing});
       },
       1000ms);
   for (const auto& m : msgs) {
@@ -69,14 +69,15 @@ TEST(Mismatch, DifferentDtypeOpOrCollective) {
          std::vector<double> buf(64, 1.0);
          ctx.allreduce(buf.data(), buf.data(), 16,
                        ctx.rank() == 0 ? DataType::kFloat32 : DataType::kInt32, ReduceOp::kSum,
-                       Algorithm::kRing);
+                       {.algorithm = Algorithm::kRing});
        },
        "float32", "int32"},
       {"op",
        [](Context& ctx) {
          std::vector<float> buf(16, 1.0f);
          ctx.allreduce(buf.data(), buf.data(), 16, DataType::kFloat32,
-                       ctx.rank() == 0 ? ReduceOp::kSum : ReduceOp::kMax, Algorithm::kRing);
+                       ctx.rank() == 0 ? ReduceOp::kSum : ReduceOp::kMax,
+                       {.algorithm = Algorithm::kRing});
        },
        "float32 sum", "float32 max"},
       {"collective order",
@@ -107,7 +108,7 @@ TEST(Mismatch, UninvolvedRanksAreReleasedByTheAbort) {
       [](Context& ctx) {
         std::vector<float> buf(1000, 1.0f);
         ctx.allreduce(buf.data(), buf.data(), ctx.rank() == 1 ? 999 : 1000, DataType::kFloat32,
-                      ReduceOp::kSum, Algorithm::kRing);
+                      ReduceOp::kSum, {.algorithm = Algorithm::kRing});
       },
       1000ms);
   for (const auto& m : msgs) EXPECT_TRUE(contains(m, "count=999")) << m;
@@ -127,7 +128,7 @@ TEST(Timeout, NamesOperationPeerAndMissingBytes) {
         std::vector<float> buf(256, 1.0f);
         try {
           ctx.allreduce(buf.data(), buf.data(), 256, DataType::kFloat32, ReduceOp::kSum,
-                        Algorithm::kRecursiveDoubling);
+                        {.algorithm = Algorithm::kRecursiveDoubling});
           ADD_FAILURE() << "no timeout";
         } catch (const Error& e) {
           EXPECT_EQ(e.kind(), ErrorKind::kTimeout);

@@ -232,7 +232,7 @@ std::unique_ptr<Context> process_context(const testing::TempDir& dir, int rank, 
   Options options;
   options.token = token;
   options.rank = rank;
-  options.world_size = n;
+  options.size = n;
   options.transport = "shm";
   options.timeout = 30s;
   options.store = make_file_store(dir.path());
@@ -252,7 +252,7 @@ TEST(SharedMemoryAllreduce, ProcessesGetExactIdenticalResults) {
         for (std::size_t i = 0; i < count; ++i)
           v[i] = static_cast<float>((i + static_cast<std::size_t>(rank)) % 13);
         ctx->allreduce(v.data(), v.data(), count, DataType::kFloat32, ReduceOp::kSum,
-                       Algorithm::kSharedMemory);
+                       {.algorithm = Algorithm::kSharedMemory});
         for (std::size_t i = 0; i < count; ++i) {
           float want = 0;
           for (int r = 0; r < n; ++r)
@@ -286,7 +286,7 @@ TEST(SharedMemoryAllreduce, KilledRankIsNamedBySurvivorsWithinTwoSeconds) {
     if (rank == 2) {
       for (int i = 0; i < 3; ++i) {
         ctx->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kMax,
-                       Algorithm::kSharedMemory);
+                       {.algorithm = Algorithm::kSharedMemory});
       }
       store->set("killed_at", to_bytes(std::to_string(Clock::now().time_since_epoch().count())));
       ::raise(SIGKILL);
@@ -294,7 +294,7 @@ TEST(SharedMemoryAllreduce, KilledRankIsNamedBySurvivorsWithinTwoSeconds) {
     try {
       for (;;) {
         ctx->allreduce(buf.data(), buf.data(), buf.size(), DataType::kFloat32, ReduceOp::kMax,
-                       Algorithm::kSharedMemory);
+                       {.algorithm = Algorithm::kSharedMemory});
       }
     } catch (const Error& e) {
       const auto detected = Clock::now().time_since_epoch().count();

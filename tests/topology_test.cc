@@ -101,7 +101,8 @@ TEST_P(PermutedRing, RingCollectivesMatchReferenceAndSendOnlyToTheSuccessor) {
                                   std::size_t{1031}, std::size_t{99991}}) {
           for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
             Buffer in = testing::make_input(DataType::kFloat32, op, r, count), out(in.size());
-            ctx.allreduce(in.data(), out.data(), count, DataType::kFloat32, op, Algorithm::kRing);
+            ctx.allreduce(in.data(), out.data(), count, DataType::kFloat32, op,
+                          {.algorithm = Algorithm::kRing});
             EXPECT_TRUE(out == testing::reference_reduce(DataType::kFloat32, op, n, count))
                 << "allreduce n=" << n << " count=" << count << " " << to_string(op);
           }
@@ -146,7 +147,7 @@ TEST_P(PermutedRing, RingCollectivesMatchReferenceAndSendOnlyToTheSuccessor) {
         for (int p = 0; p < n; ++p) before.push_back(ctx.traffic(p));
         std::vector<float> data(1 << 16, 1.0f);
         ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, ReduceOp::kSum,
-                      Algorithm::kRing);
+                      {.algorithm = Algorithm::kRing});
         const int successor = expected.ring_rank(expected.ring_position(r) + 1);
         for (int p = 0; p < n; ++p) {
           const auto sent =
@@ -189,7 +190,8 @@ TEST_P(Hierarchical, MatchesReferenceForEveryDtypeAndOp) {
               for (bool in_place : {false, true}) {
                 Buffer in = testing::make_input(t, op, r, count), out(in.size(), 0xAB);
                 void* dst = in_place ? in.data() : out.data();
-                ctx.allreduce(in.data(), dst, count, t, op, Algorithm::kHierarchical);
+                ctx.allreduce(in.data(), dst, count, t, op,
+                              {.algorithm = Algorithm::kHierarchical});
                 const Buffer& got = in_place ? in : out;
                 EXPECT_TRUE(got == testing::reference_reduce(t, op, n, count))
                     << spec << " " << to_string(t) << " " << to_string(op) << " count=" << count
@@ -201,7 +203,7 @@ TEST_P(Hierarchical, MatchesReferenceForEveryDtypeAndOp) {
         // Rounded floats: identical bits on every rank.
         Buffer big = testing::make_input(DataType::kFloat32, ReduceOp::kSum, r, 99991);
         ctx.allreduce(big.data(), big.data(), 99991, DataType::kFloat32, ReduceOp::kAvg,
-                      Algorithm::kHierarchical);
+                      {.algorithm = Algorithm::kHierarchical});
         outputs[static_cast<std::size_t>(r)] = big;
 
         for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
@@ -271,12 +273,12 @@ TEST(Hierarchical, CrossesHostBoundariesWithTheFewestBytes) {
         ctx.barrier();
         std::uint64_t before = across();
         ctx.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum,
-                      Algorithm::kHierarchical);
+                      {.algorithm = Algorithm::kHierarchical});
         crossing_hier[static_cast<std::size_t>(r)] = across() - before;
         ctx.barrier();
         before = across();
         ctx.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum,
-                      Algorithm::kRing);
+                      {.algorithm = Algorithm::kRing});
         crossing_ring[static_cast<std::size_t>(r)] = across() - before;
       },
       options);

@@ -16,13 +16,14 @@ std::vector<PeerTraffic> traffic_of_one_allreduce(int n, std::size_t count, Algo
     std::vector<float> buf(count, 1.0f);
     ctx.barrier();
     PeerTraffic before = ctx.total_traffic();
-    ctx.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum, algo);
+    ctx.allreduce(buf.data(), buf.data(), count, DataType::kFloat32, ReduceOp::kSum,
+                  {.algorithm = algo});
     PeerTraffic after = ctx.total_traffic();
     EXPECT_EQ(buf[0], static_cast<float>(n));
-    per_rank[static_cast<std::size_t>(ctx.rank())] = {after.bytes_sent - before.bytes_sent,
-                                                      after.bytes_received - before.bytes_received,
-                                                      after.messages_sent - before.messages_sent,
-                                                      after.messages_received - before.messages_received};
+    per_rank[static_cast<std::size_t>(ctx.rank())] = {
+        after.bytes_sent - before.bytes_sent, after.bytes_received - before.bytes_received,
+        after.messages_sent - before.messages_sent,
+        after.messages_received - before.messages_received};
   });
   return per_rank;
 }

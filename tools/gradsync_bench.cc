@@ -177,8 +177,7 @@ Config parse_args(int argc, char** argv) {
       } else {
         usage_error("--non-finite is throw, skip or propagate");
       }
-    }
-    else if (a == "--json")
+    } else if (a == "--json")
       c.json = value();
     else if (a == "--codec") {
       c.codec = value();
@@ -501,7 +500,8 @@ class Bench {
               gradsync::compress::Tensor("bench-" + std::to_string(count), matrix_rows(count)),
               c_.op, c_.non_finite);
         } else {
-          ctx_.allreduce(send_.data(), recv_.data(), count, c_.dtype, c_.op, c_.algo);
+          ctx_.allreduce(send_.data(), recv_.data(), count, c_.dtype, c_.op,
+                         {.algorithm = c_.algo});
         }
         break;
       case Collective::kReduceScatter:

@@ -281,8 +281,9 @@ void progress(const Config& c, int epoch, std::size_t step, std::size_t steps, f
 // same way. A crash at any point leaves LATEST naming a complete earlier set.
 
 void put(std::vector<std::uint8_t>& out, const void* p, std::size_t n) {
-  const auto* b = static_cast<const std::uint8_t*>(p);
-  out.insert(out.end(), b, b + n);
+  const std::size_t at = out.size();
+  out.resize(at + n);
+  if (n) std::memcpy(out.data() + at, p, n);  // (GCC 12 misreads vector::insert here)
 }
 void put_blob(std::vector<std::uint8_t>& out, std::span<const std::uint8_t> blob) {
   const std::uint64_t n = blob.size();

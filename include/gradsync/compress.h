@@ -32,6 +32,8 @@ struct CodecSpec {
 
   static CodecSpec parse(std::string_view spec);  // throws Error(kInvalidArgument)
   double get(const std::string& key, double fallback) const;
+  // The value given, else the codec's default for the key (Error if it has none).
+  double value(const std::string& key) const;
   std::string to_string() const;  // canonical form, round-trips through parse
 };
 
@@ -46,9 +48,37 @@ struct Tensor {
   std::size_t rows = 0;
 };
 
+// How compressed_allreduce moves a codec's payloads (see compressed_allreduce below).
+enum class Pattern : std::uint8_t {
+  kFloat32,        // none: the float32 all-reduce
+  kHalfRing,       // fp16/bf16: a ring of half-size messages, added in float32 at every hop
+  kQuantizedRing,  // int8/qsgd: re-quantised at every hop of a ring
+  kGather,         // every rank's payload to every rank, decoded and summed (or dense, if cheaper)
+  kSharedIndices,  // randomk: the same indices on every rank, so only the values are summed
+  kIndexUnion,     // topk union=1: the picked indices, then the values at their union
+  kLowRank,        // powersgd: P and Q all-reduced
+};
+
+// What the all-reduce and the reducer need to know of a codec, from the codec registry.
+// A codec made outside make_codec keeps the defaults: the generic gather, NaN checked on every
+// rank, tensor by tensor.
+struct CodecTraits {
+  Pattern pattern = Pattern::kGather;
+  // Its encoder refuses NaN or Inf (it ranks magnitudes or takes a mean): every rank checks
+  // its input before any message, even under NonFinite::kPropagate.
+  bool refuses_non_finite = true;
+  // The reducer hands it a whole bucket per call: elementwise codecs without state (nothing
+  // changes but the call count), and top-k, which then ranks across the bucket's tensors.
+  bool whole_buckets = false;
+  // kHalfRing: the 16-bit float type on the wire.
+  DataType half_type = DataType::kFloat16;
+};
+
 class Codec {
  public:
   virtual ~Codec() = default;
+
+  const CodecTraits& traits() const { return traits_; }
 
   // The canonical spec, e.g. "int8:block=256,ef=1".
   virtual std::string spec() const = 0;
@@ -86,6 +116,10 @@ class Codec {
   // load_state throws Error(kProtocol) on bytes it did not write.
   virtual std::vector<std::uint8_t> save_state() const { return {}; }
   virtual void load_state(std::span<const std::uint8_t> state);
+
+ private:
+  friend std::unique_ptr<Codec> make_codec(std::string_view spec);
+  CodecTraits traits_;
 };
 
 // The codec a spec names. Each takes ef=0|1 (error feedback; on by default for the biased
@@ -120,6 +154,8 @@ class Codec {
 // give the optimizer no momentum of its own (gradsync-train does that for such a codec).
 // Throws Error(kInvalidArgument) for an unknown or malformed spec.
 std::unique_ptr<Codec> make_codec(std::string_view spec);
+// The codecs make_codec knows, in the registry's order.
+std::vector<std::string> codec_names();
 
 // What compressed_allreduce does when a rank's gradient holds NaN or Inf.
 enum class NonFinite {
@@ -141,6 +177,12 @@ enum class NonFinite {
 // `non_finite` is kSkip and some rank's data held NaN or Inf.
 bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& tensor,
                           ReduceOp op = ReduceOp::kSum, NonFinite non_finite = NonFinite::kThrow);
+// The same on the context's worker, in issue order with every other call. Until the Work is
+// done, `data` and `codec` are in use there: neither read nor written by the caller, and both
+// alive. Work::skipped() is the negation of the blocking form's result.
+Work compressed_allreduce_async(Context& ctx, std::span<float> data, Codec& codec,
+                                const Tensor& tensor, ReduceOp op = ReduceOp::kSum,
+                                NonFinite non_finite = NonFinite::kThrow);
 
 // One tensor of a bucket: its floats are data[offset, offset + count).
 struct TensorSlice {
@@ -160,5 +202,10 @@ struct TensorSlice {
 bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& bucket,
                           std::span<const TensorSlice> parts, ReduceOp op = ReduceOp::kSum,
                           NonFinite non_finite = NonFinite::kThrow);
+// Its async form (`parts` is copied; `data` and `codec` as above).
+Work compressed_allreduce_async(Context& ctx, std::span<float> data, Codec& codec,
+                                const Tensor& bucket, std::span<const TensorSlice> parts,
+                                ReduceOp op = ReduceOp::kSum,
+                                NonFinite non_finite = NonFinite::kThrow);
 
 }  // namespace gradsync::compress

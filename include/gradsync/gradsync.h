@@ -3,16 +3,12 @@
 //   auto ctx = gradsync::init();                    // reads RANK/WORLD_SIZE/... from the env
 //   ctx->allreduce(grad.data(), grad.data(), grad.size(),
 //                  gradsync::DataType::kFloat32, gradsync::ReduceOp::kAvg);
-//
-// Threading contract: a Context may be used from one thread at a time for issuing calls
-// (like an NCCL communicator). Async calls run in issue order on the context's worker; a
-// blocking call waits for earlier async calls first, so every rank sees the same order.
 #pragma once
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
+#include <exception>
 #include <memory>
 #include <span>
 #include <string>
@@ -27,13 +23,13 @@ namespace gradsync {
 // Explicit options override the environment (which follows torchrun, mpirun, PMI and srun).
 // A field left at its default is taken from the environment, then from the default.
 struct Options {
-  int rank = -1;              // RANK | OMPI_COMM_WORLD_RANK | PMI_RANK | SLURM_PROCID
-  int world_size = -1;        // WORLD_SIZE | OMPI_COMM_WORLD_SIZE | PMI_SIZE | SLURM_NTASKS
-  int local_rank = -1;        // LOCAL_RANK | OMPI_COMM_WORLD_LOCAL_RANK | SLURM_LOCALID
-  int local_world_size = -1;  // LOCAL_WORLD_SIZE | OMPI_COMM_WORLD_LOCAL_SIZE
-  std::string master_addr;    // MASTER_ADDR (default 127.0.0.1)
-  int master_port = -1;       // MASTER_PORT (default 29500)
-  std::string token;          // GRADSYNC_TOKEN: per-job secret every connection must present
+  int rank = -1;            // RANK | OMPI_COMM_WORLD_RANK | PMI_RANK | SLURM_PROCID
+  int size = -1;            // WORLD_SIZE | OMPI_COMM_WORLD_SIZE | PMI_SIZE | SLURM_NTASKS
+  int local_rank = -1;      // LOCAL_RANK | OMPI_COMM_WORLD_LOCAL_RANK | SLURM_LOCALID
+  int local_size = -1;      // LOCAL_WORLD_SIZE | OMPI_COMM_WORLD_LOCAL_SIZE
+  std::string master_addr;  // MASTER_ADDR (default 127.0.0.1)
+  int master_port = -1;     // MASTER_PORT (default 29500)
+  std::string token;        // GRADSYNC_TOKEN: per-job secret every connection must present
   std::string transport;  // GRADSYNC_TRANSPORT: "" (auto: shm same host, tcp otherwise) | shm | tcp
   Algorithm algorithm = Algorithm::kAuto;  // GRADSYNC_ALGO
   std::chrono::milliseconds timeout{0};    // GRADSYNC_TIMEOUT in ms (default 300000)
@@ -42,21 +38,65 @@ struct Options {
   // cannot see (racks, hosts behind one switch): "0,2;1,3" (groups by ';', ranks by ','; every
   // rank once; the same on every rank). Default: the ranks of each host.
   std::string topology;
+  // GRADSYNC_COST_MODEL: the cost model's constants as Context::cost_model() prints them
+  // ("alpha_us=0.4,bandwidth_gbps=18,..."), instead of measuring them at start-up. A run that
+  // must repeat another bit for bit passes the other's: they decide the algorithms, and so
+  // how float32 sums round.
+  std::string cost_model;
 };
 
-// Handle of an async collective. wait() rethrows the collective's error, if any.
+// Per-call settings; a field left at its default takes the context's.
+struct CallOptions {
+  // All-reduce only: the algorithm (kAuto: the cost model's choice, or Options::algorithm).
+  Algorithm algorithm = Algorithm::kAuto;
+  // How long the call may take once it starts running (0: Options::timeout). Past it, the
+  // call fails with kTimeout and the communicator is aborted on every rank.
+  std::chrono::milliseconds timeout{0};
+};
+
+// Handle of an async call. Copies share the call.
 class Work {
  public:
-  Work() = default;
+  Work() = default;  // an empty handle: done, no error
   struct State;
   explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
-  void wait();  // blocks until done (bounded by the context timeout)
-  bool test();  // true once done (then wait() returns or throws at once)
+
+  // Blocks until the call is done (its own deadline bounds the wait) and rethrows its error.
+  void wait();
+  // As wait(), but gives up after `timeout`: false if the call is still running (it goes on;
+  // its buffers stay in use).
+  bool wait(std::chrono::milliseconds timeout);
+  // True once the call is done (then wait() returns or throws at once). Never blocks.
+  bool test() const;
+  // The call's error once it is done; null if it succeeded or is still running.
+  std::exception_ptr error() const;
+  // Waits, then: true if a compressed all-reduce under NonFinite::kSkip found NaN or Inf and
+  // skipped the step on every rank. False for every other call.
+  bool skipped();
 
  private:
   std::shared_ptr<State> state_;
 };
 
+namespace detail {
+struct ContextAccess;
+}
+
+// A communicator over every rank of the job, as init() builds it.
+//
+// Calls: every collective comes blocking and async (`_async`, returning a Work). All of them
+// run in the order they were issued, on the context's one worker thread (a blocking call waits
+// for the calls before it, then runs), so each rank must issue the same calls in the same
+// order. Issue calls from one thread at a time.
+//
+// Buffers: an async call reads `send` and writes `recv` (or `data`) until its Work is done:
+// keep them alive, do not write a send buffer nor read a receive buffer before wait() returns
+// or test() is true. A blocking call is done with them when it returns. Destroying the context
+// finishes every call still queued.
+//
+// Counts are in elements of `dtype`; `send` may equal `recv` (in place). Every failure throws
+// gradsync::Error (see error.h); after a failure inside a call, the communicator is aborted on
+// every rank and later calls fail at once with kAborted.
 class Context {
  public:
   struct Impl;
@@ -71,49 +111,57 @@ class Context {
   int local_size() const;
   std::string transport_name(int peer) const;  // "shm", "tcp", "inproc", "self"
 
-  // `send` may equal `recv` (in place). Counts are in elements of `dtype`.
   void allreduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
-                 Algorithm algo = Algorithm::kAuto);
+                 const CallOptions& options = {});
   // `send` holds size() * recv_count elements; rank r receives block r reduced.
   void reduce_scatter(const void* send, void* recv, std::size_t recv_count, DataType dtype,
-                      ReduceOp op);
+                      ReduceOp op, const CallOptions& options = {});
   // `recv` receives size() * send_count elements, rank r's block at offset r * send_count.
-  void allgather(const void* send, void* recv, std::size_t send_count, DataType dtype);
+  void allgather(const void* send, void* recv, std::size_t send_count, DataType dtype,
+                 const CallOptions& options = {});
   // Rank r contributes recv_counts[r] elements; blocks are packed in rank order into recv.
   void allgatherv(const void* send, void* recv, std::span<const std::size_t> recv_counts,
-                  DataType dtype);
-  void broadcast(void* data, std::size_t count, DataType dtype, int root);
+                  DataType dtype, const CallOptions& options = {});
+  void broadcast(void* data, std::size_t count, DataType dtype, int root,
+                 const CallOptions& options = {});
   // Only `root` needs a `recv` buffer; other ranks may pass nullptr.
   void reduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
-              int root);
-  void barrier();
+              int root, const CallOptions& options = {});
+  void barrier(const CallOptions& options = {});
 
   Work allreduce_async(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
-                       Algorithm algo = Algorithm::kAuto);
+                       const CallOptions& options = {});
   Work reduce_scatter_async(const void* send, void* recv, std::size_t recv_count, DataType dtype,
-                            ReduceOp op);
-  Work allgather_async(const void* send, void* recv, std::size_t send_count, DataType dtype);
-  Work broadcast_async(void* data, std::size_t count, DataType dtype, int root);
+                            ReduceOp op, const CallOptions& options = {});
+  Work allgather_async(const void* send, void* recv, std::size_t send_count, DataType dtype,
+                       const CallOptions& options = {});
+  // `recv_counts` is copied: it need not outlive the call.
+  Work allgatherv_async(const void* send, void* recv, std::span<const std::size_t> recv_counts,
+                        DataType dtype, const CallOptions& options = {});
+  Work broadcast_async(void* data, std::size_t count, DataType dtype, int root,
+                       const CallOptions& options = {});
+  Work reduce_async(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
+                    int root, const CallOptions& options = {});
+  Work barrier_async(const CallOptions& options = {});
 
   // The algorithm kAuto would use for an all-reduce of `bytes` (from the cost model).
   Algorithm choose_allreduce_algorithm(std::size_t bytes) const;
-  // The cost model's constants, in the form GRADSYNC_COST_MODEL accepts
+  // The cost model's constants, in the form Options::cost_model and GRADSYNC_COST_MODEL take
   // ("alpha_us=0.4,bandwidth_gbps=18,..."): measured at start-up unless configured. The
   // algorithms it picks decide how float32 sums round, so a run that must repeat another
-  // bit for bit (a resumed one) sets GRADSYNC_COST_MODEL to the other's.
+  // bit for bit (a resumed one) passes the other's.
   std::string cost_model() const;
-  // Which ranks share a host, as init() found them (or GRADSYNC_TOPOLOGY set them):
+  // Which ranks share a host, as init() found them (or Options::topology set them):
   // "2 hosts: [0 2] [1 3]". Ring algorithms visit each host's ranks in a row.
   std::string topology() const;
-  int hosts() const;            // hosts (or GRADSYNC_TOPOLOGY groups) the ranks span
+  int hosts() const;            // hosts (or topology groups) the ranks span
   int host_of(int rank) const;  // 0..hosts()-1, hosts numbered by their lowest rank
 
   PeerTraffic traffic(int peer) const;
   PeerTraffic total_traffic() const;  // summed over peers
 
-  Impl& impl() { return *impl_; }
-
  private:
+  friend struct detail::ContextAccess;
   std::unique_ptr<Impl> impl_;
 };
 

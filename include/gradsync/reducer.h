@@ -1,6 +1,6 @@
 // Data-parallel gradient reduction for a training loop, as PyTorch DDP's reducer and Horovod
 // do it: parameters are grouped into buckets in the order backward produces their
-// gradients, each bucket is all-reduced (through a codec) on a background thread as soon as
+// gradients, each bucket is all-reduced (through a codec) on the context's worker as soon as
 // its last gradient is final, and the step waits only for what is still in flight.
 //
 //   gradsync::Reducer reducer(*ctx, {.codec = "fp16"});
@@ -14,8 +14,10 @@
 // they were: step-ahead error feedback, see held_back (gradsync-train does it).
 //
 // Threading: add_parameter, mark_ready and finish come from one thread (the one running
-// backward). Between the first mark_ready of a step and finish(), the reducer's thread owns
-// the context: issue no other collective on it then.
+// backward), the thread that issues the context's calls. Each bucket is one async call on the
+// context, queued when its last gradient is ready, which is not at the same moment on every
+// rank: between the first mark_ready of a step and finish(), issue no other collective on the
+// context, or ranks would queue them in different orders.
 #pragma once
 
 #include <cstddef>

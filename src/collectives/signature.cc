@@ -30,8 +30,10 @@ const char* to_string(CollectiveKind kind) {
 }
 
 // Layout: word0 = seq; word1 = kind | dtype<<8 | op<<16 | algorithm<<24 | root<<32;
-// word2 = count; word3 = a marker so a stray tag is recognisably not a signature.
-constexpr std::uint64_t kSignatureMarker = 0x6772616473796e63ull;  // "gradsync"
+// word2 = count; word3 = a marker so a stray tag is recognisably not a signature, whose low
+// 16 bits carry the step.
+constexpr std::uint64_t kSignatureMarker = 0x6772616473790000ull;  // "gradsy", then the step
+constexpr std::uint64_t kStepBits = 0xffff;
 
 transport::Tag encode(const CallSignature& sig) {
   transport::Tag t;
@@ -41,7 +43,7 @@ transport::Tag encode(const CallSignature& sig) {
                (static_cast<std::uint64_t>(sig.algorithm) << 24) |
                (static_cast<std::uint64_t>(static_cast<std::uint32_t>(sig.root)) << 32);
   t.words[2] = sig.count;
-  t.words[3] = kSignatureMarker;
+  t.words[3] = kSignatureMarker | sig.step;
   return t;
 }
 
@@ -54,12 +56,15 @@ CallSignature decode(const transport::Tag& t) {
   s.algorithm = static_cast<Algorithm>((t.words[1] >> 24) & 0xff);
   s.root = static_cast<std::int32_t>(static_cast<std::uint32_t>(t.words[1] >> 32));
   s.count = t.words[2];
+  s.step = static_cast<std::uint16_t>(t.words[3] & kStepBits);
   return s;
 }
 
 std::string describe(const CallSignature& s) {
   std::ostringstream o;
-  o << to_string(s.kind) << " #" << s.seq << " (count=" << s.count;
+  o << to_string(s.kind) << " #" << s.seq;
+  if (s.step) o << "." << s.step;
+  o << " (count=" << s.count;
   if (s.kind != CollectiveKind::kBarrier && s.kind != CollectiveKind::kInternal) {
     o << " " << to_string(s.dtype);
   }
@@ -77,7 +82,7 @@ std::string describe(const CallSignature& s) {
 }
 
 std::string describe_tag(const transport::Tag& tag) {
-  if (tag.words[3] != kSignatureMarker) return transport::default_format_tag(tag);
+  if ((tag.words[3] & ~kStepBits) != kSignatureMarker) return transport::default_format_tag(tag);
   return describe(decode(tag));
 }
 

@@ -33,6 +33,10 @@ struct CallSignature {
   Algorithm algorithm = Algorithm::kAuto;
   std::int32_t root = -1;
   std::uint64_t count = 0;  // total elements of the call (allgatherv: sum of counts)
+  // A call made of several collectives (a compressed all-reduce, a reducer's bucket) runs
+  // them as numbered steps under its own sequence number: step k of call #seq is matched
+  // only by step k of #seq on the peer, whatever else is queued behind the call.
+  std::uint16_t step = 0;
 };
 
 transport::Tag encode(const CallSignature& sig);

@@ -1,5 +1,5 @@
-// Spec parsing, the codecs that are plain casts (none, fp16, bf16), the error-feedback
-// wrapper, the per-tensor state format, and make_codec.
+// The codecs that are plain casts (none, fp16, bf16), the error-feedback wrapper, and the
+// per-tensor state format.
 #include <algorithm>
 #include <array>
 #include <charconv>
@@ -14,66 +14,6 @@
 namespace gradsync::compress {
 
 namespace {
-
-[[noreturn]] void bad_spec(std::string_view spec, const std::string& why) {
-  throw Error(ErrorKind::kInvalidArgument,
-              "codec spec '" + std::string(spec) + "': " + why +
-                  " (like \"none\", \"fp16\", \"bf16\", \"int8:block=256\", \"qsgd:levels=15\", "
-                  "\"topk:ratio=0.01\", \"randomk:ratio=0.01\", \"threshold:rel=0.1\", \"sign\", "
-                  "\"powersgd:rank=4\", each with an optional ef=0|1, the lossy ones but powersgd "
-                  "with an optional momentum=M)");
-}
-
-// What a key admits: [low, high], whole numbers only or not, and low itself excluded or not.
-struct KeyRange {
-  double low, high;
-  bool whole;
-  bool low_open = false;
-};
-
-const std::map<std::string, KeyRange>& key_ranges() {
-  // clang-format off
-  static const std::map<std::string, KeyRange> ranges = {
-      {"ef", {0, 1, true}},
-      {"block", {1, 1 << 24, true}},
-      {"levels", {1, 127, true}},
-      {"seed", {0, 9007199254740992.0, true}},
-      {"ratio", {0, 1, false, true}},
-      {"exact", {0, 1, true}},
-      {"union", {0, 1, true}},
-      {"rel", {0, 1, false, true}},
-      {"rank", {1, 1024, true}},
-      {"momentum", {0, 0.999, false}},
-      {"warmup", {0, 1e9, true}},
-  };
-  // clang-format on
-  return ranges;
-}
-
-// Keys each codec takes. ef (error feedback) goes with every codec.
-const std::set<std::string>& keys_of(const std::string& name) {
-  static const std::map<std::string, std::set<std::string>> keys = {
-      {"none", {"ef"}},
-      {"fp16", {"ef", "momentum"}},
-      {"bf16", {"ef", "momentum"}},
-      {"int8", {"block", "ef", "momentum"}},
-      {"qsgd", {"levels", "block", "seed", "ef", "momentum"}},
-      {"topk", {"ratio", "exact", "warmup", "union", "ef", "momentum"}},
-      {"randomk", {"ratio", "seed", "ef", "momentum"}},
-      {"threshold", {"rel", "ef", "momentum"}},
-      {"sign", {"block", "ef", "momentum"}},
-      {"powersgd", {"rank", "ef"}}};
-  static const std::set<std::string> none;
-  auto it = keys.find(name);
-  return it == keys.end() ? none : it->second;
-}
-
-// Keys a codec cannot do without.
-const char* required_key(const std::string& name) {
-  if (name == "topk" || name == "randomk") return "ratio";
-  if (name == "threshold") return "rel";
-  return nullptr;
-}
 
 class NoneCodec final : public Codec {
  public:
@@ -453,100 +393,16 @@ void ErrorFeedback::load_state(std::span<const std::uint8_t> state) {
   bucket_of_.clear();
 }
 
-CodecSpec CodecSpec::parse(std::string_view spec) {
-  CodecSpec s;
-  const std::size_t colon = spec.find(':');
-  s.name = std::string(spec.substr(0, colon));
-  if (s.name.empty()) bad_spec(spec, "no codec name");
-  const auto& allowed = keys_of(s.name);
-  if (allowed.empty()) bad_spec(spec, "unknown codec '" + s.name + "'");
-  std::string_view rest = colon == std::string_view::npos ? "" : spec.substr(colon + 1);
-  if (colon != std::string_view::npos && rest.empty()) bad_spec(spec, "nothing after ':'");
-  while (!rest.empty()) {
-    const std::size_t comma = rest.find(',');
-    const std::string_view item = rest.substr(0, comma);
-    rest = comma == std::string_view::npos ? "" : rest.substr(comma + 1);
-    const std::size_t eq = item.find('=');
-    if (eq == std::string_view::npos)
-      bad_spec(spec, "'" + std::string(item) + "' is not key=value");
-    const std::string key(item.substr(0, eq));
-    const std::string_view value = item.substr(eq + 1);
-    if (!allowed.count(key)) bad_spec(spec, "codec '" + s.name + "' takes no '" + key + "'");
-    double v = 0;
-    auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
-    if (ec != std::errc() || end != value.data() + value.size() || !std::isfinite(v)) {
-      bad_spec(spec, "'" + std::string(value) + "' is not a number");
-    }
-    if (s.params.count(key)) bad_spec(spec, "'" + key + "' given twice");
-    const KeyRange& r = key_ranges().at(key);
-    const bool inside = (r.low_open ? v > r.low : v >= r.low) && v <= r.high;
-    if (!inside || (r.whole && v != std::floor(v))) {
-      char low[32], high[32];
-      *std::to_chars(low, low + 31, r.low).ptr = '\0';
-      *std::to_chars(high, high + 31, r.high).ptr = '\0';
-      bad_spec(spec, key + " is " + (r.whole ? "a whole number " : "a number ") +
-                         (r.low_open ? "above " + std::string(low) + " up to "
-                                     : std::string(low) + "..") +
-                         high);
-    }
-    s.params[key] = v;
-  }
-  if (const char* key = required_key(s.name); key && !s.params.count(key)) {
-    bad_spec(spec, "codec '" + s.name + "' needs " + key + "=");
-  }
-  return s;
+std::unique_ptr<Codec> make_none(const CodecSpec&) {
+  return std::make_unique<NoneCodec>();
 }
 
-double CodecSpec::get(const std::string& key, double fallback) const {
-  auto it = params.find(key);
-  return it == params.end() ? fallback : it->second;
+std::unique_ptr<Codec> make_fp16(const CodecSpec&) {
+  return std::make_unique<HalfCodec>(DataType::kFloat16);
 }
 
-std::string CodecSpec::to_string() const {
-  std::string s = name;
-  char sep = ':';
-  for (const auto& [k, v] : params) {
-    s += sep + k + "=" + format_number(v);
-    sep = ',';
-  }
-  return s;
-}
-
-std::unique_ptr<Codec> make_codec(std::string_view text) {
-  const CodecSpec s = CodecSpec::parse(text);
-  if (s.name == "powersgd") {  // keeps its own residuals: its all-reduce needs them
-    return std::make_unique<PowerSgd>(static_cast<std::size_t>(s.get("rank", 4)),
-                                      s.get("ef", 1) != 0);
-  }
-  std::unique_ptr<Codec> codec;
-  if (s.name == "none") {
-    codec = std::make_unique<NoneCodec>();
-  } else if (s.name == "fp16" || s.name == "bf16") {
-    codec =
-        std::make_unique<HalfCodec>(s.name == "bf16" ? DataType::kBFloat16 : DataType::kFloat16);
-  } else if (s.name == "int8") {
-    codec = make_int8(s);
-  } else if (s.name == "qsgd") {
-    codec = make_qsgd(s);
-  } else if (s.name == "sign") {
-    codec = make_sign(s);
-  } else if (s.name == "topk") {
-    if (s.get("union", 0) != 0 && s.get("ef", 1) == 0) {
-      bad_spec(text, "union=1 sends what error feedback holds at the union; it needs ef=1");
-    }
-    codec = make_topk(s);
-  } else if (s.name == "randomk") {
-    codec = make_randomk(s);
-  } else {  // threshold: parse() admits no other names
-    codec = make_threshold(s);
-  }
-  const double momentum = s.get("momentum", 0);
-  const bool feedback = s.get("ef", codec->biased() || momentum > 0 ? 1 : 0) != 0;
-  if (momentum > 0 && !feedback) {
-    bad_spec(text, "momentum is error feedback's (momentum correction); it needs ef=1");
-  }
-  if (feedback) codec = std::make_unique<ErrorFeedback>(std::move(codec), momentum);
-  return codec;
+std::unique_ptr<Codec> make_bf16(const CodecSpec&) {
+  return std::make_unique<HalfCodec>(DataType::kBFloat16);
 }
 
 }  // namespace gradsync::compress

@@ -66,7 +66,15 @@ std::uint64_t next_step(std::map<std::string, std::vector<float>>& steps, const 
 // Where a randomk payload's values start: all-reduce sums that part alone.
 std::size_t randomk_values_offset();
 
-// Family constructors (spec already validated by CodecSpec::parse).
+// A refused spec: Error(kInvalidArgument) naming it, with examples from the registry.
+[[noreturn]] void bad_spec(std::string_view spec, const std::string& why);
+
+// The registry's factories (spec already validated by CodecSpec::parse), each in its codec's
+// file; make_codec wraps what they make in error feedback where the spec asks for it.
+std::unique_ptr<Codec> make_none(const CodecSpec& s);
+std::unique_ptr<Codec> make_fp16(const CodecSpec& s);
+std::unique_ptr<Codec> make_bf16(const CodecSpec& s);
+std::unique_ptr<Codec> make_powersgd(const CodecSpec& s);
 std::unique_ptr<Codec> make_int8(const CodecSpec& s);
 std::unique_ptr<Codec> make_qsgd(const CodecSpec& s);
 std::unique_ptr<Codec> make_sign(const CodecSpec& s);

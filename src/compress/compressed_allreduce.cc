@@ -1,10 +1,12 @@
-// Compressed all-reduce: the communication pattern that suits each codec (see compress.h).
+// Compressed all-reduce: the communication pattern that suits each codec (see compress.h),
+// run as the steps of one call on the context's engine.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 
 #include "collectives/algorithms.h"
 #include "compress/codecs.h"
+#include "compress/compressed_steps.h"
 #include "core/context_impl.h"
 #include "kernels/kernels.h"
 
@@ -68,23 +70,13 @@ std::int32_t spec_tag(const Codec& codec) {
   return static_cast<std::int32_t>(name_hash(codec.spec()) & 0x7fffffff);
 }
 
-void ring(Context& ctx, std::span<float> data, Codec& codec, DataType wire_type,
+void ring(CallSteps& steps, std::span<float> data, DataType wire_type,
           collectives::WireFormat& wire, float* lost) {
-  const collectives::CallSignature sig{0,
-                                       collectives::CollectiveKind::kCompressedAllreduce,
-                                       wire_type,
-                                       ReduceOp::kSum,
-                                       Algorithm::kRing,
-                                       spec_tag(codec),
-                                       data.size()};
-  ctx.impl()
-      .submit(
-          sig,
-          [&](collectives::Comm& c) {
-            collectives::ring_allreduce_wire(c, data.data(), data.size(), wire, lost);
-          },
-          true)
-      .wait();
+  steps.run({0, collectives::CollectiveKind::kCompressedAllreduce, wire_type, ReduceOp::kSum,
+             Algorithm::kRing, -1, data.size()},
+            [&](collectives::Comm& c) {
+              collectives::ring_allreduce_wire(c, data.data(), data.size(), wire, lost);
+            });
 }
 
 void finish_average(std::span<float> data, ReduceOp op, int n) {
@@ -97,8 +89,9 @@ void finish_average(std::span<float> data, ReduceOp op, int n) {
 // NaN or Inf, `overflow` the same for a sum of finite values past the float range. True if
 // nothing was found; otherwise every rank (they all hold the same codes) throws (kThrow) or
 // returns false (kSkip).
-bool settle_non_finite(Context& ctx, const Tensor& tensor, std::span<const std::int64_t> codes,
-                       std::int64_t overflow, NonFinite policy, std::size_t bytes) {
+bool settle_non_finite(const CallSteps& steps, const Tensor& tensor,
+                       std::span<const std::int64_t> codes, std::int64_t overflow, NonFinite policy,
+                       std::size_t bytes) {
   std::string where;
   auto add = [&](std::int64_t code, const std::string& what) {
     where += std::string(where.empty() ? "" : ", ") + (code % 2 ? "NaN" : "Inf") + what +
@@ -110,22 +103,22 @@ bool settle_non_finite(Context& ctx, const Tensor& tensor, std::span<const std::
   if (overflow >= 0) add(overflow, " in the sum of finite values");
   if (where.empty()) return true;
   if (policy == NonFinite::kSkip) return false;
-  throw Error(ErrorKind::kInvalidArgument,
-              "tensor '" + tensor.name + "' has " + where + ": not reduced on any rank", ctx.rank(),
-              Error::kNoPeer, kOp, bytes);
+  throw AgreedError(Error(ErrorKind::kInvalidArgument,
+                          "tensor '" + tensor.name + "' has " + where + ": not reduced on any rank",
+                          steps.rank(), Error::kNoPeer, kOp, bytes));
 }
 
 // True if no rank's data holds NaN or Inf (see settle_non_finite). One pass over the data and
 // one 8-byte all-gather: each rank's first bad element.
-bool every_rank_finite(Context& ctx, std::span<const float> data, const Tensor& tensor,
+bool every_rank_finite(CallSteps& steps, std::span<const float> data, const Tensor& tensor,
                        NonFinite policy) {
   const std::size_t bad = kernels::first_non_finite(data.data(), data.size());
   const std::int64_t mine =
       bad == data.size() ? -1
                          : static_cast<std::int64_t>(2 * bad + (std::isnan(data[bad]) ? 1 : 0));
-  std::vector<std::int64_t> all(static_cast<std::size_t>(ctx.size()));
-  ctx.allgather(&mine, all.data(), 1, DataType::kInt64);
-  return settle_non_finite(ctx, tensor, all, -1, policy, data.size_bytes());
+  std::vector<std::int64_t> all(static_cast<std::size_t>(steps.size()));
+  steps.allgather(&mine, all.data(), 1, DataType::kInt64);
+  return settle_non_finite(steps, tensor, all, -1, policy, data.size_bytes());
 }
 
 // float32 and fp16/bf16 (without feedback) where every rank shares an arena and the cost
@@ -134,34 +127,24 @@ bool every_rank_finite(Context& ctx, std::span<const float> data, const Tensor& 
 // finished sums while they are in cache (an input pass would cost as much as half the call):
 // only a bad sum sends it to the inputs, to name the rank. Past that point the data is
 // reduced, so kSkip leaves the sums, not the inputs.
-bool shm_allreduce(Context& ctx, std::span<float> data, Codec& codec, DataType round_through,
-                   ReduceOp op, const Tensor& tensor, NonFinite policy) {
-  Context::Impl& impl = ctx.impl();
-  const int n = ctx.size();
+bool shm_allreduce(CallSteps& steps, std::span<float> data, DataType round_through, ReduceOp op,
+                   const Tensor& tensor, NonFinite policy) {
+  const Context::Impl& context = steps.context();
+  const int n = steps.size();
   std::vector<std::int64_t> found(static_cast<std::size_t>(n) + 1, -1);
   collectives::ShmFloatExtras extras;
   extras.round_through = round_through;
   if (policy != NonFinite::kPropagate) extras.non_finite = found.data();
-  const collectives::CallSignature sig{0,
-                                       collectives::CollectiveKind::kCompressedAllreduce,
-                                       round_through,
-                                       op,
-                                       Algorithm::kSharedMemory,
-                                       spec_tag(codec),
-                                       data.size()};
-  transport::SharedArena* arena = impl.transport->shared_arena();
-  const auto cfg = impl.config;
-  impl.submit(
-          sig,
-          [&](collectives::Comm& c) {
-            collectives::shm_direct_allreduce(c, *arena, data.data(), data.data(), data.size(),
-                                              DataType::kFloat32, op, cfg, extras);
-          },
-          true)
-      .wait();
+  transport::SharedArena* arena = context.transport->shared_arena();
+  steps.run({0, collectives::CollectiveKind::kCompressedAllreduce, round_through, op,
+             Algorithm::kSharedMemory, -1, data.size()},
+            [&](collectives::Comm& c) {
+              collectives::shm_direct_allreduce(c, *arena, data.data(), data.data(), data.size(),
+                                                DataType::kFloat32, op, context.config, extras);
+            });
   if (policy == NonFinite::kPropagate) return true;
   std::vector<std::int64_t> all(found.size() * static_cast<std::size_t>(n));
-  ctx.allgather(found.data(), all.data(), found.size(), DataType::kInt64);
+  steps.allgather(found.data(), all.data(), found.size(), DataType::kInt64);
   std::vector<std::int64_t> codes(static_cast<std::size_t>(n), -1);
   std::int64_t overflow = -1;
   auto keep_first = [](std::int64_t& into, std::int64_t code) {
@@ -171,15 +154,15 @@ bool shm_allreduce(Context& ctx, std::span<float> data, Codec& codec, DataType r
     for (std::size_t m = 0; m < codes.size(); ++m) keep_first(codes[m], all[r * found.size() + m]);
     keep_first(overflow, all[r * found.size() + codes.size()]);
   }
-  return settle_non_finite(ctx, tensor, codes, overflow, policy, data.size_bytes());
+  return settle_non_finite(steps, tensor, codes, overflow, policy, data.size_bytes());
 }
 
 // fp16/bf16 without feedback, off the shared-memory path: where the ranks share an arena
 // (small messages), a latency-bound float32 all-reduce and one rounding pass; elsewhere a
 // ring whose messages are halves.
-void half_allreduce(Context& ctx, std::span<float> data, Codec& codec, DataType type, ReduceOp op) {
-  if (ctx.impl().transport->shared_arena()) {
-    ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
+void half_allreduce(CallSteps& steps, std::span<float> data, DataType type, ReduceOp op) {
+  if (steps.context().transport->shared_arena()) {
+    steps.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
     thread_local std::vector<std::uint16_t> narrow;
     narrow.resize(data.size());
     kernels::float_to_16bit(data.data(), narrow.data(), data.size(), type);
@@ -187,39 +170,40 @@ void half_allreduce(Context& ctx, std::span<float> data, Codec& codec, DataType 
     return;
   }
   HalfWire wire(type);
-  ring(ctx, data, codec, type, wire, nullptr);
-  finish_average(data, op, ctx.size());
+  ring(steps, data, type, wire, nullptr);
+  finish_average(data, op, steps.size());
 }
 
 // Every rank's payload to every rank, summed in rank order; or, when the payloads together are
 // large enough that a float32 all-reduce of the decoded tensor is cheaper (a dense union of
 // sparse picks, or many ranks of sign bits), that.
-void gather_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& tensor,
+void gather_allreduce(CallSteps& steps, std::span<float> data, Codec& codec, const Tensor& tensor,
                       ReduceOp op) {
-  const int n = ctx.size();
+  const int n = steps.size();
   std::vector<std::uint8_t> mine;
   codec.encode(tensor, data, mine);
   std::vector<std::size_t> counts(static_cast<std::size_t>(n), mine.size());
   if (codec.size_varies()) {
     const auto my_bytes = static_cast<std::int64_t>(mine.size());
     std::vector<std::int64_t> sizes(static_cast<std::size_t>(n));
-    ctx.allgather(&my_bytes, sizes.data(), 1, DataType::kInt64);
+    steps.allgather(&my_bytes, sizes.data(), 1, DataType::kInt64);
     counts.assign(sizes.begin(), sizes.end());
   }
   const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
-  Context::Impl& impl = ctx.impl();
-  const Algorithm dense = impl.pick_allreduce(data.size_bytes(), Algorithm::kAuto);
-  if (impl.cost.allreduce_us(dense, n, data.size_bytes(), ctx.hosts()) <
-      impl.cost.allgather_us(n, total, ctx.hosts())) {
+  const Context::Impl& context = steps.context();
+  const int hosts = context.topology.hosts();
+  const Algorithm dense = context.pick_allreduce(data.size_bytes(), Algorithm::kAuto);
+  if (context.cost.allreduce_us(dense, n, data.size_bytes(), hosts) <
+      context.cost.allgather_us(n, total, hosts)) {
     codec.decode(mine, data);
-    ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
+    steps.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
     return;
   }
   std::vector<std::uint8_t> all(total);
   if (codec.size_varies()) {
-    ctx.allgatherv(mine.data(), all.data(), counts, DataType::kUInt8);
+    steps.allgatherv(mine.data(), all.data(), counts, DataType::kUInt8);
   } else {
-    ctx.allgather(mine.data(), all.data(), mine.size(), DataType::kUInt8);
+    steps.allgather(mine.data(), all.data(), mine.size(), DataType::kUInt8);
   }
   std::size_t at = 0;
   for (int r = 0; r < n; ++r) {
@@ -236,7 +220,7 @@ void gather_allreduce(Context& ctx, std::span<float> data, Codec& codec, const T
       throw Error(
           e.kind(),
           "rank " + std::to_string(r) + "'s payload of tensor '" + tensor.name + "': " + e.detail(),
-          ctx.rank(), r, kOp, payload.size());
+          steps.rank(), r, kOp, payload.size());
     }
   }
   finish_average(data, op, n);
@@ -244,16 +228,16 @@ void gather_allreduce(Context& ctx, std::span<float> data, Codec& codec, const T
 
 // randomk: every rank drew the same indices, so the payloads add element by element: one
 // float32 all-reduce of the k values.
-void randomk_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& tensor,
+void randomk_allreduce(CallSteps& steps, std::span<float> data, Codec& codec, const Tensor& tensor,
                        ReduceOp op) {
   std::vector<std::uint8_t> payload;
   codec.encode(tensor, data, payload);
   const std::size_t at = randomk_values_offset(), k = (payload.size() - at) / 4;
   // The values start 16 bytes into an operator-new buffer: float-aligned.
   auto* values = reinterpret_cast<float*>(payload.data() + at);
-  ctx.allreduce(values, values, k, DataType::kFloat32, ReduceOp::kSum);
+  steps.allreduce(values, values, k, DataType::kFloat32, ReduceOp::kSum);
   codec.decode(payload, data);
-  finish_average(data, op, ctx.size());
+  finish_average(data, op, steps.size());
 }
 
 // top-k with union=1: the ranks exchange their k indices, then every rank sends what it owes
@@ -261,8 +245,10 @@ void randomk_allreduce(Context& ctx, std::span<float> data, Codec& codec, const 
 // found large leaves every rank's residual at once, instead of waiting there until each rank
 // finds it large too: up to N k elements per step leave the residuals, for the bytes of k
 // indices and at most N k values.
-void union_allreduce(Context& ctx, std::span<float> data, ErrorFeedback& feedback,
-                     SelectsIndices& selector, const Tensor& tensor, ReduceOp op) {
+void union_allreduce(CallSteps& steps, std::span<float> data, ErrorFeedback& feedback,
+                     const Tensor& tensor, ReduceOp op) {
+  // The registry gives this pattern to top-k with union=1, which selects indices.
+  auto& selector = dynamic_cast<SelectsIndices&>(feedback.inner());
   thread_local std::vector<std::uint32_t> mine, picked;
   const std::span<const float> owed = feedback.owe_next(tensor, data);
   selector.select_indices(tensor, owed, mine);
@@ -271,17 +257,17 @@ void union_allreduce(Context& ctx, std::span<float> data, ErrorFeedback& feedbac
   // (A different k already fails the all-gather's signature check.)
   mine.insert(mine.begin(), static_cast<std::uint32_t>(data.size()));
   const std::size_t per_rank = mine.size();
-  picked.resize(per_rank * static_cast<std::size_t>(ctx.size()));
-  ctx.allgather(mine.data(), picked.data(), per_rank, DataType::kInt32);
+  picked.resize(per_rank * static_cast<std::size_t>(steps.size()));
+  steps.allgather(mine.data(), picked.data(), per_rank, DataType::kInt32);
   std::size_t kept = 0;
-  for (int r = 0; r < ctx.size(); ++r) {
+  for (int r = 0; r < steps.size(); ++r) {
     const std::uint32_t* from = picked.data() + static_cast<std::size_t>(r) * per_rank;
-    if (from[0] != data.size()) {
-      throw Error(ErrorKind::kMismatch,
-                  "tensor '" + tensor.name + "' has " + std::to_string(from[0]) +
-                      " elements on rank " + std::to_string(r) + " and " +
-                      std::to_string(data.size()) + " here",
-                  ctx.rank(), r, kOp, data.size_bytes());
+    if (from[0] != data.size()) {  // every rank sees every size: all fail alike
+      throw AgreedError(Error(ErrorKind::kMismatch,
+                              "tensor '" + tensor.name + "' has " + std::to_string(from[0]) +
+                                  " elements on rank " + std::to_string(r) + " and " +
+                                  std::to_string(data.size()) + " here",
+                              steps.rank(), r, kOp, data.size_bytes()));
     }
     for (std::size_t j = 1; j < per_rank; ++j) picked[kept++] = from[j];
   }
@@ -290,80 +276,100 @@ void union_allreduce(Context& ctx, std::span<float> data, ErrorFeedback& feedbac
   picked.erase(std::unique(picked.begin(), picked.end()), picked.end());
   std::vector<float> values(picked.size());
   for (std::size_t j = 0; j < picked.size(); ++j) values[j] = owed[picked[j]];
-  ctx.allreduce(values.data(), values.data(), values.size(), DataType::kFloat32, op);
+  steps.allreduce(values.data(), values.data(), values.size(), DataType::kFloat32, op);
   feedback.keep_unsent(tensor, picked);
   std::fill(data.begin(), data.end(), 0.0f);
   for (std::size_t j = 0; j < picked.size(); ++j) data[picked[j]] = values[j];
 }
 
-}  // namespace
+// int8 / qsgd: quantised again at every hop. With feedback the residual (and momentum) joins
+// the data, and the residual collects what every encoding of this rank drops.
+void quantized_allreduce(CallSteps& steps, std::span<float> data, Codec& codec,
+                         ErrorFeedback* feedback, const Tensor& tensor, ReduceOp op) {
+  float* lost = nullptr;
+  if (feedback) {
+    feedback->owe(tensor, data, data);
+    std::vector<float>& residual = feedback->residual(tensor, data.size());
+    std::fill(residual.begin(), residual.end(), 0.0f);
+    lost = residual.data();
+  }
+  // The registry gives this pattern to block quantisers only.
+  auto& quantizer = static_cast<BlockQuantizer&>(feedback ? feedback->inner() : codec);
+  quantizer.begin(tensor);
+  QuantizedWire wire(quantizer);
+  ring(steps, data, DataType::kUInt8, wire, lost);
+  finish_average(data, op, steps.size());
+}
 
-bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& tensor,
-                          ReduceOp op, NonFinite non_finite) {
+// PowerSGD: a matrix as its factors P and Q, each summed by a float32 all-reduce; a vector
+// as itself.
+void low_rank_allreduce(CallSteps& steps, std::span<float> data, PowerSgd& power,
+                        const Tensor& tensor, ReduceOp op) {
+  if (!power.compresses(tensor, data.size())) {
+    steps.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
+    return;
+  }
+  const int n = steps.size();
+  power.reduce(
+      tensor, data,
+      [&](std::span<float> v) {
+        steps.allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+      },
+      n, op == ReduceOp::kAvg ? n : 1);
+}
+
+void check_op(const Context& ctx, ReduceOp op) {
   if (op != ReduceOp::kSum && op != ReduceOp::kAvg) {
     throw Error(ErrorKind::kInvalidArgument,
                 std::string("compressed all-reduce sums or averages, not ") + to_string(op),
                 ctx.rank(), Error::kNoPeer, kOp);
   }
-  const int n = ctx.size();
-  codec.set_stream(static_cast<std::uint64_t>(ctx.rank()));
-  const CodecSpec spec = CodecSpec::parse(codec.spec());
-  auto* feedback = dynamic_cast<ErrorFeedback*>(&codec);
-  Codec& inner = feedback ? feedback->inner() : codec;
-  const bool half = (spec.name == "fp16" || spec.name == "bf16") && !feedback;
-  const DataType half_type = spec.name == "bf16" ? DataType::kBFloat16 : DataType::kFloat16;
-  if ((spec.name == "none" || half) && ctx.impl().transport->shared_arena() &&
-      ctx.impl().pick_allreduce(data.size_bytes(), Algorithm::kAuto) == Algorithm::kSharedMemory) {
-    return shm_allreduce(ctx, data, codec, half ? half_type : DataType::kFloat32, op, tensor,
-                         non_finite);
+}
+
+}  // namespace
+
+bool compressed_allreduce_steps(CallSteps& steps, std::span<float> data, Codec& codec,
+                                const Tensor& tensor, ReduceOp op, NonFinite non_finite) {
+  const CodecTraits& traits = codec.traits();
+  const Context::Impl& context = steps.context();
+  codec.set_stream(static_cast<std::uint64_t>(steps.rank()));
+  const bool cast = traits.pattern == Pattern::kFloat32 || traits.pattern == Pattern::kHalfRing;
+  if (cast && context.transport->shared_arena() &&
+      context.pick_allreduce(data.size_bytes(), Algorithm::kAuto) == Algorithm::kSharedMemory) {
+    const DataType round_through =
+        traits.pattern == Pattern::kHalfRing ? traits.half_type : DataType::kFloat32;
+    return shm_allreduce(steps, data, round_through, op, tensor, non_finite);
   }
-  // Codecs that rank magnitudes or take their mean refuse NaN in encode; were that to happen
-  // on one rank alone, the others would wait for it in the all-gather. So they are checked on
-  // every rank even when kPropagate asks for no check.
-  const bool encode_refuses =
-      spec.name == "topk" || spec.name == "threshold" || spec.name == "sign";
-  const NonFinite policy =
-      non_finite == NonFinite::kPropagate && encode_refuses ? NonFinite::kThrow : non_finite;
-  if (policy != NonFinite::kPropagate && !every_rank_finite(ctx, data, tensor, policy)) {
+  const NonFinite policy = non_finite == NonFinite::kPropagate && traits.refuses_non_finite
+                               ? NonFinite::kThrow
+                               : non_finite;
+  if (policy != NonFinite::kPropagate && !every_rank_finite(steps, data, tensor, policy)) {
     return false;
   }
-
-  if (spec.name == "none") {  // float32 on the wire: the plain path
-    ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
-  } else if (half) {
-    half_allreduce(ctx, data, codec, half_type, op);
-  } else if (auto* power = dynamic_cast<PowerSgd*>(&codec)) {
-    if (!power->compresses(tensor, data.size())) {  // a vector: float32
-      ctx.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
-    } else {
-      power->reduce(
-          tensor, data,
-          [&](std::span<float> v) {
-            ctx.allreduce(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
-          },
-          n, op == ReduceOp::kAvg ? n : 1);
-    }
-  } else if (auto* quantizer = dynamic_cast<BlockQuantizer*>(&inner)) {
-    // int8 / qsgd: quantised again at every hop. With feedback the residual (and momentum)
-    // joins the data, and the residual collects what every encoding of this rank drops.
-    float* lost = nullptr;
-    if (feedback) {
-      feedback->owe(tensor, data, data);
-      std::vector<float>& residual = feedback->residual(tensor, data.size());
-      std::fill(residual.begin(), residual.end(), 0.0f);
-      lost = residual.data();
-    }
-    quantizer->begin(tensor);
-    QuantizedWire wire(*quantizer);
-    ring(ctx, data, codec, DataType::kUInt8, wire, lost);
-    finish_average(data, op, n);
-  } else if (spec.name == "randomk") {
-    randomk_allreduce(ctx, data, codec, tensor, op);
-  } else if (auto* selector = dynamic_cast<SelectsIndices*>(&inner);
-             feedback && selector && selector->exchanges_union()) {
-    if (!data.empty()) union_allreduce(ctx, data, *feedback, *selector, tensor, op);
-  } else {  // topk, threshold, sign, and casts with feedback
-    gather_allreduce(ctx, data, codec, tensor, op);
+  auto* feedback = dynamic_cast<ErrorFeedback*>(&codec);  // its state, for the patterns that use it
+  switch (traits.pattern) {
+    case Pattern::kFloat32:
+      steps.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
+      break;
+    case Pattern::kHalfRing:
+      half_allreduce(steps, data, traits.half_type, op);
+      break;
+    case Pattern::kQuantizedRing:
+      quantized_allreduce(steps, data, codec, feedback, tensor, op);
+      break;
+    case Pattern::kSharedIndices:
+      randomk_allreduce(steps, data, codec, tensor, op);
+      break;
+    case Pattern::kIndexUnion:
+      if (!data.empty()) union_allreduce(steps, data, *feedback, tensor, op);
+      break;
+    case Pattern::kLowRank:
+      // The registry gives this pattern to PowerSGD only.
+      low_rank_allreduce(steps, data, static_cast<PowerSgd&>(codec), tensor, op);
+      break;
+    case Pattern::kGather:
+      gather_allreduce(steps, data, codec, tensor, op);
+      break;
   }
   return true;
 }
@@ -404,21 +410,72 @@ void check_tiling(const Context& ctx, std::span<const float> data, const Tensor&
 
 }  // namespace
 
-bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& bucket,
-                          std::span<const TensorSlice> parts, ReduceOp op, NonFinite non_finite) {
-  check_tiling(ctx, data, bucket, parts);
-  if (dynamic_cast<PowerSgd*>(&codec)) {
+bool compressed_allreduce_steps(CallSteps& steps, std::span<float> data, Codec& codec,
+                                const Tensor& bucket, std::span<const TensorSlice> parts,
+                                ReduceOp op, NonFinite non_finite) {
+  if (codec.traits().pattern == Pattern::kLowRank) {  // its matrices are the tensors'
     bool all_reduced = true;
     for (const TensorSlice& part : parts) {
-      all_reduced &= compressed_allreduce(ctx, data.subspan(part.offset, part.count), codec,
-                                          part.tensor, op, non_finite);
+      all_reduced &= compressed_allreduce_steps(steps, data.subspan(part.offset, part.count), codec,
+                                                part.tensor, op, non_finite);
     }
     return all_reduced;
   }
   if (auto* feedback = dynamic_cast<ErrorFeedback*>(&codec)) {
     feedback->join(bucket, parts, data.size());
   }
-  return compressed_allreduce(ctx, data, codec, bucket, op, non_finite);
+  return compressed_allreduce_steps(steps, data, codec, bucket, op, non_finite);
+}
+
+namespace {
+
+// Queues one compressed all-reduce whose steps `reduce` runs (false: skipped on every rank).
+Work submit(Context& ctx, const Codec& codec, std::size_t count, ReduceOp op, bool blocking,
+            std::function<bool(CallSteps&)> reduce) {
+  check_op(ctx, op);
+  const collectives::CallSignature call{0,
+                                        collectives::CollectiveKind::kCompressedAllreduce,
+                                        DataType::kFloat32,
+                                        op,
+                                        Algorithm::kAuto,
+                                        spec_tag(codec),
+                                        count};
+  return detail::ContextAccess::impl(ctx).submit_steps(
+      call,
+      [reduce = std::move(reduce)](CallSteps& steps) {
+        if (!reduce(steps)) steps.mark_skipped();
+      },
+      blocking);
+}
+
+}  // namespace
+
+Work compressed_allreduce_async(Context& ctx, std::span<float> data, Codec& codec,
+                                const Tensor& tensor, ReduceOp op, NonFinite non_finite) {
+  return submit(ctx, codec, data.size(), op, false, [=, &codec](CallSteps& steps) {
+    return compressed_allreduce_steps(steps, data, codec, tensor, op, non_finite);
+  });
+}
+
+bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& tensor,
+                          ReduceOp op, NonFinite non_finite) {
+  return !compressed_allreduce_async(ctx, data, codec, tensor, op, non_finite).skipped();
+}
+
+Work compressed_allreduce_async(Context& ctx, std::span<float> data, Codec& codec,
+                                const Tensor& bucket, std::span<const TensorSlice> parts,
+                                ReduceOp op, NonFinite non_finite) {
+  check_tiling(ctx, data, bucket, parts);
+  std::vector<TensorSlice> copied(parts.begin(), parts.end());  // the caller's may go first
+  return submit(
+      ctx, codec, data.size(), op, false, [=, &codec, parts = std::move(copied)](CallSteps& steps) {
+        return compressed_allreduce_steps(steps, data, codec, bucket, parts, op, non_finite);
+      });
+}
+
+bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& bucket,
+                          std::span<const TensorSlice> parts, ReduceOp op, NonFinite non_finite) {
+  return !compressed_allreduce_async(ctx, data, codec, bucket, parts, op, non_finite).skipped();
 }
 
 }  // namespace gradsync::compress

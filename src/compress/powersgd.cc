@@ -228,4 +228,8 @@ void PowerSgd::load_state(std::span<const std::uint8_t> state) {
   state_ = load_tensor_state(kMagic, state);
 }
 
+std::unique_ptr<Codec> make_powersgd(const CodecSpec& s) {
+  return std::make_unique<PowerSgd>(static_cast<std::size_t>(s.value("rank")), s.get("ef", 1) != 0);
+}
+
 }  // namespace gradsync::compress

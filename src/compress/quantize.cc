@@ -190,17 +190,17 @@ class SignCodec final : public Codec {
 }  // namespace
 
 std::unique_ptr<Codec> make_int8(const CodecSpec& s) {
-  return std::make_unique<Int8Codec>(static_cast<std::size_t>(s.get("block", 256)));
+  return std::make_unique<Int8Codec>(static_cast<std::size_t>(s.value("block")));
 }
 
 std::unique_ptr<Codec> make_qsgd(const CodecSpec& s) {
-  return std::make_unique<QsgdCodec>(static_cast<std::size_t>(s.get("levels", 127)),
-                                     static_cast<std::size_t>(s.get("block", 512)),
-                                     static_cast<std::uint64_t>(s.get("seed", 0)));
+  return std::make_unique<QsgdCodec>(static_cast<std::size_t>(s.value("levels")),
+                                     static_cast<std::size_t>(s.value("block")),
+                                     static_cast<std::uint64_t>(s.value("seed")));
 }
 
 std::unique_ptr<Codec> make_sign(const CodecSpec& s) {
-  const auto block = static_cast<std::size_t>(s.get("block", 0));
+  const auto block = static_cast<std::size_t>(s.value("block"));
   if (block % 8 != 0) {  // blocks start on whole bytes of the packed signs
     throw Error(ErrorKind::kInvalidArgument,
                 "codec spec '" + s.to_string() +

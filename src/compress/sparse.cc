@@ -311,18 +311,21 @@ std::size_t randomk_values_offset() {
 }
 
 std::unique_ptr<Codec> make_topk(const CodecSpec& s) {
-  return std::make_unique<TopKCodec>(s.get("ratio", 0.01), s.get("exact", 0) != 0,
-                                     static_cast<std::uint64_t>(s.get("warmup", 0)),
-                                     s.get("union", 0) != 0);
+  if (s.value("union") != 0 && s.get("ef", 1) == 0) {
+    bad_spec(s.to_string(), "union=1 sends what error feedback holds at the union; it needs ef=1");
+  }
+  return std::make_unique<TopKCodec>(s.value("ratio"), s.value("exact") != 0,
+                                     static_cast<std::uint64_t>(s.value("warmup")),
+                                     s.value("union") != 0);
 }
 
 std::unique_ptr<Codec> make_randomk(const CodecSpec& s) {
-  return std::make_unique<RandomKCodec>(s.get("ratio", 0.01),
-                                        static_cast<std::uint64_t>(s.get("seed", 0)));
+  return std::make_unique<RandomKCodec>(s.value("ratio"),
+                                        static_cast<std::uint64_t>(s.value("seed")));
 }
 
 std::unique_ptr<Codec> make_threshold(const CodecSpec& s) {
-  return std::make_unique<ThresholdCodec>(s.get("rel", 0.1));
+  return std::make_unique<ThresholdCodec>(s.value("rel"));
 }
 
 }  // namespace gradsync::compress

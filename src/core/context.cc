@@ -24,10 +24,31 @@ void Work::wait() {
   if (state_->error) std::rethrow_exception(state_->error);
 }
 
-bool Work::test() {
+bool Work::wait(std::chrono::milliseconds timeout) {
+  if (!state_) return true;
+  std::unique_lock lock(state_->mu);
+  if (!state_->cv.wait_for(lock, timeout, [&] { return state_->done; })) return false;
+  if (state_->error) std::rethrow_exception(state_->error);
+  return true;
+}
+
+bool Work::test() const {
   if (!state_) return true;
   std::lock_guard lock(state_->mu);
   return state_->done;
+}
+
+std::exception_ptr Work::error() const {
+  if (!state_) return nullptr;
+  std::lock_guard lock(state_->mu);
+  return state_->done ? state_->error : nullptr;
+}
+
+bool Work::skipped() {
+  wait();
+  if (!state_) return false;
+  std::lock_guard lock(state_->mu);
+  return state_->skipped;
 }
 
 // ---- Impl ----
@@ -48,14 +69,19 @@ Algorithm Context::Impl::pick_allreduce(std::size_t bytes, Algorithm requested) 
 }
 
 void Context::Impl::execute(Task& task) {
+  bool skipped = false;
   try {
     if (failure_) {
       throw Error(ErrorKind::kAborted, "communicator failed earlier: " + *failure_, rank,
                   Error::kNoPeer, collectives::describe(task.sig));
     }
-    Comm comm(*transport, task.sig, transport::Clock::now() + timeout, &topology);
+    const auto limit = task.timeout.count() > 0 ? task.timeout : timeout;
+    CallSteps steps(*this, task.sig, transport::Clock::now() + limit);
     try {
-      task.body(comm);
+      task.body(steps);
+      skipped = steps.skipped();
+    } catch (const AgreedError&) {
+      throw;  // every rank raised it alike: nobody waits, the communicator goes on
     } catch (const Error& e) {
       // Re-raise naming this call, then make the failure sticky and tell every peer, so no
       // rank keeps waiting on a communicator that can no longer complete.
@@ -70,6 +96,7 @@ void Context::Impl::execute(Task& task) {
   }
   {
     std::lock_guard lock(task.state->mu);
+    task.state->skipped = skipped;
     task.state->done = true;
   }
   task.state->cv.notify_all();
@@ -103,10 +130,11 @@ void Context::Impl::drain() {
   queue_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
 }
 
-Work Context::Impl::submit(CallSignature sig, std::function<void(Comm&)> body, bool blocking) {
+Work Context::Impl::submit_steps(CallSignature sig, std::function<void(CallSteps&)> body,
+                                 bool blocking, std::chrono::milliseconds call_timeout) {
   sig.seq = next_seq_++;
   auto state = std::make_shared<Work::State>();
-  Task task{sig, std::move(body), state};
+  Task task{sig, std::move(body), state, call_timeout};
   if (blocking) {
     drain();
     std::lock_guard exec(exec_mu_);
@@ -118,6 +146,77 @@ Work Context::Impl::submit(CallSignature sig, std::function<void(Comm&)> body, b
     queue_cv_.notify_all();
   }
   return Work(state);
+}
+
+Work Context::Impl::submit(CallSignature sig, std::function<void(Comm&)> body, bool blocking,
+                           std::chrono::milliseconds call_timeout) {
+  return submit_steps(
+      sig, [sig, body = std::move(body)](CallSteps& steps) { steps.run(sig, body); }, blocking,
+      call_timeout);
+}
+
+// ---- CallSteps ----
+
+void CallSteps::run(CallSignature sig, const std::function<void(Comm&)>& body) {
+  sig.seq = call_.seq;
+  sig.step = next_step_++;
+  if (sig.root == -1) sig.root = call_.root;
+  Comm comm(*context_.transport, sig, deadline_, &context_.topology);
+  body(comm);
+}
+
+void CallSteps::allreduce(const void* send, void* recv, std::size_t count, DataType dtype,
+                          ReduceOp op, Algorithm requested) {
+  const Algorithm chosen = context_.pick_allreduce(count * dtype_size(dtype), requested);
+  const Context::Impl& context = context_;
+  run({0, CollectiveKind::kAllreduce, dtype, op, chosen, -1, count},
+      [&](Comm& c) { run_allreduce(c, context, send, recv, count, dtype, op, chosen); });
+}
+
+void CallSteps::allgather(const void* send, void* recv, std::size_t send_count, DataType dtype) {
+  const std::vector<std::size_t> counts(static_cast<std::size_t>(size()), send_count);
+  const auto& cfg = context_.config;
+  run({0, CollectiveKind::kAllgather, dtype, ReduceOp::kSum, Algorithm::kRing, -1,
+       send_count * counts.size()},
+      [&](Comm& c) { collectives::hierarchical_allgatherv(c, send, recv, counts, dtype, cfg); });
+}
+
+void CallSteps::allgatherv(const void* send, void* recv, std::span<const std::size_t> counts,
+                           DataType dtype) {
+  const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+  const auto& cfg = context_.config;
+  run({0, CollectiveKind::kAllgatherv, dtype, ReduceOp::kSum, Algorithm::kRing, -1, total},
+      [&](Comm& c) { collectives::hierarchical_allgatherv(c, send, recv, counts, dtype, cfg); });
+}
+
+void run_allreduce(Comm& c, const Context::Impl& context, const void* send, void* recv,
+                   std::size_t count, DataType dtype, ReduceOp op, Algorithm chosen) {
+  const auto& cfg = context.config;
+  switch (chosen) {
+    case Algorithm::kSharedMemory:
+      // Where the ranks share no memory (several hosts, inproc) it is the ring; every rank
+      // sees the same, as the arena spans the whole world or no rank has one.
+      if (transport::SharedArena* arena = context.transport->shared_arena()) {
+        collectives::shm_direct_allreduce(c, *arena, send, recv, count, dtype, op, cfg);
+      } else {
+        collectives::ring_allreduce(c, send, recv, count, dtype, op, cfg);
+      }
+      break;
+    case Algorithm::kRecursiveDoubling:
+      collectives::recursive_doubling_allreduce(c, send, recv, count, dtype, op);
+      break;
+    case Algorithm::kHalvingDoubling:
+      collectives::halving_doubling_allreduce(c, send, recv, count, dtype, op);
+      break;
+    case Algorithm::kParameterServer:
+      collectives::parameter_server_allreduce(c, send, recv, count, dtype, op);
+      break;
+    case Algorithm::kHierarchical:
+      collectives::hierarchical_allreduce(c, send, recv, count, dtype, op, cfg);
+      break;
+    default:
+      collectives::ring_allreduce(c, send, recv, count, dtype, op, cfg);
+  }
 }
 
 // ---- Context ----
@@ -143,49 +242,22 @@ void check_dtype_op(DataType dtype, ReduceOp op, int rank, const char* name) {
 namespace {
 
 Work allreduce_impl(Context::Impl& impl, const void* send, void* recv, std::size_t count,
-                    DataType dtype, ReduceOp op, Algorithm algo, bool blocking) {
+                    DataType dtype, ReduceOp op, const CallOptions& options, bool blocking) {
   const char* name = "allreduce";
   check_dtype_op(dtype, op, impl.rank, name);
   check_buffer(send, count, "send", impl.rank, name);
   check_buffer(recv, count, "recv", impl.rank, name);
-  const Algorithm chosen = impl.pick_allreduce(count * dtype_size(dtype), algo);
+  const Algorithm chosen = impl.pick_allreduce(count * dtype_size(dtype), options.algorithm);
   CallSignature sig{0, CollectiveKind::kAllreduce, dtype, op, chosen, -1, count};
-  const auto cfg = impl.config;
-  transport::SharedArena* arena = impl.transport->shared_arena();  // lives as the transport
+  const Context::Impl& context = impl;
   return impl.submit(
       sig,
-      [=](Comm& c) {
-        switch (chosen) {
-          case Algorithm::kSharedMemory:
-            // Where the ranks share no memory (several hosts, inproc) it is the ring; every
-            // rank sees the same, as the arena spans the whole world or no rank has one.
-            if (arena) {
-              collectives::shm_direct_allreduce(c, *arena, send, recv, count, dtype, op, cfg);
-            } else {
-              collectives::ring_allreduce(c, send, recv, count, dtype, op, cfg);
-            }
-            break;
-          case Algorithm::kRecursiveDoubling:
-            collectives::recursive_doubling_allreduce(c, send, recv, count, dtype, op);
-            break;
-          case Algorithm::kHalvingDoubling:
-            collectives::halving_doubling_allreduce(c, send, recv, count, dtype, op);
-            break;
-          case Algorithm::kParameterServer:
-            collectives::parameter_server_allreduce(c, send, recv, count, dtype, op);
-            break;
-          case Algorithm::kHierarchical:
-            collectives::hierarchical_allreduce(c, send, recv, count, dtype, op, cfg);
-            break;
-          default:
-            collectives::ring_allreduce(c, send, recv, count, dtype, op, cfg);
-        }
-      },
-      blocking);
+      [=, &context](Comm& c) { run_allreduce(c, context, send, recv, count, dtype, op, chosen); },
+      blocking, options.timeout);
 }
 
 Work reduce_scatter_impl(Context::Impl& impl, const void* send, void* recv, std::size_t recv_count,
-                         DataType dtype, ReduceOp op, bool blocking) {
+                         DataType dtype, ReduceOp op, const CallOptions& options, bool blocking) {
   const char* name = "reduce_scatter";
   check_dtype_op(dtype, op, impl.rank, name);
   const std::size_t n = static_cast<std::size_t>(impl.size);
@@ -200,12 +272,12 @@ Work reduce_scatter_impl(Context::Impl& impl, const void* send, void* recv, std:
         std::vector<std::size_t> counts(n, recv_count);
         collectives::hierarchical_reduce_scatter(c, send, recv, counts, dtype, op, cfg);
       },
-      blocking);
+      blocking, options.timeout);
 }
 
 Work allgatherv_impl(Context::Impl& impl, const void* send, void* recv,
                      std::vector<std::size_t> counts, DataType dtype, CollectiveKind kind,
-                     bool blocking) {
+                     const CallOptions& options, bool blocking) {
   const char* name = collectives::to_string(kind);
   check_dtype_op(dtype, ReduceOp::kSum, impl.rank, name);
   require(counts.size() == static_cast<std::size_t>(impl.size),
@@ -220,11 +292,11 @@ Work allgatherv_impl(Context::Impl& impl, const void* send, void* recv,
   return impl.submit(
       sig,
       [=](Comm& c) { collectives::hierarchical_allgatherv(c, send, recv, counts, dtype, cfg); },
-      blocking);
+      blocking, options.timeout);
 }
 
 Work broadcast_impl(Context::Impl& impl, void* data, std::size_t count, DataType dtype, int root,
-                    bool blocking) {
+                    const CallOptions& options, bool blocking) {
   const char* name = "broadcast";
   check_dtype_op(dtype, ReduceOp::kSum, impl.rank, name);
   require(root >= 0 && root < impl.size, "root " + std::to_string(root) + " is not a rank",
@@ -234,7 +306,33 @@ Work broadcast_impl(Context::Impl& impl, void* data, std::size_t count, DataType
                     count};
   const auto cfg = impl.config;
   return impl.submit(
-      sig, [=](Comm& c) { collectives::broadcast(c, data, count, dtype, root, cfg); }, blocking);
+      sig, [=](Comm& c) { collectives::broadcast(c, data, count, dtype, root, cfg); }, blocking,
+      options.timeout);
+}
+
+Work reduce_impl(Context::Impl& impl, const void* send, void* recv, std::size_t count,
+                 DataType dtype, ReduceOp op, int root, const CallOptions& options, bool blocking) {
+  const char* name = "reduce";
+  check_dtype_op(dtype, op, impl.rank, name);
+  require(root >= 0 && root < impl.size, "root " + std::to_string(root) + " is not a rank",
+          impl.rank, name);
+  check_buffer(send, count, "send", impl.rank, name);
+  if (impl.rank == root) check_buffer(recv, count, "recv", impl.rank, name);
+  CallSignature sig{0, CollectiveKind::kReduce, dtype, op, Algorithm::kAuto, root, count};
+  return impl.submit(
+      sig, [=](Comm& c) { collectives::reduce(c, send, recv, count, dtype, op, root); }, blocking,
+      options.timeout);
+}
+
+Work barrier_impl(Context::Impl& impl, const CallOptions& options, bool blocking) {
+  CallSignature sig{
+      0, CollectiveKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, Algorithm::kAuto, -1, 0};
+  return impl.submit(
+      sig, [](Comm& c) { collectives::barrier(c); }, blocking, options.timeout);
+}
+
+std::vector<std::size_t> equal_counts(int ranks, std::size_t count) {
+  return std::vector<std::size_t>(static_cast<std::size_t>(ranks), count);
 }
 
 }  // namespace
@@ -302,75 +400,72 @@ PeerTraffic Context::total_traffic() const {
   return sum;
 }
 
-Work Context::allreduce_async(const void* send, void* recv, std::size_t count, DataType dtype,
-                              ReduceOp op, Algorithm algo) {
-  return allreduce_impl(*impl_, send, recv, count, dtype, op, algo, false);
-}
-
 void Context::allreduce(const void* send, void* recv, std::size_t count, DataType dtype,
-                        ReduceOp op, Algorithm algo) {
-  allreduce_impl(*impl_, send, recv, count, dtype, op, algo, true).wait();
+                        ReduceOp op, const CallOptions& options) {
+  allreduce_impl(*impl_, send, recv, count, dtype, op, options, true).wait();
 }
-
-Work Context::reduce_scatter_async(const void* send, void* recv, std::size_t recv_count,
-                                   DataType dtype, ReduceOp op) {
-  return reduce_scatter_impl(*impl_, send, recv, recv_count, dtype, op, false);
+Work Context::allreduce_async(const void* send, void* recv, std::size_t count, DataType dtype,
+                              ReduceOp op, const CallOptions& options) {
+  return allreduce_impl(*impl_, send, recv, count, dtype, op, options, false);
 }
 
 void Context::reduce_scatter(const void* send, void* recv, std::size_t recv_count, DataType dtype,
-                             ReduceOp op) {
-  reduce_scatter_impl(*impl_, send, recv, recv_count, dtype, op, true).wait();
+                             ReduceOp op, const CallOptions& options) {
+  reduce_scatter_impl(*impl_, send, recv, recv_count, dtype, op, options, true).wait();
+}
+Work Context::reduce_scatter_async(const void* send, void* recv, std::size_t recv_count,
+                                   DataType dtype, ReduceOp op, const CallOptions& options) {
+  return reduce_scatter_impl(*impl_, send, recv, recv_count, dtype, op, options, false);
 }
 
-Work Context::allgather_async(const void* send, void* recv, std::size_t send_count,
-                              DataType dtype) {
-  std::vector<std::size_t> counts(static_cast<std::size_t>(impl_->size), send_count);
-  return allgatherv_impl(*impl_, send, recv, counts, dtype, CollectiveKind::kAllgather, false);
+void Context::allgather(const void* send, void* recv, std::size_t send_count, DataType dtype,
+                        const CallOptions& options) {
+  allgatherv_impl(*impl_, send, recv, equal_counts(impl_->size, send_count), dtype,
+                  CollectiveKind::kAllgather, options, true)
+      .wait();
 }
-
-void Context::allgather(const void* send, void* recv, std::size_t send_count, DataType dtype) {
-  std::vector<std::size_t> counts(static_cast<std::size_t>(impl_->size), send_count);
-  allgatherv_impl(*impl_, send, recv, counts, dtype, CollectiveKind::kAllgather, true).wait();
+Work Context::allgather_async(const void* send, void* recv, std::size_t send_count, DataType dtype,
+                              const CallOptions& options) {
+  return allgatherv_impl(*impl_, send, recv, equal_counts(impl_->size, send_count), dtype,
+                         CollectiveKind::kAllgather, options, false);
 }
 
 void Context::allgatherv(const void* send, void* recv, std::span<const std::size_t> recv_counts,
-                         DataType dtype) {
-  allgatherv_impl(*impl_, send, recv,
-                  std::vector<std::size_t>(recv_counts.begin(), recv_counts.end()), dtype,
-                  CollectiveKind::kAllgatherv, true)
+                         DataType dtype, const CallOptions& options) {
+  allgatherv_impl(*impl_, send, recv, {recv_counts.begin(), recv_counts.end()}, dtype,
+                  CollectiveKind::kAllgatherv, options, true)
       .wait();
 }
-
-Work Context::broadcast_async(void* data, std::size_t count, DataType dtype, int root) {
-  return broadcast_impl(*impl_, data, count, dtype, root, false);
+Work Context::allgatherv_async(const void* send, void* recv,
+                               std::span<const std::size_t> recv_counts, DataType dtype,
+                               const CallOptions& options) {
+  return allgatherv_impl(*impl_, send, recv, {recv_counts.begin(), recv_counts.end()}, dtype,
+                         CollectiveKind::kAllgatherv, options, false);
 }
 
-void Context::broadcast(void* data, std::size_t count, DataType dtype, int root) {
-  broadcast_impl(*impl_, data, count, dtype, root, true).wait();
+void Context::broadcast(void* data, std::size_t count, DataType dtype, int root,
+                        const CallOptions& options) {
+  broadcast_impl(*impl_, data, count, dtype, root, options, true).wait();
+}
+Work Context::broadcast_async(void* data, std::size_t count, DataType dtype, int root,
+                              const CallOptions& options) {
+  return broadcast_impl(*impl_, data, count, dtype, root, options, false);
 }
 
 void Context::reduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
-                     int root) {
-  const char* name = "reduce";
-  check_dtype_op(dtype, op, impl_->rank, name);
-  require(root >= 0 && root < impl_->size, "root " + std::to_string(root) + " is not a rank",
-          impl_->rank, name);
-  check_buffer(send, count, "send", impl_->rank, name);
-  if (impl_->rank == root) check_buffer(recv, count, "recv", impl_->rank, name);
-  CallSignature sig{0, CollectiveKind::kReduce, dtype, op, Algorithm::kAuto, root, count};
-  impl_
-      ->submit(
-          sig, [=](Comm& c) { collectives::reduce(c, send, recv, count, dtype, op, root); }, true)
-      .wait();
+                     int root, const CallOptions& options) {
+  reduce_impl(*impl_, send, recv, count, dtype, op, root, options, true).wait();
+}
+Work Context::reduce_async(const void* send, void* recv, std::size_t count, DataType dtype,
+                           ReduceOp op, int root, const CallOptions& options) {
+  return reduce_impl(*impl_, send, recv, count, dtype, op, root, options, false);
 }
 
-void Context::barrier() {
-  CallSignature sig{
-      0, CollectiveKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, Algorithm::kAuto, -1, 0};
-  impl_
-      ->submit(
-          sig, [](Comm& c) { collectives::barrier(c); }, true)
-      .wait();
+void Context::barrier(const CallOptions& options) {
+  barrier_impl(*impl_, options, true).wait();
+}
+Work Context::barrier_async(const CallOptions& options) {
+  return barrier_impl(*impl_, options, false);
 }
 
 }  // namespace gradsync

@@ -15,8 +15,8 @@
 #include "collectives/algorithms.h"
 #include "collectives/signature.h"
 #include "collectives/topology.h"
-#include "gradsync/gradsync.h"
 #include "cost/cost_model.h"
+#include "gradsync/gradsync.h"
 #include "transport/transport.h"
 
 namespace gradsync {
@@ -25,8 +25,19 @@ struct Work::State {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
+  bool skipped = false;  // a compressed all-reduce under NonFinite::kSkip found NaN or Inf
   std::exception_ptr error;
 };
+
+// An error every rank raises alike from data they all hold (a NaN that the ranks settled on
+// together): the call fails, but the communicator stays usable, as no rank was left waiting.
+// Any other error inside a call aborts the communicator on every rank.
+class AgreedError : public Error {
+ public:
+  explicit AgreedError(const Error& e) : Error(e) {}
+};
+
+class CallSteps;
 
 struct Context::Impl {
   int rank = 0;
@@ -46,10 +57,15 @@ struct Context::Impl {
   Impl() = default;
   ~Impl();
 
-  // Runs one collective: assigns the next sequence number, runs `body` on the worker
-  // (async) or inline after earlier async calls (blocking). Issuing thread only.
+  // Queues one call: assigns the next sequence number and runs `body` on the worker (async)
+  // or inline after every earlier call (blocking), in issue order either way. The body runs
+  // the call's collectives as steps (see CallSteps). `timeout` 0: the context's. Issuing
+  // thread only.
+  Work submit_steps(collectives::CallSignature sig, std::function<void(CallSteps&)> body,
+                    bool blocking, std::chrono::milliseconds timeout = {});
+  // A call of one collective, `sig` itself.
   Work submit(collectives::CallSignature sig, std::function<void(collectives::Comm&)> body,
-              bool blocking);
+              bool blocking, std::chrono::milliseconds timeout = {});
 
   Algorithm pick_allreduce(std::size_t bytes, Algorithm requested) const;
 
@@ -61,8 +77,9 @@ struct Context::Impl {
  private:
   struct Task {
     collectives::CallSignature sig;
-    std::function<void(collectives::Comm&)> body;
+    std::function<void(CallSteps&)> body;
     std::shared_ptr<Work::State> state;
+    std::chrono::milliseconds timeout;
   };
   void execute(Task& task);  // caller holds exec_mu_
   void worker_loop();
@@ -78,6 +95,57 @@ struct Context::Impl {
   bool stopping_ = false;
   std::thread worker_;
 };
+
+// The collectives of one queued call, run in order by the thread that executes it (the
+// context's worker, or the caller of a blocking call). Each is a step of the call: its tag
+// holds the call's sequence number and the step's number, so ranks match a composite call
+// (a compressed all-reduce: an all-gather of NaN reports, then the codec's exchange) step by
+// step, and a call never waits on the context's queue it is running on.
+class CallSteps {
+ public:
+  CallSteps(Context::Impl& context, const collectives::CallSignature& call,
+            transport::Clock::time_point deadline)
+      : context_(context), call_(call), deadline_(deadline) {}
+
+  const Context::Impl& context() const { return context_; }
+  int rank() const { return context_.rank; }
+  int size() const { return context_.size; }
+  const collectives::CallSignature& call() const { return call_; }
+
+  // One step: `sig` gets the call's sequence number, the next step number, and (if it has
+  // none) the call's root, which for a compressed all-reduce is its codec's hash: ranks that
+  // pass different codecs fail with kMismatch at the first message.
+  void run(collectives::CallSignature sig, const std::function<void(collectives::Comm&)>& body);
+
+  void allreduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
+                 Algorithm requested = Algorithm::kAuto);
+  void allgather(const void* send, void* recv, std::size_t send_count, DataType dtype);
+  void allgatherv(const void* send, void* recv, std::span<const std::size_t> counts,
+                  DataType dtype);
+
+  // The call's result for Work::skipped().
+  void mark_skipped() { skipped_ = true; }
+  bool skipped() const { return skipped_; }
+
+ private:
+  Context::Impl& context_;
+  collectives::CallSignature call_;
+  transport::Clock::time_point deadline_;
+  std::uint16_t next_step_ = 0;  // wraps after 65536 steps: per pair, messages stay in order
+  bool skipped_ = false;
+};
+
+// Runs an all-reduce of `chosen` (never kAuto) on `c`.
+void run_allreduce(collectives::Comm& c, const Context::Impl& context, const void* send, void* recv,
+                   std::size_t count, DataType dtype, ReduceOp op, Algorithm chosen);
+
+namespace detail {
+// Internal code's way to the implementation behind a public Context.
+struct ContextAccess {
+  static Context::Impl& impl(Context& ctx) { return *ctx.impl_; }
+  static const Context::Impl& impl(const Context& ctx) { return *ctx.impl_; }
+};
+}  // namespace detail
 
 // Wraps an existing transport (tests: inproc) into a context; calibrates the cost model
 // unless `cost` is given. `host_of` labels each rank's host (empty: one host), unless

@@ -50,15 +50,14 @@ Options resolve(const Options& in) {
     return v ? static_cast<int>(*v) : fallback;
   };
   o.rank = pick(o.rank, {"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}, 0);
-  o.world_size =
-      pick(o.world_size, {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}, 1);
+  o.size = pick(o.size, {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}, 1);
   o.local_rank =
       pick(o.local_rank,
            {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}, -1);
-  o.local_world_size = pick(o.local_world_size,
-                            {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
-                             "SLURM_NTASKS_PER_NODE"},
-                            -1);
+  o.local_size = pick(o.local_size,
+                      {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                       "SLURM_NTASKS_PER_NODE"},
+                      -1);
   if (o.master_addr.empty()) o.master_addr = get("MASTER_ADDR").value_or("127.0.0.1");
   o.master_port = pick(o.master_port, {"MASTER_PORT"}, 29500);
   if (o.token.empty()) o.token = get("GRADSYNC_TOKEN").value_or("");
@@ -101,14 +100,14 @@ Options resolve(const Options& in) {
     o.timeout = std::chrono::milliseconds(t && *t > 0 ? *t : 300000);
   }
 
-  if (o.world_size < 1) {
+  if (o.size < 1) {
     throw Error(ErrorKind::kInvalidArgument,
-                "world size must be >= 1, got " + std::to_string(o.world_size));
+                "world size must be >= 1, got " + std::to_string(o.size));
   }
-  if (o.rank < 0 || o.rank >= o.world_size) {
-    throw Error(ErrorKind::kInvalidArgument, "rank " + std::to_string(o.rank) +
-                                                 " is outside world size " +
-                                                 std::to_string(o.world_size));
+  if (o.rank < 0 || o.rank >= o.size) {
+    throw Error(
+        ErrorKind::kInvalidArgument,
+        "rank " + std::to_string(o.rank) + " is outside world size " + std::to_string(o.size));
   }
   if (!o.transport.empty() && o.transport != "shm" && o.transport != "tcp") {
     throw Error(ErrorKind::kInvalidArgument,

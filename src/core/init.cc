@@ -53,7 +53,7 @@ std::unique_ptr<Context> init(const Options& given) {
   std::shared_ptr<Store> store = o.store;
   std::unique_ptr<TcpStoreServer> server;
   const auto timeout = o.timeout;
-  if (!store && o.world_size == 1) store = make_inproc_store();
+  if (!store && o.size == 1) store = make_inproc_store();
   // GRADSYNC_SOCKET_IFNAME (like NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME) pins every socket
   // of this rank, the store rank 0 hosts included, to one interface's address.
   std::string socket_addr;
@@ -76,11 +76,11 @@ std::unique_ptr<Context> init(const Options& given) {
   // Host discovery: ranks with the same identity share memory.
   store->set(prefix + "host/" + std::to_string(o.rank), to_bytes(host_identity()));
   std::vector<std::string> hosts;
-  for (int r = 0; r < o.world_size; ++r) {
+  for (int r = 0; r < o.size; ++r) {
     hosts.push_back(to_string(store->get(prefix + "host/" + std::to_string(r), timeout)));
   }
   std::vector<int> local_group;
-  for (int r = 0; r < o.world_size; ++r) {
+  for (int r = 0; r < o.size; ++r) {
     if (hosts[static_cast<std::size_t>(r)] == hosts[static_cast<std::size_t>(o.rank)])
       local_group.push_back(r);
   }
@@ -88,24 +88,24 @@ std::unique_ptr<Context> init(const Options& given) {
     o.local_rank = static_cast<int>(std::find(local_group.begin(), local_group.end(), o.rank) -
                                     local_group.begin());
   }
-  if (o.local_world_size < 0) o.local_world_size = static_cast<int>(local_group.size());
+  if (o.local_size < 0) o.local_size = static_cast<int>(local_group.size());
 
   transport::TransportOptions topts;
   topts.format_tag = collectives::describe_tag;
   topts.token = o.token;
   std::vector<std::unique_ptr<transport::Transport>> transports;
-  std::vector<int> route(static_cast<std::size_t>(o.world_size), -1);
-  std::vector<std::string> names(static_cast<std::size_t>(o.world_size), "self");
-  const bool all_local = static_cast<int>(local_group.size()) == o.world_size;
+  std::vector<int> route(static_cast<std::size_t>(o.size), -1);
+  std::vector<std::string> names(static_cast<std::size_t>(o.size), "self");
+  const bool all_local = static_cast<int>(local_group.size()) == o.size;
   const bool use_shm = o.transport == "shm" || (o.transport.empty() && local_group.size() > 1);
   if (o.transport == "shm" && !all_local) {
     throw Error(ErrorKind::kInvalidArgument,
                 "GRADSYNC_TRANSPORT=shm but not every rank is on this host", o.rank);
   }
-  if (o.world_size > 1) {
+  if (o.size > 1) {
     if (use_shm && local_group.size() > 1) {
-      transports.push_back(transport::make_shm_transport(
-          *store, prefix + "shm", o.rank, o.world_size, local_group, topts, timeout));
+      transports.push_back(transport::make_shm_transport(*store, prefix + "shm", o.rank, o.size,
+                                                         local_group, topts, timeout));
       for (int r : local_group) {
         if (r != o.rank) {
           route[static_cast<std::size_t>(r)] = 0;
@@ -115,8 +115,8 @@ std::unique_ptr<Context> init(const Options& given) {
     }
     if (!use_shm || !all_local) {
       // TCP reaches every rank the shm transport does not (or every rank, if forced).
-      std::vector<int> everyone(static_cast<std::size_t>(o.world_size));
-      for (int r = 0; r < o.world_size; ++r) everyone[static_cast<std::size_t>(r)] = r;
+      std::vector<int> everyone(static_cast<std::size_t>(o.size));
+      for (int r = 0; r < o.size; ++r) everyone[static_cast<std::size_t>(r)] = r;
       transport::TcpOptions tcp;
       if (!socket_addr.empty()) {
         tcp.bind_addr = tcp.advertise_addr = socket_addr;
@@ -128,10 +128,10 @@ std::unique_ptr<Context> init(const Options& given) {
         // network, or, in network namespaces, to one that does not exist there).
         tcp.advertise_addr = net::local_address_toward(o.master_addr, o.master_port);
       }
-      transports.push_back(transport::make_tcp_transport(
-          *store, prefix + "tcp", o.rank, o.world_size, everyone, topts, tcp, timeout));
+      transports.push_back(transport::make_tcp_transport(*store, prefix + "tcp", o.rank, o.size,
+                                                         everyone, topts, tcp, timeout));
       const int index = static_cast<int>(transports.size()) - 1;
-      for (int r = 0; r < o.world_size; ++r) {
+      for (int r = 0; r < o.size; ++r) {
         if (r != o.rank && route[static_cast<std::size_t>(r)] < 0) {
           route[static_cast<std::size_t>(r)] = index;
           names[static_cast<std::size_t>(r)] = "tcp";
@@ -139,13 +139,13 @@ std::unique_ptr<Context> init(const Options& given) {
       }
     }
   }
-  auto router = std::make_unique<transport::RouterTransport>(o.rank, o.world_size,
-                                                             std::move(transports), route);
+  auto router =
+      std::make_unique<transport::RouterTransport>(o.rank, o.size, std::move(transports), route);
   auto ctx = make_context(std::move(router), o, std::nullopt, hosts);
-  ctx->impl().peer_transport = names;
+  detail::ContextAccess::impl(*ctx).peer_transport = names;
 
-  ctx->impl().store = store;
-  ctx->impl().store_server = std::move(server);
+  detail::ContextAccess::impl(*ctx).store = store;
+  detail::ContextAccess::impl(*ctx).store_server = std::move(server);
   return ctx;
 }
 

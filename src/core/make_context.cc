@@ -75,7 +75,7 @@ double pingpong_us(Comm& c, int a, int b, std::vector<unsigned char>& buf, std::
 //  - shm_call_us: where the ranks share an arena, the shared-memory all-reduce of one element
 //    per rank, i.e. its three waits on every rank.
 cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
-                               const collectives::Topology& topology) {
+                              const collectives::Topology& topology) {
   constexpr std::size_t kProbeBytes = 4096;
   const int n = c.size(), r = c.rank();
   double values[6] = {0, 0, 0, 0, 0, 0};
@@ -206,7 +206,7 @@ std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> tran
   impl->rank = transport->rank();
   impl->size = transport->size();
   impl->local_rank = options.local_rank >= 0 ? options.local_rank : impl->rank;
-  impl->local_size = options.local_world_size >= 0 ? options.local_world_size : impl->size;
+  impl->local_size = options.local_size >= 0 ? options.local_size : impl->size;
   impl->timeout = options.timeout.count() > 0 ? options.timeout : std::chrono::milliseconds(300000);
   impl->forced_algorithm = options.algorithm;
   for (int p = 0; p < impl->size; ++p) {
@@ -215,15 +215,17 @@ std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> tran
   impl->transport = std::move(transport);
   impl->topology = agreed_topology(*impl, options, host_of);
   if (!cost) {
-    if (auto spec = env::get("GRADSYNC_COST_MODEL")) {
+    std::optional<std::string> spec = env::get("GRADSYNC_COST_MODEL");
+    if (!options.cost_model.empty()) spec = options.cost_model;
+    if (spec) {
       cost = cost::CostModel::parse(*spec);
       if (!cost) {
-        throw Error(ErrorKind::kInvalidArgument,
-                    "GRADSYNC_COST_MODEL='" + *spec +
-                        "' is not like alpha_us=3,bandwidth_gbps=8,reduce_gbps=20",
-                    impl->rank);
+        throw Error(
+            ErrorKind::kInvalidArgument,
+            "cost model '" + *spec + "' is not like alpha_us=3,bandwidth_gbps=8,reduce_gbps=20",
+            impl->rank);
       }
-      env::log_override("GRADSYNC_COST_MODEL", *spec);
+      if (options.cost_model.empty()) env::log_override("GRADSYNC_COST_MODEL", *spec);
     }
   }
   if (!cost && impl->size > 1) {

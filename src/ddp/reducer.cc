@@ -1,19 +1,17 @@
 // The bucketed, overlapped gradient reducer (see reducer.h). Buckets launch strictly in
-// bucket order on every rank, on one worker thread, so ranks never issue mismatched
-// collectives; a step ends with one 8-byte all-reduce that makes every rank agree on whether
-// some rank left a parameter unready.
+// bucket order on every rank, each as one call queued on the context's engine, so ranks never
+// issue mismatched collectives; a step ends with one 8-byte all-reduce that makes every rank
+// agree on whether some rank left a parameter unready.
 #include "gradsync/reducer.h"
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
-#include <deque>
 #include <exception>
-#include <mutex>
-#include <thread>
 
+#include "compress/compressed_steps.h"
+#include "core/context_impl.h"
 #include "gradsync/compress.h"
 #include "gradsync/error.h"
 #include "gradsync/timeline.h"
@@ -46,6 +44,10 @@ struct Reducer::State {
     std::vector<float> data;
     std::span<float> view;
     std::size_t pending = 0;  // parameters not yet ready this step
+    // This step's call on the engine; what it measured, written there and read once it is done.
+    Work work;
+    double communication_s = 0;
+    std::size_t calls = 0;
     // A whole-bucket call's tensor name and its parameters' slices, fixed when it is built.
     std::string name;
     std::vector<compress::TensorSlice> parts;
@@ -53,26 +55,24 @@ struct Reducer::State {
   };
 
   State(Context& c, ReducerOptions o)
-      : ctx(c), options(std::move(o)), codec(compress::make_codec(options.codec)) {
-    const compress::CodecSpec spec = compress::CodecSpec::parse(codec->spec());
-    // Elementwise codecs without state reduce a bucket in one call, and so does top-k: it
-    // ranks the whole bucket, so the parameters with the largest gradients get most of the k
-    // (its error feedback stays per parameter). The others go parameter by parameter, where
-    // their state (PowerSGD's Q) and shape belong.
-    whole_buckets = ((spec.name == "none" || spec.name == "fp16" || spec.name == "bf16") &&
-                     spec.get("ef", 0) == 0) ||
-                    spec.name == "topk";
+      : ctx(c),
+        options(std::move(o)),
+        codec(compress::make_codec(options.codec)),
+        // The registry says which codecs take a whole bucket per call; the others go parameter
+        // by parameter, where their state (PowerSGD's Q) and shape belong.
+        whole_buckets(codec->traits().whole_buckets) {
     if (options.accumulate_steps < 1) misuse(ctx, "accumulate_steps must be at least 1");
-    worker = std::thread([this] { run_worker(); });
   }
 
+  // The engine may still run this step's buckets (a step that threw): they use the codec and
+  // the bucket memory, so they finish first.
   ~State() {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      stop = true;
+    for (Bucket& b : buckets) {
+      try {
+        b.work.wait();
+      } catch (const Error&) {  // reported by finish(), or not wanted any more
+      }
     }
-    cv.notify_all();
-    worker.join();
   }
 
   // Buckets over `order` (parameter ids, first to be ready first): the first one up to
@@ -170,34 +170,47 @@ struct Reducer::State {
     return buckets[static_cast<std::size_t>(p.bucket)].values().subspan(p.offset, p.count);
   }
 
-  // Launches, in bucket order, every bucket whose parameters are all ready.
+  // Queues, in bucket order, every bucket whose parameters are all ready.
   void launch_ready() {
-    std::lock_guard<std::mutex> lock(mu);
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
-      queue.push_back(next_launch++);
+      Bucket& b = buckets[next_launch];
+      const collectives::CallSignature call{0,
+                                            collectives::CollectiveKind::kCompressedAllreduce,
+                                            DataType::kFloat32,
+                                            ReduceOp::kAvg,
+                                            Algorithm::kAuto,
+                                            -1,
+                                            b.values().size()};
+      b.work = detail::ContextAccess::impl(ctx).submit_steps(
+          call, [this, index = next_launch](CallSteps& steps) { reduce_bucket(steps, index); },
+          false);
+      ++next_launch;
     }
-    cv.notify_all();
   }
 
-  void reduce_bucket(std::size_t index) {
+  // Runs on the engine: the bucket's all-reduces, as steps of its call.
+  void reduce_bucket(CallSteps& steps, std::size_t index) {
     Bucket& b = buckets[index];
     timeline::Span span("allreduce bucket " + std::to_string(index) + " (" +
                             std::to_string(b.values().size() * sizeof(float) >> 10) + " KiB, " +
                             codec->spec() + ")",
                         "comm");
     const auto t0 = Clock::now();
+    b.calls = 0;
     if (whole_buckets) {
-      compress::compressed_allreduce(ctx, b.values(), *codec, b.name, b.parts, ReduceOp::kAvg);
-      ++calls;
+      compress::compressed_allreduce_steps(steps, b.values(), *codec, b.name, b.parts,
+                                           ReduceOp::kAvg, compress::NonFinite::kThrow);
+      ++b.calls;
     } else {
       for (int id : b.params) {
         Param& p = params[static_cast<std::size_t>(id)];
-        compress::compressed_allreduce(ctx, slot(p), *codec, compress::Tensor(p.name, p.rows),
-                                       ReduceOp::kAvg);
-        ++calls;
+        compress::compressed_allreduce_steps(steps, slot(p), *codec,
+                                             compress::Tensor(p.name, p.rows), ReduceOp::kAvg,
+                                             compress::NonFinite::kThrow);
+        ++b.calls;
       }
     }
-    communication_s += seconds_between(t0, Clock::now());
+    b.communication_s = seconds_between(t0, Clock::now());
   }
 
   // Two warnings DDP users would want (rank 0, once each, from the third communicating step:
@@ -225,33 +238,10 @@ struct Reducer::State {
     }
   }
 
-  void run_worker() {
-    std::unique_lock<std::mutex> lock(mu);
-    for (;;) {
-      cv.wait(lock, [&] { return stop || !queue.empty(); });
-      if (stop) return;
-      const std::size_t index = queue.front();
-      queue.pop_front();
-      lock.unlock();
-      std::exception_ptr failure;
-      if (!error) {  // after a failure the rest of the step is skipped, not run
-        try {
-          reduce_bucket(index);
-        } catch (...) {
-          failure = std::current_exception();
-        }
-      }
-      lock.lock();
-      if (failure && !error) error = failure;
-      ++finished;
-      cv.notify_all();
-    }
-  }
-
   Context& ctx;
   ReducerOptions options;
   std::unique_ptr<compress::Codec> codec;
-  bool whole_buckets = false;
+  const bool whole_buckets;
   bool warned_small = false, warned_exposed = false;
   // Calls below this carry too few bytes to amortise a collective's fixed cost (tens of us
   // per call against ~1 GB/s or more of bandwidth).
@@ -267,16 +257,7 @@ struct Reducer::State {
   int reductions = 0;            // communicating steps so far
   std::vector<int> ready_order;  // first communicating step's, for the rebuild
 
-  // Shared with the worker.
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<std::size_t> queue;
-  std::size_t next_launch = 0, finished = 0;
-  std::exception_ptr error;
-  bool stop = false;
-  double communication_s = 0;  // written by the worker, read after it finished the step
-  std::size_t calls = 0;
-  std::thread worker;
+  std::size_t next_launch = 0;  // the first bucket of this step not queued yet
 };
 
 Reducer::Reducer(Context& ctx, ReducerOptions options)
@@ -361,30 +342,33 @@ StepStats Reducer::finish() {
       s.launch_ready();
     }
   }
-  s.launch_ready();  // without overlap: everything now
+  s.launch_ready();          // without overlap: everything now
+  std::exception_ptr error;  // the first bucket's that failed
   {
     timeline::Span span("wait for buckets", "wait");
-    std::unique_lock<std::mutex> lock(s.mu);
-    s.cv.wait(lock, [&] { return s.finished == s.buckets.size(); });
+    for (auto& b : s.buckets) {
+      try {
+        b.work.wait();
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+      b.work = Work();
+      stats.communication_s += b.communication_s;
+      stats.allreduce_calls += b.calls;
+      b.communication_s = 0;  // a call that never ran leaves these as they are
+      b.calls = 0;
+    }
   }
   const auto done = Clock::now();
   stats.exposed_s = seconds_between(called, done);
-  stats.communication_s = s.communication_s;
-  stats.allreduce_calls = s.calls;
   for (auto& b : s.buckets) b.pending = b.params.size();
   for (auto& p : s.params) p.ready = false;
-  s.next_launch = s.finished = 0;
+  s.next_launch = 0;
   // The order this step saw (kept only until the first reduction succeeds).
   const std::vector<int> observed = std::move(s.ready_order);
   s.ready_order.clear();
-  s.communication_s = 0;
-  s.calls = 0;
   s.micro_step = 0;
-  if (s.error) {
-    std::exception_ptr e = s.error;
-    s.error = nullptr;
-    std::rethrow_exception(e);
-  }
+  if (error) std::rethrow_exception(error);
   // Did any rank leave a parameter unready (without find_unused_parameters)?
   std::int64_t unready =
       s.options.find_unused_parameters ? 0 : static_cast<std::int64_t>(unused.size());
