@@ -18,17 +18,15 @@ struct AlgorithmConfig {
   // Bytes per pipelined ring message: big enough to amortise per-message cost, small enough
   // that a received piece is still in cache when it is reduced and forwarded.
   std::size_t chunk_bytes = 256 * 1024;
-  // Bytes per chunk of the shared-memory all-reduce (capped by what fits in the arena). Measured
-  // with 2 and 4 ranks on a 2-core EPYC VM, 16-256 MiB: 512 KiB is as fast as 256 KiB with 2
-  // ranks and clearly faster with 4 (oversubscribed: fewer waits, so fewer context switches);
-  // 128 KiB is slower in both, ~1 MiB no better. All ranks' slots (4 x 512 KiB each) stay
-  // within the 32 MiB L3.
+  // Bytes per chunk of the shared-memory all-reduce (capped by what fits in the arena). 512 KiB
+  // chunks: fewer waits than smaller ones, so fewer context switches when ranks oversubscribe
+  // the cores, and larger ones gain nothing; see docs/performance-notes.md. All ranks' slots
+  // (4 x 512 KiB each) stay within the 32 MiB L3.
   std::size_t shared_memory_chunk_bytes = 512 * 1024;
   // The shared-memory all-reduce copies its result out with non-temporal stores once the
   // ranks' messages together are at least this large: then the outputs would not stay in the
-  // cache anyway, and streaming saves the read-for-ownership of every output line (2 ranks:
-  // 8 MiB 8.1 vs 5.5 GB/s busbw, 64 MiB 6.2 vs 4.2); smaller ones are faster left in cache
-  // (4 MiB: 9.3 vs 7.7).
+  // cache anyway, and streaming saves the read-for-ownership of every output line; smaller
+  // ones are faster left in cache (docs/performance-notes.md).
   std::size_t shared_memory_streaming_bytes = std::size_t{16} << 20;
 };
 

@@ -1,5 +1,5 @@
 // Two-level collectives for ranks spread over hosts: what moves inside a host (shared memory,
-// tens of GB/s) is kept apart from what must cross between hosts (a NIC, ~0.1-10 GB/s).
+// at memory speed) is kept apart from what must cross between hosts (a NIC, far slower).
 //
 // All-reduce: reduce-scatter inside each host (local rank i ends up with slice i of the host's
 // sum), all-reduce of slice i among the ranks with local index i on every host (all local
@@ -67,9 +67,9 @@ bool hierarchical_applicable(const Comm& c) {
 namespace {
 
 // Messages at least this large are cut into segments of about this size, so that the
-// host-local phases of one segment run while another segment crosses between hosts (2 hosts x
-// 2 ranks, 1 Gbit/s, 64 MiB: without the overlap the host-local phases add ~15% to the time on
-// the link).
+// host-local phases of one segment run while another segment crosses between hosts: without
+// that overlap the host-local phases add to the time on the link instead of hiding behind it
+// (docs/performance-notes.md).
 constexpr std::size_t kSegmentBytes = std::size_t{4} << 20;
 
 // True if the host's peers and the other hosts' peers are reached through different transports

@@ -50,7 +50,8 @@ constexpr std::size_t kHeaderBytes = 4096;
 // and the vector kernels run on aligned data. Every dtype size divides it.
 constexpr std::size_t kLineBytes = 64;
 // Beyond two ranks, each sub-block is reduced tile by tile through a private accumulator that
-// stays in L1 (32 KiB on the machines we measured) along with the tiles of all inputs.
+// stays in L1 (32 KiB on the x86 cores the benchmarks run on) along with the tiles of all
+// inputs.
 constexpr std::size_t kTileBytes = 8 * 1024;
 
 struct RegionHeader {

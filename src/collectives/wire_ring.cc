@@ -21,9 +21,8 @@ void ring_allreduce_wire(Comm& c, float* data, std::size_t count, WireFormat& wi
   }
   // Wire copies of every segment (what this rank sent or received of it) and one segment's
   // scratch. Kept per thread and only grown: fresh large allocations come from mmap, and
-  // their page faults cost more than a small message's whole exchange (1 MiB, 2 ranks:
-  // 0.5-0.9 ms per call allocating, against 65 us for the float32 ring). uint32 elements
-  // keep every segment float-aligned.
+  // their page faults cost more than a small message's whole exchange
+  // (docs/performance-notes.md). uint32 elements keep every segment float-aligned.
   thread_local std::vector<std::uint32_t> wire_words, incoming_words;
   thread_local std::vector<float> sent;
   auto words = [](std::size_t bytes) { return std::max<std::size_t>(1, (bytes + 3) / 4); };

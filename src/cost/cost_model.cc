@@ -30,8 +30,9 @@ int log2_int(int p) {
 }
 // The shared-memory all-reduce's chunk (AlgorithmConfig::shared_memory_chunk_bytes).
 constexpr double kSharedMemoryChunkBytes = 512 * 1024;
-// Reading a cache line another core has just written: ~0.1 us on current x86 (a zero-byte
-// message over the shm transport, one such transfer plus bookkeeping, measures ~0.13 us).
+// Reading a cache line another core has just written, on current x86 (a zero-byte message
+// over the shm transport, one such transfer plus bookkeeping, costs a little more:
+// docs/performance-notes.md).
 constexpr double kCacheLineTransferUs = 0.1;
 
 // Bytes of main-memory traffic (reads, writes, and the read-for-ownership of every line
@@ -164,7 +165,7 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes, int hosts)
       // The steps form a pipeline three chunks deep: the first chunk's bytes pass the three
       // steps one after another, later chunks overlap. So a message of one chunk is not
       // overlapped at all, which is why the ring (pipelined in smaller pieces) beats this
-      // algorithm on messages of a few hundred KiB with 2 ranks (256 KiB: 17 vs 38 us). The
+      // algorithm on messages of a few hundred KiB with 2 ranks (docs/performance-notes.md). The
       // reduce and copy-out steps handle 1/N and (N-1)/N of a chunk per rank: together about
       // one more pass over it.
       const double fill = std::min(S, kSharedMemoryChunkBytes) * beta;

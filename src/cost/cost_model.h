@@ -18,9 +18,9 @@ struct LinkParams {
   double bandwidth_gbps = 5.0;  // point-to-point payload bandwidth, 1e9 B/s
   double reduce_gbps = 10.0;    // reduction throughput over the input bytes, 1e9 B/s
   // One rank's memcpy of buffers that do not fit in cache, payload bytes per second (half
-  // the STREAM copy figure, which counts bytes read plus written: 20.6 GB/s on the 2-core
-  // EPYC VM we measure on). Not calibrated at start-up: copying enough to miss the cache
-  // takes longer than a context should spend starting.
+  // the STREAM copy figure, which counts bytes read plus written; the default is half the
+  // benchmark machine's, docs/performance-notes.md). Not calibrated at start-up: copying
+  // enough to miss the cache takes longer than a context should spend starting.
   double copy_gbps = 10.0;
   // Last-level cache the ranks of a host share, MiB: buffers beyond it go to main memory.
   double cache_mib = 32.0;

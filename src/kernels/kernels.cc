@@ -33,7 +33,8 @@ namespace {
 // ---------------------------------------------------------------- scalar conversions
 
 // Internal and ahead of the loops so they inline into them; the half codecs are forced,
-// since GCC otherwise leaves them as calls inside the large dispatch switch (1.4x slower).
+// since GCC otherwise leaves them as calls inside the large dispatch switch, which is
+// measurably slower (docs/performance-notes.md).
 
 [[gnu::always_inline]] inline std::uint16_t encode_half(float f) {
   const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
@@ -304,7 +305,8 @@ void scalar_scale(void* data, std::size_t n, DataType dtype, int divisor) {
 // The int8 codec's clamp(nearbyint(t), -127, 127), NaN to 0 (a float-to-int cast of NaN is
 // undefined). Clamping first rounds the same (nearbyint is monotonic and maps +-127 to
 // themselves), and then adding and subtracting 1.5 * 2^23 rounds to nearest even exactly
-// (|t| < 2^22), without the libm call nearbyint is on baseline x86-64, 10x slower.
+// (|t| < 2^22), without the libm call nearbyint is on baseline x86-64, which is far slower
+// (docs/performance-notes.md).
 std::int8_t quantize_one(float t) {
   if (t != t) return 0;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23

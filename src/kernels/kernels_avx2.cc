@@ -991,10 +991,10 @@ void float_to_half(const float* src, std::uint16_t* dst, std::size_t n) {
 void half_to_float(const std::uint16_t* src, float* dst, std::size_t n) {
   convert<F16Lane, F32Lane>(src, dst, n);
 }
-// Large calls stream their output past the cache (kernels.h, kStreamBytes): measured at
-// 16M and 64M floats, 15 -> 19.5 GB/s narrowing and 14 -> 23 GB/s widening, since a plain
-// store first reads every output line it will overwrite. Below that size the output is
-// left in cache for whoever reads it next (at 1M, streaming would halve widening's rate).
+// Large calls stream their output past the cache (kernels.h, kStreamBytes), which is faster
+// for both conversions, since a plain store first reads every output line it will overwrite.
+// Below that size the output is left in cache for whoever reads it next, where streaming
+// would slow widening down (docs/performance-notes.md).
 void float_to_bfloat16(const float* src, std::uint16_t* dst, std::size_t n) {
   std::size_t done = 0;
   const std::size_t head = head_to_align32(dst, 2);
