@@ -1,6 +1,7 @@
 // Codecs against numbers: round-trip bounds per codec, error feedback conserving mass over many
 // steps, state saved and restored by tensor name, and malformed specs and payloads refused
 // with a clear error instead of read out of bounds.
+#include "gradsync/bytes.h"
 #include "gradsync/compress.h"
 
 #include <gtest/gtest.h>
@@ -361,26 +362,15 @@ TEST(CompressedAllreduce, HalfOnSharedMemoryIsTheFloat32SumRoundedOnce) {
 // "GSEW", u64 bytes and its inner codec's state, u64 bytes); empty if absent.
 std::vector<float> state_entry(const std::vector<std::uint8_t>& state, const std::string& key) {
   if (state.size() < 8) return {};  // a codec without state
-  std::size_t at = 4;
-  if (std::memcmp(state.data(), "GSEW", 4) == 0) {
-    std::uint64_t inner;
-    std::memcpy(&inner, state.data() + 4, 8);
-    at = 12 + inner + 8 + 4;
-  }
-  std::uint32_t entries;
-  std::memcpy(&entries, state.data() + at, 4);
-  at += 4;
+  const std::string kind(state.begin(), state.begin() + 4);
+  const bool feedback = kind == "GSEW";  // per tensor: name, residual, momentum
+  ByteReader r(state, kind, feedback ? 2 : 1, "test");
+  if (feedback) r.bytes();  // the inner codec's
+  const auto entries = r.get<std::uint32_t>();
   for (std::uint32_t e = 0; e < entries; ++e) {
-    std::uint32_t len;
-    std::memcpy(&len, state.data() + at, 4);
-    const std::string name(reinterpret_cast<const char*>(state.data() + at + 4), len);
-    at += 4 + len;
-    std::uint64_t floats;
-    std::memcpy(&floats, state.data() + at, 8);
-    at += 8;
-    std::vector<float> v(floats);
-    if (floats) std::memcpy(v.data(), state.data() + at, 4 * floats);
-    at += 4 * floats;
+    const std::string name = r.string();
+    std::vector<float> v = r.floats();
+    if (feedback) r.floats();
     if (name == key) return v;
   }
   return {};
@@ -702,10 +692,10 @@ TEST(ErrorFeedback, MomentumCorrectionIsDeepGradientCompressions) {
 }
 
 // A bucket call ranks the whole bucket: a small tensor of large gradients takes all of the k
-// that 1% of each tensor would have spread. Error feedback stays per tensor, so when the
-// tensors are bucketed the other way round, and then reduced one by one, what was sent plus
-// the residuals is still what every rank put in.
-TEST(CompressedAllreduce, BucketCallsRankAcrossTensorsAndKeepFeedbackPerTensor) {
+// that 1% of each tensor would have spread. Its error-feedback state is the bucket's, kept under
+// the bucket's name (or by the caller, as the reducer does): step after step, what was sent
+// plus every rank's residual is what the ranks put in.
+TEST(CompressedAllreduce, BucketCallsRankAcrossTensorsAndConserveTheBucket) {
   const std::size_t na = 37, nb = 1000;
   for (int ranks : {1, 2, 3, 4, 5, 8}) {
     std::vector<std::vector<float>> owed(static_cast<std::size_t>(ranks)), left(owed.size());
@@ -714,47 +704,23 @@ TEST(CompressedAllreduce, BucketCallsRankAcrossTensorsAndKeepFeedbackPerTensor) 
       const auto r = static_cast<std::size_t>(ctx.rank());
       auto codec = make_codec("topk:ratio=0.02");  // k = 21 of 1037
       owed[r].assign(na + nb, 0.0f);
-      auto inputs = [&](unsigned step) {  // a (37, large) then b (1000, small)
+      const std::vector<TensorSlice> ab{{compress::Tensor("a"), 0, na}, {"b", na, nb}};
+      for (unsigned step = 0; step < 3; ++step) {  // a (37, large) then b (1000, small)
         std::vector<float> g = gradient(na + nb, 700 + step + 10 * static_cast<unsigned>(r));
         for (std::size_t i = 0; i < na; ++i) g[i] = (i % 2 ? 1.0f : -1.0f) * (1.0f + g[i]);
         for (std::size_t i = 0; i < na + nb; ++i) owed[r][i] += g[i];
-        return g;
-      };
-      auto keep = [&](std::size_t at, std::span<const float> out) {
-        if (r == 0) {
-          for (std::size_t i = 0; i < out.size(); ++i) sent[at + i] += out[i];
+        compress::compressed_allreduce(ctx, g, *codec, "bucket 0 (a, b)", ab);
+        if (step == 0) {
+          for (std::size_t i = na; i < na + nb; ++i) ASSERT_EQ(g[i], 0.0f) << "b got k, i " << i;
         }
-      };
-      const compress::Tensor a("a"), b("b");
-      std::vector<float> g = inputs(0);
-      const std::vector<TensorSlice> ab{{a, 0, na}, {b, na, nb}};
-      compress::compressed_allreduce(ctx, g, *codec, "bucket 0 (a, b)", ab);
-      for (std::size_t i = na; i < na + nb; ++i) ASSERT_EQ(g[i], 0.0f) << "b got k, i " << i;
-      keep(0, g);
-
-      std::vector<float> step1 = inputs(1), swapped(na + nb);  // b then a
-      std::copy(step1.begin() + na, step1.end(), swapped.begin());
-      std::copy(step1.begin(), step1.begin() + na, swapped.begin() + nb);
-      const std::vector<TensorSlice> ba{{a, nb, na}, {b, 0, nb}};
-      compress::compressed_allreduce(ctx, swapped, *codec, "bucket 0 (b, a)", ba);
-      keep(0, std::span<const float>(swapped).subspan(nb, na));
-      keep(na, std::span<const float>(swapped).subspan(0, nb));
-
-      std::vector<float> step2 = inputs(2);
-      std::vector<float> ga(step2.begin(), step2.begin() + na), gb(step2.begin() + na, step2.end());
-      compress::compressed_allreduce(ctx, ga, *codec, a);
-      compress::compressed_allreduce(ctx, gb, *codec, b);
-      keep(0, ga);
-      keep(na, gb);
-
+        if (r == 0) {
+          for (std::size_t i = 0; i < g.size(); ++i) sent[i] += g[i];
+        }
+      }
       const std::vector<std::uint8_t> state = codec->save_state();
-      EXPECT_TRUE(state_entry(state, "bucket 0 (a, b)").empty());
-      EXPECT_TRUE(state_entry(state, "bucket 0 (b, a)").empty());
-      left[r] = state_entry(state, "a");
-      const std::vector<float> residual_b = state_entry(state, "b");
-      ASSERT_EQ(left[r].size(), na);
-      ASSERT_EQ(residual_b.size(), nb);
-      left[r].insert(left[r].end(), residual_b.begin(), residual_b.end());
+      EXPECT_TRUE(state_entry(state, "a").empty());
+      left[r] = state_entry(state, "bucket 0 (a, b)");
+      ASSERT_EQ(left[r].size(), na + nb);
     });
     for (std::size_t i = 0; i < na + nb; ++i) {
       double total_owed = 0, total_left = 0;
@@ -782,22 +748,19 @@ TEST(CompressedAllreduce, BucketCallsMatchOneTensorWithMomentum) {
       compress::compressed_allreduce(ctx, y, *whole, "ab", ReduceOp::kAvg);
       ASSERT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * 4)) << "step " << step;
       if (step != 1) continue;
-      // Saved while the bucket holds the state: per tensor, and a codec restored from it
-      // continues as the original.
+      // Saved under the bucket's name, and a codec restored from it continues as the original.
       const std::vector<std::uint8_t> state = parted->save_state();
-      EXPECT_EQ(state_entry(state, "a").size(), 300u);
-      EXPECT_EQ(state_entry(state, "b").size(), 77u);
-      EXPECT_TRUE(state_entry(state, "ab").empty());
+      EXPECT_EQ(state_entry(state, "ab").size(), 377u);
+      EXPECT_TRUE(state_entry(state, "a").empty());
       parted = make_codec("topk:ratio=0.05,momentum=0.9,warmup=3");
       parted->load_state(state);
     }
   });
 }
 
-// The reducer's buckets take turns on one codec, step after step: each keeps its state joined
-// (only a call that needs a tensor of one bucket splits that bucket), and every bucket
-// continues exactly as it would on a codec of its own, through a call on one of its tensors
-// alone and a save and restore.
+// The reducer's buckets take turns on one codec, step after step, with a call on one tensor
+// alone between them: each keeps its own state under its own name, and continues exactly as
+// it would on a codec of its own, through a save and restore.
 TEST(CompressedAllreduce, BucketsTakingTurnsMatchACodecEach) {
   testing::run_inproc_contexts(3, [&](Context& ctx) {
     const char* spec = "topk:ratio=0.05,momentum=0.9";
@@ -816,7 +779,7 @@ TEST(CompressedAllreduce, BucketsTakingTurnsMatchACodecEach) {
       compress::compressed_allreduce(ctx, x, *shared, "cd", cd, ReduceOp::kAvg);
       compress::compressed_allreduce(ctx, y, *only_cd, "cd", cd, ReduceOp::kAvg);
       ASSERT_EQ(0, std::memcmp(x.data(), y.data(), x.size() * 4)) << "cd, step " << step;
-      if (step == 2) {  // c alone: cd hands its state back, ab stays joined
+      if (step == 2) {  // c alone: a state of its own, the buckets' untouched
         x = gradient(90, seed(step, 2)), y = x;
         compress::compressed_allreduce(ctx, x, *shared, "c", ReduceOp::kAvg);
         compress::compressed_allreduce(ctx, y, *only_cd, "c", ReduceOp::kAvg);
@@ -824,14 +787,11 @@ TEST(CompressedAllreduce, BucketsTakingTurnsMatchACodecEach) {
       }
       if (step == 3) {
         const std::vector<std::uint8_t> state = shared->save_state();
-        const std::vector<std::uint8_t> ab_state = only_ab->save_state();
-        const std::vector<std::uint8_t> cd_state = only_cd->save_state();
-        ASSERT_EQ(state_entry(state, "a").size(), 200u);
-        ASSERT_EQ(state_entry(state, "d").size(), 310u);
-        EXPECT_EQ(state_entry(state, "a"), state_entry(ab_state, "a"));
-        EXPECT_EQ(state_entry(state, "b"), state_entry(ab_state, "b"));
-        EXPECT_EQ(state_entry(state, "c"), state_entry(cd_state, "c"));
-        EXPECT_EQ(state_entry(state, "d"), state_entry(cd_state, "d"));
+        ASSERT_EQ(state_entry(state, "ab").size(), 237u);
+        ASSERT_EQ(state_entry(state, "cd").size(), 400u);
+        ASSERT_EQ(state_entry(state, "c").size(), 90u);
+        EXPECT_EQ(state_entry(state, "ab"), state_entry(only_ab->save_state(), "ab"));
+        EXPECT_EQ(state_entry(state, "cd"), state_entry(only_cd->save_state(), "cd"));
         shared = make_codec(spec);
         shared->load_state(state);
       }

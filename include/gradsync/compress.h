@@ -5,9 +5,9 @@
 // validates the payload (length, header, scales) and throws gradsync::Error(kProtocol) naming
 // what is wrong instead of reading out of bounds. Codecs that lose information in a biased
 // way take error feedback: what the wire could not carry this step is added to the tensor's
-// next step, so nothing is lost over time. That state (and any other per-tensor state) is
-// keyed by a stable tensor name, not by a bucket position, and can be saved and restored
-// with a checkpoint.
+
+
+
 #pragma once
 
 #include <cstddef>
@@ -38,8 +38,8 @@ struct CodecSpec {
 };
 
 // The tensor a codec works on: a stable name, under which its state (error-feedback residual,
-// PowerSGD's Q, random-k's step count) is kept whatever bucket it travels in, and for a
-// matrix its number of rows (PowerSGD compresses rows x count/rows; 0 = a vector).
+// PowerSGD's Q, random-k's step count) is kept from call to call, and for a matrix its number
+// of rows (PowerSGD compresses rows x count/rows; 0 = a vector).
 struct Tensor {
   Tensor(std::string tensor_name, std::size_t matrix_rows = 0)
       : name(std::move(tensor_name)), rows(matrix_rows) {}
@@ -192,13 +192,12 @@ struct TensorSlice {
 
 // A bucket of tensors in one call, as DDP's communication hooks see a bucket. The codec
 // encodes `data` whole: top-k ranks across every tensor in it, so the tensors with the largest
-// gradients get most of the k (on the Fashion-MNIST MLP about 0.1 point nearer float32's
-// accuracy than 1% of each tensor, within the seeds' noise). Error feedback still keeps its
-// residual and momentum per tensor of `parts`, so they carry over when the same tensors
-// travel in other buckets, and checkpoints hold them by tensor name. `parts` must tile `data`
-// (Error(kInvalidArgument) otherwise). `bucket` names the call in errors and keys the
-// codec's other state (top-k's warm-up count). PowerSGD, whose matrices are the tensors',
-// reduces part by part.
+// gradients get most of the k. Its state (error-feedback residual and momentum, top-k's
+// warm-up count) is kept under the bucket's name, as for one tensor of that name: a bucket
+// whose tensors change must carry the state itself (the Reducer keeps its buckets' and moves
+// it with the gradients when it rebuilds them). `parts` must tile `data`
+// (Error(kInvalidArgument) otherwise); PowerSGD, whose matrices are the tensors', reduces
+// part by part under the parts' names.
 bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& bucket,
                           std::span<const TensorSlice> parts, ReduceOp op = ReduceOp::kSum,
                           NonFinite non_finite = NonFinite::kThrow);

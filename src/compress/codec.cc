@@ -9,6 +9,7 @@
 #include <set>
 
 #include "compress/codecs.h"
+#include "gradsync/bytes.h"
 #include "kernels/kernels.h"
 
 namespace gradsync::compress {
@@ -56,9 +57,9 @@ std::string with_key(const std::string& spec, const std::string& kv) {
   return spec + (spec.find(':') == std::string::npos ? ":" : ",") + kv;
 }
 
-constexpr char kFeedbackMagic[4] = {'G', 'S', 'E', 'F'};
-constexpr char kWrapperMagic[4] = {'G', 'S', 'E', 'W'};
-constexpr char kMomentumMagic[4] = {'G', 'S', 'E', 'M'};
+// Layouts of the saved states (gradsync/bytes.h): a new layout takes the next number.
+constexpr std::uint32_t kTensorStateVersion = 1;
+constexpr std::uint32_t kFeedbackStateVersion = 2;
 
 }  // namespace
 
@@ -106,59 +107,30 @@ void Codec::decode_add(std::span<const std::uint8_t> payload, std::span<float> o
 
 std::vector<std::uint8_t> save_tensor_state(const char magic[4],
                                             const std::map<std::string, std::vector<float>>& m) {
-  std::vector<std::uint8_t> s;
-  auto append = [&](const void* p, std::size_t n) {
-    const std::size_t at = s.size();
-    s.resize(at + n);
-    if (n) std::memcpy(s.data() + at, p, n);
-  };
-  append(magic, 4);
-  const auto entries = static_cast<std::uint32_t>(m.size());
-  append(&entries, 4);
+  ByteWriter w(std::string_view(magic, 4), kTensorStateVersion);
+  w.put(static_cast<std::uint32_t>(m.size()));
   for (const auto& [name, v] : m) {
-    const auto len = static_cast<std::uint32_t>(name.size());
-    const std::uint64_t floats = v.size();
-    append(&len, 4);
-    append(name.data(), name.size());
-    append(&floats, 8);
-    append(v.data(), v.size() * 4);
+    w.string(name);
+    w.floats(v);
   }
-  return s;
+  return w.take();
 }
 
 std::map<std::string, std::vector<float>> load_tensor_state(const char magic[4],
                                                             std::span<const std::uint8_t> s) {
-  const std::string what = "codec state '" + std::string(magic, 4) + "'";
-  std::size_t at = 0;
-  auto take = [&](void* p, std::size_t n) {
-    if (s.size() - at < n) bad_payload(what, "truncated at byte " + std::to_string(at));
-    if (n) std::memcpy(p, s.data() + at, n);  // an empty name or vector has no buffer
-    at += n;
-  };
-  char found[4];
-  take(found, 4);
-  if (std::memcmp(found, magic, 4) != 0) bad_payload(what, "not one (magic)");
-  std::uint32_t entries;
-  take(&entries, 4);
+  ByteReader r(s, std::string_view(magic, 4), kTensorStateVersion,
+               "codec state '" + std::string(magic, 4) + "'");
+  const auto entries = r.get<std::uint32_t>();
   std::map<std::string, std::vector<float>> loaded;
   for (std::uint32_t t = 0; t < entries; ++t) {
-    std::uint32_t len;
-    take(&len, 4);
-    std::string name(len <= s.size() - at ? len : 0, '\0');
-    if (name.size() != len) bad_payload(what, "name longer than the state");
-    take(name.data(), len);
+    std::string name = r.string();
     // Written in name order, each once: anything else is not a state this wrote.
     if (!loaded.empty() && name <= loaded.rbegin()->first) {
-      bad_payload(what, "entry '" + name + "' out of order");
+      r.fail("entry '" + name + "' out of order");
     }
-    std::uint64_t floats;
-    take(&floats, 8);
-    if (floats > (s.size() - at) / 4) bad_payload(what, "entry longer than the state");
-    std::vector<float> v(floats);
-    take(v.data(), floats * 4);
-    loaded[name] = std::move(v);
+    loaded[std::move(name)] = r.floats();
   }
-  if (at != s.size()) bad_payload(what, "trailing bytes");
+  r.finish();
   return loaded;
 }
 
@@ -178,219 +150,109 @@ std::string ErrorFeedback::spec() const {
   return spec;
 }
 
-std::vector<float>& ErrorFeedback::state_of(std::map<std::string, std::vector<float>>& states,
-                                            const Tensor& tensor, std::size_t count,
-                                            const char* what) {
-  // A tensor's own state while its bucket's is joined would be a second, stale copy.
-  if (!joined_.contains(tensor.name)) split_holder_of(tensor.name);
-  std::vector<float>& r = states[tensor.name];
-  if (r.empty()) r.assign(count, 0.0f);
-  if (r.size() != count) {
+FeedbackState ErrorFeedback::state(const Tensor& tensor, std::size_t count) {
+  Owned& own = owned_[tensor.name];
+  if (own.residual.empty()) {
+    own.residual.assign(count, 0.0f);
+    if (momentum_ > 0) own.momentum.assign(count, 0.0f);
+  }
+  if (own.residual.size() != count) {
     throw Error(ErrorKind::kInvalidArgument,
-                "tensor '" + tensor.name + "' has " + std::to_string(count) + " elements, its " +
-                    what + " " + std::to_string(r.size()) + ": one name per tensor",
+                "tensor '" + tensor.name + "' has " + std::to_string(count) +
+                    " elements, its error-feedback residual " +
+                    std::to_string(own.residual.size()) + ": one name per tensor",
                 Error::kUnknownRank, Error::kNoPeer, "encode");
   }
-  return r;
+  return {own.residual, own.momentum};
 }
 
-std::vector<float>& ErrorFeedback::residual(const Tensor& tensor, std::size_t count) {
-  return state_of(residuals_, tensor, count, "error-feedback residual");
-}
-
-void ErrorFeedback::owe(const Tensor& tensor, std::span<const float> in, std::span<float> owed) {
-  const std::vector<float>& r = residual(tensor, in.size());
+void ErrorFeedback::owe(FeedbackState s, std::span<const float> in, std::span<float> owed) const {
   if (momentum_ == 0) {
-    for (std::size_t i = 0; i < in.size(); ++i) owed[i] = r[i] + in[i];
+    for (std::size_t i = 0; i < in.size(); ++i) owed[i] = s.residual[i] + in[i];
     return;
   }
-  std::vector<float>& u = state_of(velocities_, tensor, in.size(), "momentum");
   for (std::size_t i = 0; i < in.size(); ++i) {
-    u[i] = momentum_ * u[i] + in[i];
-    owed[i] = r[i] + u[i];
+    s.momentum[i] = momentum_ * s.momentum[i] + in[i];
+    owed[i] = s.residual[i] + s.momentum[i];
   }
 }
 
-std::span<float> ErrorFeedback::owe_next(const Tensor& tensor, std::span<const float> in) {
-  std::vector<float>& owed = next_residual_[tensor.name];
-  owed.resize(in.size());
-  owe(tensor, in, owed);
-  return owed;
-}
-
-void ErrorFeedback::keep_unsent(const Tensor& tensor, std::span<const std::uint32_t> sent) {
-  std::vector<float>& owed = next_residual_[tensor.name];
-  std::vector<float>& r = residual(tensor, owed.size());
-  r.swap(owed);
-  for (std::uint32_t i : sent) r[i] = 0.0f;
+void ErrorFeedback::keep_unsent(FeedbackState s, std::span<const std::uint32_t> sent) const {
+  for (std::uint32_t i : sent) s.residual[i] = 0.0f;
   if (momentum_ == 0) return;
-  std::vector<float>& u = state_of(velocities_, tensor, r.size(), "momentum");
-  for (std::uint32_t i : sent) u[i] = 0.0f;
-}
-
-void ErrorFeedback::join(const Tensor& bucket, std::span<const TensorSlice> parts,
-                         std::size_t count) {
-  if (const auto it = joined_.find(bucket.name);
-      it != joined_.end() &&
-      std::equal(it->second.begin(), it->second.end(), parts.begin(), parts.end(),
-                 [](const TensorSlice& a, const TensorSlice& b) {
-                   return a.tensor.name == b.tensor.name && a.offset == b.offset &&
-                          a.count == b.count;
-                 })) {
-    return;  // as last time: the state is where the call will look for it
-  }
-  // The bucket under another layout, and every joined bucket a part (or the bucket's name)
-  // travelled in or is named like, hand their state back first.
-  split(bucket.name);
-  split_holder_of(bucket.name);
-  for (const TensorSlice& part : parts) {
-    split(part.tensor.name);
-    split_holder_of(part.tensor.name);
-  }
-  std::vector<float> wholes[2];
-  const std::array states{&residuals_, &velocities_};
-  const int kinds = momentum_ > 0 ? 2 : 1;
-  for (int kind = 0; kind < kinds; ++kind) {  // may throw (a size changed): nothing moved yet
-    wholes[kind].assign(count, 0.0f);
-    for (const TensorSlice& part : parts) {
-      const std::vector<float>& own = state_of(*states[kind], part.tensor, part.count,
-                                               kind == 0 ? "error-feedback residual" : "momentum");
-      std::copy(own.begin(), own.end(), wholes[kind].begin() + static_cast<long>(part.offset));
-    }
-  }
-  for (int kind = 0; kind < kinds; ++kind) {
-    for (const TensorSlice& part : parts) states[kind]->erase(part.tensor.name);
-    (*states[kind])[bucket.name] = std::move(wholes[kind]);
-  }
-  joined_[bucket.name].assign(parts.begin(), parts.end());
-  for (const TensorSlice& part : parts) {
-    bucket_of_[part.tensor.name] = bucket.name;
-    next_residual_.erase(part.tensor.name);
-  }
-}
-
-namespace {
-
-// Moves the entry `bucket` of `states` into one entry per part.
-void split_into_parts(std::map<std::string, std::vector<float>>& states, const std::string& bucket,
-                      const std::vector<TensorSlice>& parts) {
-  auto node = states.extract(bucket);  // first: a part may share the bucket's name
-  if (node.empty()) return;
-  const std::vector<float>& whole = node.mapped();
-  for (const TensorSlice& part : parts) {
-    const auto from = whole.begin() + static_cast<long>(part.offset);
-    states[part.tensor.name].assign(from, from + static_cast<long>(part.count));
-  }
-}
-
-}  // namespace
-
-void ErrorFeedback::split(const std::string& bucket) {
-  const auto node = joined_.extract(bucket);
-  if (node.empty()) return;
-  split_into_parts(residuals_, bucket, node.mapped());
-  split_into_parts(velocities_, bucket, node.mapped());
-  next_residual_.erase(bucket);
-  for (const TensorSlice& part : node.mapped()) bucket_of_.erase(part.tensor.name);
+  for (std::uint32_t i : sent) s.momentum[i] = 0.0f;
 }
 
 std::span<const float> ErrorFeedback::held_back(const std::string& tensor) const {
-  if (const auto bucket = bucket_of_.find(tensor); bucket != bucket_of_.end()) {
-    const std::vector<float>& whole = residuals_.at(bucket->second);
-    for (const TensorSlice& part : joined_.at(bucket->second)) {
-      if (part.tensor.name == tensor) {
-        return std::span<const float>(whole).subspan(part.offset, part.count);
-      }
-    }
-  }
-  const auto own = residuals_.find(tensor);
-  return own == residuals_.end() ? std::span<const float>() : std::span<const float>(own->second);
-}
-
-void ErrorFeedback::split_holder_of(const std::string& name) {
-  if (const auto it = bucket_of_.find(name); it != bucket_of_.end()) split(it->second);
-}
-
-std::map<std::string, std::vector<float>> ErrorFeedback::per_tensor(
-    const std::map<std::string, std::vector<float>>& states) const {
-  std::map<std::string, std::vector<float>> out = states;
-  for (const auto& [bucket, parts] : joined_) split_into_parts(out, bucket, parts);
-  return out;
-}
-
-void ErrorFeedback::clear_sent_momentum(const Tensor& tensor, std::span<const float> owed) {
-  if (momentum_ == 0) return;
-  const std::vector<float>& r = residual(tensor, owed.size());
-  std::vector<float>& u = state_of(velocities_, tensor, owed.size(), "momentum");
-  for (std::size_t i = 0; i < owed.size(); ++i) {
-    if (r[i] != owed[i]) u[i] = 0.0f;
-  }
+  const auto own = owned_.find(tensor);
+  return own == owned_.end() ? std::span<const float>() : std::span<const float>(own->second.residual);
 }
 
 void ErrorFeedback::encode(const Tensor& tensor, std::span<const float> in,
                            std::vector<std::uint8_t>& out) {
-  // What is owed now; the residual changes only once the encoding succeeded.
-  const std::span<float> owed = owe_next(tensor, in);
-  std::vector<float>& r = residual(tensor, in.size());
+  encode(state(tensor, in.size()), tensor, in, out);
+}
+
+void ErrorFeedback::encode(FeedbackState s, const Tensor& tensor, std::span<const float> in,
+                           std::vector<std::uint8_t>& out) {
+  // What is owed goes to scratch first: an encoder that refuses the step (a NaN) leaves the
+  // residual as it was. The scratch only grows, so tensors of other sizes taking turns do not
+  // reallocate or zero it.
+  if (owed_.size() < in.size()) owed_.resize(in.size());
+  const std::span<float> owed(owed_.data(), in.size());
+  owe(s, in, owed);
   inner_->encode(tensor, owed, out);
-  const auto* in_place = dynamic_cast<const SubtractsPayload*>(inner_.get());
-  if (in_place) {
-    if (momentum_ > 0) sent_.assign(owed.begin(), owed.end());  // kept to see what was sent
+  if (const auto* in_place = dynamic_cast<const SubtractsPayload*>(inner_.get())) {
+    // Sparse codecs take what they sent off `owed` in place, touching just their k elements.
+    if (momentum_ > 0) std::copy(owed.begin(), owed.end(), s.residual.begin());
     in_place->subtract(out, owed);
+    // Momentum factor masking: where the codec sent, what is owed and what is left differ,
+    // and the momentum starts again from zero.
+    for (std::size_t i = 0; i < owed.size() && momentum_ > 0; ++i) {
+      if (owed[i] != s.residual[i]) s.momentum[i] = 0.0f;
+    }
   } else {
     sent_.resize(in.size());
     inner_->decode(out, sent_);
     for (std::size_t i = 0; i < in.size(); ++i) owed[i] -= sent_[i];
   }
-  r.swap(next_residual_[tensor.name]);
-  if (in_place && momentum_ > 0) clear_sent_momentum(tensor, sent_);
+  std::copy(owed.begin(), owed.end(), s.residual.begin());
 }
 
-// "GSEW", u64 bytes of the inner codec's state, that state, u64 bytes of the residuals, the
-// residuals, then the momentum (no tensors without momentum).
+// "GSEW" v2: the inner codec's state, then per tensor its name, residual and momentum
+// (no floats without momentum).
 std::vector<std::uint8_t> ErrorFeedback::save_state() const {
-  const std::vector<std::uint8_t> inner = inner_->save_state();
-  const std::vector<std::uint8_t> residuals =
-      save_tensor_state(kFeedbackMagic, per_tensor(residuals_));
-  const std::vector<std::uint8_t> velocities =
-      save_tensor_state(kMomentumMagic, per_tensor(velocities_));
-  std::vector<std::uint8_t> s(20 + inner.size() + residuals.size() + velocities.size());
-  std::memcpy(s.data(), kWrapperMagic, 4);
-  std::size_t at = 4;
-  for (const auto* part : {&inner, &residuals}) {
-    const std::uint64_t bytes = part->size();
-    std::memcpy(s.data() + at, &bytes, 8);
-    if (!part->empty()) std::memcpy(s.data() + at + 8, part->data(), part->size());
-    at += 8 + part->size();
+  ByteWriter w("GSEW", kFeedbackStateVersion);
+  w.bytes(inner_->save_state());
+  w.put(static_cast<std::uint32_t>(owned_.size()));
+  for (const auto& [name, own] : owned_) {
+    w.string(name);
+    w.floats(own.residual);
+    w.floats(own.momentum);
   }
-  std::memcpy(s.data() + at, velocities.data(), velocities.size());
-  return s;
+  return w.take();
 }
 
 void ErrorFeedback::load_state(std::span<const std::uint8_t> state) {
-  if (state.size() < 4 || std::memcmp(state.data(), kWrapperMagic, 4) != 0) {
-    bad_payload("error-feedback state", "not one (magic)");
+  ByteReader r(state, "GSEW", kFeedbackStateVersion, "error-feedback state");
+  const std::span<const std::uint8_t> inner = r.bytes();
+  const auto entries = r.get<std::uint32_t>();
+  std::map<std::string, Owned> loaded;
+  for (std::uint32_t t = 0; t < entries; ++t) {
+    std::string name = r.string();
+    Owned own{r.floats(), r.floats()};
+    if (momentum_ == 0 && !own.momentum.empty()) {
+      r.fail("tensor '" + name + "' holds momentum, but " + spec() + " has none");
+    }
+    if (momentum_ > 0 && own.momentum.size() != own.residual.size()) {
+      r.fail("tensor '" + name + "' has " + std::to_string(own.momentum.size()) +
+             " momentum floats for " + std::to_string(own.residual.size()) + " residual ones");
+    }
+    loaded[std::move(name)] = std::move(own);
   }
-  std::size_t at = 4;
-  std::span<const std::uint8_t> parts[2];
-  for (auto& part : parts) {
-    std::uint64_t bytes;
-    if (state.size() - at < 8) bad_payload("error-feedback state", "truncated");
-    std::memcpy(&bytes, state.data() + at, 8);
-    if (bytes > state.size() - at - 8) bad_payload("error-feedback state", "truncated");
-    part = state.subspan(at + 8, bytes);
-    at += 8 + bytes;
-  }
-  auto residuals = load_tensor_state(kFeedbackMagic, parts[1]);
-  auto velocities = load_tensor_state(kMomentumMagic, state.subspan(at));
-  if (momentum_ == 0 && !velocities.empty()) {
-    bad_payload("error-feedback state", "holds momentum, but " + spec() + " has none");
-  }
-  inner_->load_state(parts[0]);  // may throw: nothing of ours replaced yet
-  residuals_ = std::move(residuals);
-  velocities_ = std::move(velocities);
-  joined_.clear();  // what was loaded is per tensor
-  bucket_of_.clear();
+  r.finish();
+  inner_->load_state(inner);  // may throw: nothing of ours replaced yet
+  owned_ = std::move(loaded);
 }
 
 std::unique_ptr<Codec> make_none(const CodecSpec&) {

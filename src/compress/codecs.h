@@ -150,6 +150,15 @@ class SelectsIndices {
   ~SelectsIndices() = default;
 };
 
+// Error feedback's state for one call's data, in memory its owner keeps: the codec itself
+// (ErrorFeedback::state, by tensor name) for calls that bring none, or the caller, as the
+// reducer does for its buckets so that the state moves with the gradients when it rebuilds
+// them. Both spans are as long as the call's data; momentum is empty without momentum.
+struct FeedbackState {
+  std::span<float> residual;  // what the wire has not carried yet
+  std::span<float> momentum;  // Deep Gradient Compression's u
+};
+
 // Error feedback (Seide et al. 2014; Karimireddy et al. 2019, EF-SignSGD): the part of each
 // step's gradient the wire could not carry is kept per tensor and added to the next step's
 // before encoding, so over T steps transmitted + residual = the sum of the inputs.
@@ -172,8 +181,13 @@ class ErrorFeedback final : public Codec {
     return inner_->encoded_bytes(count);
   }
   bool size_varies() const override { return inner_->size_varies(); }
+  // With the codec's own state of `tensor`.
   void encode(const Tensor& tensor, std::span<const float> in,
               std::vector<std::uint8_t>& out) override;
+  // With the caller's state `s` (the size of `in`): afterwards its residual holds what was
+  // owed and not sent. A step the inner codec refuses leaves the residual as it was.
+  void encode(FeedbackState s, const Tensor& tensor, std::span<const float> in,
+              std::vector<std::uint8_t>& out);
   void decode(std::span<const std::uint8_t> payload, std::span<float> out) const override {
     inner_->decode(payload, out);
   }
@@ -181,61 +195,31 @@ class ErrorFeedback final : public Codec {
     inner_->decode_add(payload, out);
   }
   void set_stream(std::uint64_t stream) override { inner_->set_stream(stream); }
+  // The codec's own states, by tensor name.
   std::vector<std::uint8_t> save_state() const override;
   void load_state(std::span<const std::uint8_t> state) override;
-  // The residual: the tensor's own, or its slice of the joined bucket that holds it.
   std::span<const float> held_back(const std::string& tensor) const override;
 
   Codec& inner() { return *inner_; }
-  // The residual of `tensor` (zeros the first time); an error if its size changed.
-  std::vector<float>& residual(const Tensor& tensor, std::size_t count);
-  // What this step owes for `tensor`: residual + gradient, or with momentum residual + u after
-  // u = momentum * u + gradient. Keeps the residual; the caller sets it from what was sent.
-  void owe(const Tensor& tensor, std::span<const float> in, std::span<float> owed);
-  // owe() into the buffer that becomes the tensor's residual once what was sent is taken out
-  // of it (by encode, or by keep_unsent for a caller that sends values itself).
-  std::span<float> owe_next(const Tensor& tensor, std::span<const float> in);
-  // After the elements `sent` of what owe_next returned went out whole: the rest is the
-  // residual, and their momentum starts again from zero (factor masking).
-  void keep_unsent(const Tensor& tensor, std::span<const std::uint32_t> sent);
-  // A bucket call (compressed_allreduce over TensorSlices) keeps its state under `bucket`,
-  // assembled from its parts' (zeros for a part not seen before). It stays joined while the
-  // same bucket comes back with the same parts, as the reducer's do step after step (a copy
-  // in and out per call would move the residual and momentum, 2 x 2.7 MB for the
-  // Fashion-MNIST MLP's large bucket, twice a step). A call on one of its tensors, or on the
-  // bucket with other parts, splits it back into the tensors first (other buckets stay
-  // joined), and save_state saves it per tensor, so checkpoints keep tensor names.
-  void join(const Tensor& bucket, std::span<const TensorSlice> parts, std::size_t count);
+  bool has_momentum() const { return momentum_ > 0; }
+  // The codec's own state of `tensor` (zeros the first time); an error if its size changed.
+  FeedbackState state(const Tensor& tensor, std::size_t count);
+  // What this step owes: residual + gradient, or with momentum residual + u after
+  // u = momentum * u + gradient, into `owed` (which may be the residual itself).
+  void owe(FeedbackState s, std::span<const float> in, std::span<float> owed) const;
+  // After the elements `sent` of the residual (holding what was owed) went out whole: they, and
+  // their momentum (factor masking), start again from zero.
+  void keep_unsent(FeedbackState s, std::span<const std::uint32_t> sent) const;
 
  private:
-  // Momentum factor masking, after a sparse codec sent the elements where residual differs
-  // from `owed` (the residual is owed - sent): their momentum starts again from zero.
-  void clear_sent_momentum(const Tensor& tensor, std::span<const float> owed);
-  std::vector<float>& state_of(std::map<std::string, std::vector<float>>& states,
-                               const Tensor& tensor, std::size_t count, const char* what);
-  // Hands joined bucket `bucket`'s state back to its tensors (nothing if it is not joined).
-  void split(const std::string& bucket);
-  // Splits whatever joined bucket holds the state a call on `name` would look for elsewhere:
-  // the bucket `name` is a part of. The other buckets stay joined: the reducer's buckets take
-  // turns step after step, and splitting all of them on every call would copy each bucket's
-  // residual and momentum out and back in twice a step.
-  void split_holder_of(const std::string& name);
-  // `states` with every joined bucket's entry split into its tensors'.
-  std::map<std::string, std::vector<float>> per_tensor(
-      const std::map<std::string, std::vector<float>>& states) const;
-
+  struct Owned {
+    std::vector<float> residual, momentum;
+  };
   std::unique_ptr<Codec> inner_;
   const double momentum_spec_;  // as written in the spec
   const float momentum_;
-  std::map<std::string, std::vector<float>> residuals_, velocities_;
-  // The joined buckets: name -> parts (name, offset, count), and each part's bucket.
-  std::map<std::string, std::vector<TensorSlice>> joined_;
-  std::map<std::string, std::string> bucket_of_;
-  // Per tensor, the buffer that becomes its residual at the next encode (what is owed is
-  // written there, and swapped with the residual once sent). One per tensor, since a scratch
-  // shared by tensors of other sizes would be reallocated and zeroed on every call.
-  std::map<std::string, std::vector<float>> next_residual_;
-  std::vector<float> sent_;  // scratch: what the wire carried
+  std::map<std::string, Owned> owned_;  // for calls that bring no state of their own
+  std::vector<float> owed_, sent_;      // scratch: what is owed, what the wire carried
 };
 
 // PowerSGD (Vogels et al. 2019): M (rows x cols, plus the residual with error feedback) is

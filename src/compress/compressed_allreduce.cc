@@ -2,6 +2,7 @@
 // run as the steps of one call on the context's engine.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 
 #include "collectives/algorithms.h"
@@ -174,14 +175,17 @@ void half_allreduce(CallSteps& steps, std::span<float> data, DataType type, Redu
   finish_average(data, op, steps.size());
 }
 
+// Encodes this rank's data: through the codec, or with error feedback from the call's state.
+using Encode = std::function<void(std::span<const float>, std::vector<std::uint8_t>&)>;
+
 // Every rank's payload to every rank, summed in rank order; or, when the payloads together are
 // large enough that a float32 all-reduce of the decoded tensor is cheaper (a dense union of
 // sparse picks, or many ranks of sign bits), that.
-void gather_allreduce(CallSteps& steps, std::span<float> data, Codec& codec, const Tensor& tensor,
-                      ReduceOp op) {
+void gather_allreduce(CallSteps& steps, std::span<float> data, Codec& codec, const Encode& encode,
+                      const Tensor& tensor, ReduceOp op) {
   const int n = steps.size();
   std::vector<std::uint8_t> mine;
-  codec.encode(tensor, data, mine);
+  encode(data, mine);
   std::vector<std::size_t> counts(static_cast<std::size_t>(n), mine.size());
   if (codec.size_varies()) {
     const auto my_bytes = static_cast<std::int64_t>(mine.size());
@@ -228,10 +232,10 @@ void gather_allreduce(CallSteps& steps, std::span<float> data, Codec& codec, con
 
 // randomk: every rank drew the same indices, so the payloads add element by element: one
 // float32 all-reduce of the k values.
-void randomk_allreduce(CallSteps& steps, std::span<float> data, Codec& codec, const Tensor& tensor,
-                       ReduceOp op) {
+void randomk_allreduce(CallSteps& steps, std::span<float> data, Codec& codec,
+                       const Encode& encode, ReduceOp op) {
   std::vector<std::uint8_t> payload;
-  codec.encode(tensor, data, payload);
+  encode(data, payload);
   const std::size_t at = randomk_values_offset(), k = (payload.size() - at) / 4;
   // The values start 16 bytes into an operator-new buffer: float-aligned.
   auto* values = reinterpret_cast<float*>(payload.data() + at);
@@ -246,11 +250,13 @@ void randomk_allreduce(CallSteps& steps, std::span<float> data, Codec& codec, co
 // finds it large too: up to N k elements per step leave the residuals, for the bytes of k
 // indices and at most N k values.
 void union_allreduce(CallSteps& steps, std::span<float> data, ErrorFeedback& feedback,
-                     const Tensor& tensor, ReduceOp op) {
+                     FeedbackState state, const Tensor& tensor, ReduceOp op) {
   // The registry gives this pattern to top-k with union=1, which selects indices.
   auto& selector = dynamic_cast<SelectsIndices&>(feedback.inner());
   thread_local std::vector<std::uint32_t> mine, picked;
-  const std::span<const float> owed = feedback.owe_next(tensor, data);
+  // The residual holds what is owed from here on; if the exchange fails, it stays owed.
+  feedback.owe(state, data, state.residual);
+  const std::span<const float> owed = state.residual;
   selector.select_indices(tensor, owed, mine);
   // Each rank's element count travels ahead of its indices, so ranks that pass tensors of
   // different sizes but the same k all fail alike instead of indexing past a tensor's end.
@@ -277,7 +283,7 @@ void union_allreduce(CallSteps& steps, std::span<float> data, ErrorFeedback& fee
   std::vector<float> values(picked.size());
   for (std::size_t j = 0; j < picked.size(); ++j) values[j] = owed[picked[j]];
   steps.allreduce(values.data(), values.data(), values.size(), DataType::kFloat32, op);
-  feedback.keep_unsent(tensor, picked);
+  feedback.keep_unsent(state, picked);
   std::fill(data.begin(), data.end(), 0.0f);
   for (std::size_t j = 0; j < picked.size(); ++j) data[picked[j]] = values[j];
 }
@@ -285,13 +291,13 @@ void union_allreduce(CallSteps& steps, std::span<float> data, ErrorFeedback& fee
 // int8 / qsgd: quantised again at every hop. With feedback the residual (and momentum) joins
 // the data, and the residual collects what every encoding of this rank drops.
 void quantized_allreduce(CallSteps& steps, std::span<float> data, Codec& codec,
-                         ErrorFeedback* feedback, const Tensor& tensor, ReduceOp op) {
+                         ErrorFeedback* feedback, FeedbackState state, const Tensor& tensor,
+                         ReduceOp op) {
   float* lost = nullptr;
   if (feedback) {
-    feedback->owe(tensor, data, data);
-    std::vector<float>& residual = feedback->residual(tensor, data.size());
-    std::fill(residual.begin(), residual.end(), 0.0f);
-    lost = residual.data();
+    feedback->owe(state, data, data);
+    std::fill(state.residual.begin(), state.residual.end(), 0.0f);
+    lost = state.residual.data();
   }
   // The registry gives this pattern to block quantisers only.
   auto& quantizer = static_cast<BlockQuantizer&>(feedback ? feedback->inner() : codec);
@@ -329,7 +335,8 @@ void check_op(const Context& ctx, ReduceOp op) {
 }  // namespace
 
 bool compressed_allreduce_steps(CallSteps& steps, std::span<float> data, Codec& codec,
-                                const Tensor& tensor, ReduceOp op, NonFinite non_finite) {
+                                const Tensor& tensor, ReduceOp op, NonFinite non_finite,
+                                const FeedbackState* caller_state) {
   const CodecTraits& traits = codec.traits();
   const Context::Impl& context = steps.context();
   codec.set_stream(static_cast<std::uint64_t>(steps.rank()));
@@ -346,7 +353,17 @@ bool compressed_allreduce_steps(CallSteps& steps, std::span<float> data, Codec& 
   if (policy != NonFinite::kPropagate && !every_rank_finite(steps, data, tensor, policy)) {
     return false;
   }
-  auto* feedback = dynamic_cast<ErrorFeedback*>(&codec);  // its state, for the patterns that use it
+  // Error feedback's state: the caller's, or the codec's own under the tensor's name.
+  auto* feedback = dynamic_cast<ErrorFeedback*>(&codec);
+  FeedbackState state;
+  if (feedback) state = caller_state ? *caller_state : feedback->state(tensor, data.size());
+  const Encode encode = [&](std::span<const float> in, std::vector<std::uint8_t>& out) {
+    if (feedback) {
+      feedback->encode(state, tensor, in, out);
+    } else {
+      codec.encode(tensor, in, out);
+    }
+  };
   switch (traits.pattern) {
     case Pattern::kFloat32:
       steps.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
@@ -355,20 +372,20 @@ bool compressed_allreduce_steps(CallSteps& steps, std::span<float> data, Codec& 
       half_allreduce(steps, data, traits.half_type, op);
       break;
     case Pattern::kQuantizedRing:
-      quantized_allreduce(steps, data, codec, feedback, tensor, op);
+      quantized_allreduce(steps, data, codec, feedback, state, tensor, op);
       break;
     case Pattern::kSharedIndices:
-      randomk_allreduce(steps, data, codec, tensor, op);
+      randomk_allreduce(steps, data, codec, encode, op);
       break;
     case Pattern::kIndexUnion:
-      if (!data.empty()) union_allreduce(steps, data, *feedback, tensor, op);
+      if (!data.empty()) union_allreduce(steps, data, *feedback, state, tensor, op);
       break;
     case Pattern::kLowRank:
       // The registry gives this pattern to PowerSGD only.
       low_rank_allreduce(steps, data, static_cast<PowerSgd&>(codec), tensor, op);
       break;
     case Pattern::kGather:
-      gather_allreduce(steps, data, codec, tensor, op);
+      gather_allreduce(steps, data, codec, encode, tensor, op);
       break;
   }
   return true;
@@ -412,7 +429,8 @@ void check_tiling(const Context& ctx, std::span<const float> data, const Tensor&
 
 bool compressed_allreduce_steps(CallSteps& steps, std::span<float> data, Codec& codec,
                                 const Tensor& bucket, std::span<const TensorSlice> parts,
-                                ReduceOp op, NonFinite non_finite) {
+                                ReduceOp op, NonFinite non_finite,
+                                const FeedbackState* caller_state) {
   if (codec.traits().pattern == Pattern::kLowRank) {  // its matrices are the tensors'
     bool all_reduced = true;
     for (const TensorSlice& part : parts) {
@@ -421,10 +439,7 @@ bool compressed_allreduce_steps(CallSteps& steps, std::span<float> data, Codec& 
     }
     return all_reduced;
   }
-  if (auto* feedback = dynamic_cast<ErrorFeedback*>(&codec)) {
-    feedback->join(bucket, parts, data.size());
-  }
-  return compressed_allreduce_steps(steps, data, codec, bucket, op, non_finite);
+  return compressed_allreduce_steps(steps, data, codec, bucket, op, non_finite, caller_state);
 }
 
 namespace {

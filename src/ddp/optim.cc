@@ -5,16 +5,12 @@
 #include <cstring>
 #include <string>
 
+#include "gradsync/bytes.h"
 #include "gradsync/error.h"
 
 namespace gradsync::optim {
 
 namespace {
-
-[[noreturn]] void bad_state(const std::string& why) {
-  throw Error(ErrorKind::kProtocol, "optimizer state: " + why, Error::kUnknownRank, Error::kNoPeer,
-              "load_state");
-}
 
 void check_sizes(std::size_t count, std::span<float> params, std::span<const float> grads) {
   if (params.size() != count || grads.size() != count) {
@@ -26,29 +22,29 @@ void check_sizes(std::size_t count, std::span<float> params, std::span<const flo
   }
 }
 
-// State format: 4-byte magic, u64 step, u64 floats, the floats (every per-element buffer).
+// State format (gradsync/bytes.h), version 1: u64 step, the floats (every per-element buffer).
+constexpr std::uint32_t kStateVersion = 1;
+
 std::vector<std::uint8_t> pack(const char magic[4], std::uint64_t step,
                                const std::vector<float>& floats) {
-  std::vector<std::uint8_t> s(20 + 4 * floats.size());
-  std::memcpy(s.data(), magic, 4);
-  std::memcpy(s.data() + 4, &step, 8);
-  const std::uint64_t n = floats.size();
-  std::memcpy(s.data() + 12, &n, 8);
-  if (n) std::memcpy(s.data() + 20, floats.data(), 4 * n);
-  return s;
+  ByteWriter w(std::string_view(magic, 4), kStateVersion);
+  w.put(step);
+  w.floats(floats);
+  return w.take();
 }
 
 void unpack(const char magic[4], std::span<const std::uint8_t> s, std::uint64_t& step,
             std::vector<float>& floats) {
-  if (s.size() < 20 || std::memcmp(s.data(), magic, 4) != 0) bad_state("not one (magic)");
-  std::uint64_t n;
-  std::memcpy(&step, s.data() + 4, 8);
-  std::memcpy(&n, s.data() + 12, 8);
-  if (n != floats.size() || s.size() != 20 + 4 * n) {
-    bad_state("holds " + std::to_string(n) + " floats, this optimizer keeps " +
-              std::to_string(floats.size()));
+  ByteReader r(s, std::string_view(magic, 4), kStateVersion, "optimizer state");
+  const auto loaded_step = r.get<std::uint64_t>();
+  std::vector<float> loaded = r.floats();
+  if (loaded.size() != floats.size()) {
+    r.fail("holds " + std::to_string(loaded.size()) + " floats, this optimizer keeps " +
+           std::to_string(floats.size()));
   }
-  if (n) std::memcpy(floats.data(), s.data() + 20, 4 * n);
+  r.finish();
+  step = loaded_step;
+  floats = std::move(loaded);
 }
 
 class Sgd final : public Optimizer {
@@ -192,29 +188,22 @@ ZeroOptimizer::Memory ZeroOptimizer::memory() const {
   return m;
 }
 
+// "GSZO" v1: the main shard's optimizer state, then the tail's (empty without a tail).
 std::vector<std::uint8_t> ZeroOptimizer::save_state() const {
-  std::vector<std::uint8_t> s = main_->save_state();
-  if (tail_opt_) {
-    const std::vector<std::uint8_t> t = tail_opt_->save_state();
-    const std::uint64_t main_bytes = s.size();
-    s.insert(s.begin(), reinterpret_cast<const std::uint8_t*>(&main_bytes),
-             reinterpret_cast<const std::uint8_t*>(&main_bytes) + 8);
-    s.insert(s.end(), t.begin(), t.end());
-  }
-  return s;
+  ByteWriter w("GSZO", kStateVersion);
+  w.bytes(main_->save_state());
+  w.bytes(tail_opt_ ? tail_opt_->save_state() : std::vector<std::uint8_t>{});
+  return w.take();
 }
 
 void ZeroOptimizer::load_state(std::span<const std::uint8_t> state) {
-  if (!tail_opt_) {
-    main_->load_state(state);
-    return;
-  }
-  std::uint64_t main_bytes = 0;
-  if (state.size() < 8) bad_state("truncated");
-  std::memcpy(&main_bytes, state.data(), 8);
-  if (main_bytes > state.size() - 8) bad_state("truncated");
-  main_->load_state(state.subspan(8, main_bytes));
-  tail_opt_->load_state(state.subspan(8 + main_bytes));
+  ByteReader r(state, "GSZO", kStateVersion, "ZeRO optimizer state");
+  const auto main_state = r.bytes();
+  const auto tail_state = r.bytes();
+  r.finish();
+  if (!tail_opt_ && !tail_state.empty()) r.fail("holds a tail this optimizer does not have");
+  main_->load_state(main_state);
+  if (tail_opt_) tail_opt_->load_state(tail_state);
 }
 
 }  // namespace gradsync::optim

@@ -10,8 +10,10 @@
 #include <cstring>
 #include <exception>
 
+#include "compress/codecs.h"
 #include "compress/compressed_steps.h"
 #include "core/context_impl.h"
+#include "gradsync/bytes.h"
 #include "gradsync/compress.h"
 #include "gradsync/error.h"
 #include "gradsync/timeline.h"
@@ -20,6 +22,8 @@ namespace gradsync {
 
 namespace {
 using Clock = std::chrono::steady_clock;
+// The layout of save_state's bytes (gradsync/bytes.h): a new layout takes the next number.
+constexpr std::uint32_t kStateVersion = 2;
 double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
@@ -48,6 +52,10 @@ struct Reducer::State {
     Work work;
     double communication_s = 0;
     std::size_t calls = 0;
+    // Error feedback's residual and momentum of the bucket's floats (at the parameters'
+    // offsets), kept here rather than in the codec so that they move with the gradients when
+    // the buckets are rebuilt; empty without feedback (momentum: without momentum).
+    std::vector<float> residual, momentum;
     // A whole-bucket call's tensor name and its parameters' slices, fixed when it is built.
     std::string name;
     std::vector<compress::TensorSlice> parts;
@@ -58,6 +66,7 @@ struct Reducer::State {
       : ctx(c),
         options(std::move(o)),
         codec(compress::make_codec(options.codec)),
+        feedback(dynamic_cast<compress::ErrorFeedback*>(codec.get())),
         // The registry says which codecs take a whole bucket per call; the others go parameter
         // by parameter, where their state (PowerSGD's Q) and shape belong.
         whole_buckets(codec->traits().whole_buckets) {
@@ -104,17 +113,23 @@ struct Reducer::State {
       view_if_contiguous(bucket);
       if (bucket.view.empty()) bucket.data.resize(floats[b]);
       std::size_t offset = 0;
+      if (feedback) {
+        bucket.residual.assign(bucket.values().size(), 0.0f);
+        if (feedback->has_momentum()) bucket.momentum.assign(bucket.values().size(), 0.0f);
+      }
       for (int id : bucket.params) {
         Param& p = params[static_cast<std::size_t>(id)];
-        if (p.bucket >= 0 && p.count && bucket.view.empty()) {  // carry the gradient over
-          std::memcpy(bucket.data.data() + offset,
-                      buckets[static_cast<std::size_t>(p.bucket)].values().data() + p.offset,
-                      p.count * sizeof(float));
+        const std::size_t at = bucket.view.empty()
+                                   ? offset
+                                   : static_cast<std::size_t>(p.external.data() - bucket.view.data());
+        if (p.bucket >= 0 && p.count) {  // the gradient and the feedback state move with it
+          Bucket& old = buckets[static_cast<std::size_t>(p.bucket)];
+          if (bucket.view.empty()) copy_floats(old.values(), p.offset, bucket.data, at, p.count);
+          copy_floats(old.residual, p.offset, bucket.residual, at, p.count);
+          copy_floats(old.momentum, p.offset, bucket.momentum, at, p.count);
         }
         p.bucket = static_cast<int>(b);
-        p.offset = bucket.view.empty()
-                       ? offset
-                       : static_cast<std::size_t>(p.external.data() - bucket.view.data());
+        p.offset = at;
         offset += p.count;
         // An empty parameter's offset in a view bucket means nothing: it has no floats.
         if (p.count) bucket.parts.push_back({compress::Tensor(p.name, p.rows), p.offset, p.count});
@@ -127,6 +142,20 @@ struct Reducer::State {
       bucket.pending = bucket.params.size();
     }
     buckets = std::move(fresh);
+  }
+
+  static void copy_floats(std::span<const float> from, std::size_t from_at, std::span<float> to,
+                          std::size_t to_at, std::size_t count) {
+    if (from.empty() || to.empty()) return;  // no such state (no feedback, no momentum)
+    std::memcpy(to.data() + to_at, from.data() + from_at, count * sizeof(float));
+  }
+
+  // Error feedback's state of parameter `p`, or of its whole bucket (p null).
+  compress::FeedbackState feedback_state(Bucket& b, const Param* p) {
+    std::span<float> residual(b.residual), momentum(b.momentum);
+    if (!p) return {residual, momentum};
+    return {residual.subspan(p->offset, p->count),
+            momentum.empty() ? momentum : momentum.subspan(p->offset, p->count)};
   }
 
   // Where the caller's gradients of a bucket's parameters tile one range of memory (a model's
@@ -198,15 +227,19 @@ struct Reducer::State {
     const auto t0 = Clock::now();
     b.calls = 0;
     if (whole_buckets) {
+      const compress::FeedbackState state = feedback_state(b, nullptr);
       compress::compressed_allreduce_steps(steps, b.values(), *codec, b.name, b.parts,
-                                           ReduceOp::kAvg, compress::NonFinite::kThrow);
+                                           ReduceOp::kAvg, compress::NonFinite::kThrow,
+                                           feedback ? &state : nullptr);
       ++b.calls;
     } else {
       for (int id : b.params) {
         Param& p = params[static_cast<std::size_t>(id)];
+        const compress::FeedbackState state = feedback_state(b, &p);
         compress::compressed_allreduce_steps(steps, slot(p), *codec,
                                              compress::Tensor(p.name, p.rows), ReduceOp::kAvg,
-                                             compress::NonFinite::kThrow);
+                                             compress::NonFinite::kThrow,
+                                             feedback ? &state : nullptr);
         ++b.calls;
       }
     }
@@ -241,6 +274,7 @@ struct Reducer::State {
   Context& ctx;
   ReducerOptions options;
   std::unique_ptr<compress::Codec> codec;
+  compress::ErrorFeedback* feedback;  // the codec, if it is error feedback: its state is ours
   const bool whole_buckets;
   bool warned_small = false, warned_exposed = false;
   // Calls below this carry too few bytes to amortise a collective's fixed cost (tens of us
@@ -420,63 +454,77 @@ StepStats Reducer::finish() {
   return stats;
 }
 
-// "GSRD", u32 rebuilt (0|1), u32 parameters, their ids in bucket order, u64 codec state
-// bytes, the codec state.
+// "GSRD" v2: u32 rebuilt (0|1), u32 parameters, their ids in bucket order, the codec's own
+// state, then per parameter (in id order) its name, and with error feedback its residual and
+// momentum.
 std::vector<std::uint8_t> Reducer::save_state() const {
   State& s = *s_;
   s.ensure_built();
-  std::vector<std::uint8_t> out(12);
-  std::memcpy(out.data(), "GSRD", 4);
-  const std::uint32_t rebuilt = s.reductions > 0 ? 1 : 0;
-  const auto count = static_cast<std::uint32_t>(s.params.size());
-  std::memcpy(out.data() + 4, &rebuilt, 4);
-  std::memcpy(out.data() + 8, &count, 4);
+  ByteWriter w("GSRD", kStateVersion);
+  w.put<std::uint32_t>(s.reductions > 0 ? 1 : 0);
+  w.put(static_cast<std::uint32_t>(s.params.size()));
   for (const auto& b : s.buckets) {
-    for (int id : b.params) {
-      const auto v = static_cast<std::uint32_t>(id);
-      out.insert(out.end(), reinterpret_cast<const std::uint8_t*>(&v),
-                 reinterpret_cast<const std::uint8_t*>(&v) + 4);
-    }
+    for (int id : b.params) w.put(static_cast<std::uint32_t>(id));
   }
-  const std::vector<std::uint8_t> codec = s.codec->save_state();
-  const std::uint64_t bytes = codec.size();
-  out.insert(out.end(), reinterpret_cast<const std::uint8_t*>(&bytes),
-             reinterpret_cast<const std::uint8_t*>(&bytes) + 8);
-  out.insert(out.end(), codec.begin(), codec.end());
-  return out;
+  w.bytes(s.codec->save_state());
+  for (State::Param& p : s.params) {
+    w.string(p.name);
+    if (!s.feedback) continue;
+    const compress::FeedbackState state =
+        s.feedback_state(s.buckets[static_cast<std::size_t>(p.bucket)], &p);
+    w.floats(state.residual);
+    w.floats(state.momentum);
+  }
+  return w.take();
 }
 
 void Reducer::load_state(std::span<const std::uint8_t> state) {
   State& s = *s_;
-  auto bad = [&](const std::string& why) {
-    throw Error(ErrorKind::kProtocol, "reducer state: " + why, s.ctx.rank(), Error::kNoPeer,
-                "reducer load_state");
-  };
-  if (s.in_step || s.micro_step) bad("loaded in the middle of a step");
-  if (state.size() < 12 || std::memcmp(state.data(), "GSRD", 4) != 0) bad("not one (magic)");
-  std::uint32_t rebuilt, count;
-  std::memcpy(&rebuilt, state.data() + 4, 4);
-  std::memcpy(&count, state.data() + 8, 4);
+  ByteReader r(state, "GSRD", kStateVersion, "reducer state");
+  if (s.in_step || s.micro_step) r.fail("loaded in the middle of a step");
+  const auto rebuilt = r.get<std::uint32_t>();
+  const auto count = r.get<std::uint32_t>();
   if (count != s.params.size()) {
-    bad(std::to_string(count) + " parameters, this reducer has " + std::to_string(s.params.size()));
+    r.fail(std::to_string(count) + " parameters, this reducer has " +
+           std::to_string(s.params.size()));
   }
-  if (state.size() < 12 + 4 * std::size_t{count} + 8) bad("truncated");
   std::vector<int> order(count);
   std::vector<bool> seen(count, false);
   for (std::uint32_t i = 0; i < count; ++i) {
-    std::uint32_t id;
-    std::memcpy(&id, state.data() + 12 + 4 * i, 4);
-    if (id >= count || seen[id]) bad("parameter order is not a permutation");
+    const auto id = r.get<std::uint32_t>();
+    if (id >= count || seen[id]) r.fail("parameter order is not a permutation");
     seen[id] = true;
     order[i] = static_cast<int>(id);
   }
-  std::uint64_t bytes;
-  std::memcpy(&bytes, state.data() + 12 + 4 * count, 8);
-  const std::size_t at = 12 + 4 * std::size_t{count} + 8;
-  if (bytes != state.size() - at) bad("codec state of the wrong length");
-  s.codec->load_state(state.subspan(at));
+  const std::span<const std::uint8_t> codec_state = r.bytes();
+  std::vector<std::vector<float>> residuals(count), momenta(count);
+  for (std::uint32_t id = 0; id < count; ++id) {
+    const State::Param& p = s.params[id];
+    if (const std::string name = r.string(); name != p.name) {
+      r.fail("parameter " + std::to_string(id) + " is '" + name + "' there and '" + p.name +
+             "' here");
+    }
+    if (!s.feedback) continue;
+    residuals[id] = r.floats();
+    momenta[id] = r.floats();
+    const std::size_t want_momentum = s.feedback->has_momentum() ? p.count : 0;
+    if (residuals[id].size() != p.count || momenta[id].size() != want_momentum) {
+      r.fail("parameter '" + p.name + "' has " + std::to_string(residuals[id].size()) +
+             " residual and " + std::to_string(momenta[id].size()) + " momentum floats for " +
+             std::to_string(p.count) + " elements");
+    }
+  }
+  r.finish();
+  s.codec->load_state(codec_state);  // may throw: nothing of ours replaced yet
   s.ensure_built();
   s.build(order);
+  for (std::uint32_t id = 0; id < count && s.feedback; ++id) {
+    State::Param& p = s.params[id];
+    const compress::FeedbackState into =
+        s.feedback_state(s.buckets[static_cast<std::size_t>(p.bucket)], &p);
+    std::copy(residuals[id].begin(), residuals[id].end(), into.residual.begin());
+    std::copy(momenta[id].begin(), momenta[id].end(), into.momentum.begin());
+  }
   if (rebuilt) s.reductions = std::max(s.reductions, 1);  // no second rebuild
 }
 
@@ -494,7 +542,11 @@ std::span<const float> Reducer::held_back(int id) const {
   }
   // Within a step the engine thread may be changing the residuals this would show.
   if (s.in_step) misuse(s.ctx, "held_back() inside a step: call it after finish()");
-  return s.codec->held_back(s.params[static_cast<std::size_t>(id)].name);
+  const State::Param& p = s.params[static_cast<std::size_t>(id)];
+  if (!s.feedback) return s.codec->held_back(p.name);  // PowerSGD keeps its own
+  if (p.bucket < 0) return {};                          // before the first step
+  return std::span<const float>(s.buckets[static_cast<std::size_t>(p.bucket)].residual)
+      .subspan(p.offset, p.count);
 }
 
 std::string Reducer::codec_spec() const {
