@@ -5,9 +5,9 @@
 // validates the payload (length, header, scales) and throws gradsync::Error(kProtocol) naming
 // what is wrong instead of reading out of bounds. Codecs that lose information in a biased
 // way take error feedback: what the wire could not carry this step is added to the tensor's
-
-
-
+// next step, so nothing is lost over time. That state (and any other per-call state) is
+// kept under the name the call gives (a tensor's, or a bucket's), and can be saved and
+// restored with a checkpoint.
 #pragma once
 
 #include <cstddef>
