@@ -53,19 +53,18 @@ inline std::string escape(std::string_view s) {
   return out;
 }
 
+// What JSON writes as a number: any integer or floating-point type but bool (true or false).
+template <class T>
+concept Number = (std::integral<T> && !std::same_as<T, bool>) || std::floating_point<T>;
+
 // The shortest text that reads back as exactly `x` (std::to_chars), so a loss compared bit
 // for bit across two runs compares as text too. JSON has no NaN or infinity: those are null.
-template <std::floating_point T>
+template <Number T>
 std::string number(T x) {
-  if (!std::isfinite(x)) return "null";
+  if constexpr (std::floating_point<T>) {
+    if (!std::isfinite(x)) return "null";
+  }
   char text[64];
-  const auto end = std::to_chars(text, text + sizeof text, x).ptr;
-  return {text, end};
-}
-
-template <std::integral T>
-requires(!std::same_as<T, bool>) std::string number(T x) {
-  char text[32];
   const auto end = std::to_chars(text, text + sizeof text, x).ptr;
   return {text, end};
 }
@@ -104,8 +103,8 @@ class Writer {
     out_ << (b ? "true" : "false");
     return *this;
   }
-  template <class T>
-  requires std::integral<T> || std::floating_point<T> Writer& value(T x) {
+  template <Number T>
+  Writer& value(T x) {
     begin_value();
     out_ << number(x);
     return *this;
