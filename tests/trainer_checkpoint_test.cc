@@ -16,7 +16,8 @@ namespace {
 
 using testing::contains;
 
-// The "losses" array of a gradsync-train --json file, as printed (%.9g: exact floats).
+// The "losses" array of a gradsync-train --json file, as printed: each the shortest text that
+// reads back as the same float, so equal text means equal bits.
 std::vector<std::string> losses(const std::string& json_path) {
   const std::string text = testing::read_file(json_path);
   const auto open = text.find("\"losses\": [");

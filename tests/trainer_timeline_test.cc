@@ -323,7 +323,7 @@ TEST(TrainerTimeline, ThreeRanksWriteOneTraceWithARowPerRankOnOneClock) {
 
   // What each rank did: per-layer spans from the model (examples/train/model.cc: parameter
   // layers by name, activations by position), the trainer's whole-pass and optimizer spans
-  // (main.cc), the reducer's bucket all-reduces (src/train/reducer.cc).
+  // (examples/train/training.cc), the reducer's bucket all-reduces (src/ddp/reducer.cc).
   const std::vector<std::string> layers = {"fc1", "act1", "fc2", "act3", "fc3"};
   std::set<std::string> buckets_of_rank0;
   for (int rank = 0; rank < kRanks; ++rank) {

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "json_writer.h"
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -582,15 +584,6 @@ std::string transports_of(gradsync::Context& ctx) {
   return s;
 }
 
-std::string json_escape(const std::string& s) {
-  std::string o;
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') o += '\\';
-    o += ch;
-  }
-  return o;
-}
-
 // Bytes a rank sent per call over what a float32 ring all-reduce sends, 2(n-1)/n x size: the
 // compression ratio of --codec, as the transports counted it.
 double wire_ratio(const Record& r, int n) {
@@ -598,6 +591,8 @@ double wire_ratio(const Record& r, int n) {
   return ring > 0 ? r.bytes_sent_per_rank / ring : 0.0;
 }
 
+// One record per size, with the fields run_peers.sh and the bench scripts read (the peer
+// benchmarks write the same ones).
 void write_json(const Config& c, const std::vector<Record>& recs, const std::string& transport,
                 int n, int hosts) {
   std::ofstream f(c.json);
@@ -605,23 +600,28 @@ void write_json(const Config& c, const std::vector<Record>& recs, const std::str
     std::fprintf(stderr, "gradsync-bench: cannot write %s\n", c.json.c_str());
     return;
   }
-  f << "[\n";
-  char num[512];
-  for (std::size_t k = 0; k < recs.size(); ++k) {
-    const Record& r = recs[k];
-    std::snprintf(num, sizeof num,
-                  "\"ranks\": %d, \"bytes\": %zu, \"count\": %zu, \"dtype\": \"%s\", "
-                  "\"time_us\": %.3f, \"algbw_gbps\": %.6f, \"busbw_gbps\": %.6f, \"wrong\": %llu, "
-                  "\"bytes_sent_per_rank\": %.1f, \"hosts\": %d, \"bytes_across_hosts\": %.1f, "
-                  "\"wire_ratio\": %.4f",
-                  n, r.bytes, r.count, gradsync::to_string(c.dtype), r.time_us, r.algbw_gbps,
-                  r.busbw_gbps, static_cast<unsigned long long>(r.wrong), r.bytes_sent_per_rank,
-                  hosts, r.bytes_across_hosts, wire_ratio(r, n));
-    f << "  {\"collective\": \"" << c.coll_name << "\", \"algo\": \"" << json_escape(r.algo)
-      << "\", \"transport\": \"" << json_escape(transport) << "\", " << num << "}"
-      << (k + 1 < recs.size() ? ",\n" : "\n");
+  gradsync::json::Writer w(f);
+  w.begin_array();
+  for (const Record& r : recs) {
+    w.begin_object()
+        .field("collective", c.coll_name)
+        .field("algo", r.algo)
+        .field("transport", transport)
+        .field("ranks", n)
+        .field("bytes", r.bytes)
+        .field("count", r.count)
+        .field("dtype", gradsync::to_string(c.dtype))
+        .field("time_us", r.time_us)
+        .field("algbw_gbps", r.algbw_gbps)
+        .field("busbw_gbps", r.busbw_gbps)
+        .field("wrong", r.wrong)
+        .field("bytes_sent_per_rank", r.bytes_sent_per_rank)
+        .field("hosts", hosts)
+        .field("bytes_across_hosts", r.bytes_across_hosts)
+        .field("wire_ratio", wire_ratio(r, n))
+        .end_object();
   }
-  f << "]\n";
+  w.end_array();
 }
 
 }  // namespace

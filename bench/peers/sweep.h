@@ -1,6 +1,7 @@
 // What the peer benchmarks (MPI, Gloo) share with gradsync-bench: the size sweep and its
-// flags, the timing rule, the exact float32 inputs, and the table and JSON they print, so
-// that run_peers.sh compares like with like. Header-only; depends on no communication library.
+// flags, the timing rule, the exact float32 inputs, and the table and JSON records they print
+// (through gradsync-bench's JSON writer), so that run_peers.sh compares like with like.
+// Header-only; depends on no communication library.
 #pragma once
 
 #include <algorithm>
@@ -13,6 +14,8 @@
 #include <fstream>
 #include <string>
 #include <vector>
+
+#include "json_writer.h"
 
 namespace peers {
 
@@ -174,21 +177,25 @@ inline void write_json(const Sweep& s, const std::vector<Record>& recs, const st
     std::fprintf(stderr, "cannot write %s\n", s.json.c_str());
     return;
   }
-  f << "[\n";
-  char line[768];
-  for (std::size_t k = 0; k < recs.size(); ++k) {
-    const Record& r = recs[k];
-    std::snprintf(line, sizeof line,
-                  "  {\"collective\": \"allreduce\", \"impl\": \"%s\", \"algo\": \"%s\", "
-                  "\"transport\": \"%s\", \"ranks\": %d, \"bytes\": %zu, \"count\": %zu, "
-                  "\"dtype\": \"float32\", \"time_us\": %.3f, \"algbw_gbps\": %.6f, "
-                  "\"busbw_gbps\": %.6f, \"wrong\": %llu}%s\n",
-                  s.label.c_str(), algo.c_str(), transport.c_str(), ranks, r.bytes, r.count,
-                  r.time_us, r.algbw_gbps, r.busbw_gbps, static_cast<unsigned long long>(r.wrong),
-                  k + 1 < recs.size() ? "," : "");
-    f << line;
+  gradsync::json::Writer w(f);
+  w.begin_array();
+  for (const Record& r : recs) {
+    w.begin_object()
+        .field("collective", "allreduce")
+        .field("impl", s.label)
+        .field("algo", algo)
+        .field("transport", transport)
+        .field("ranks", ranks)
+        .field("bytes", r.bytes)
+        .field("count", r.count)
+        .field("dtype", "float32")
+        .field("time_us", r.time_us)
+        .field("algbw_gbps", r.algbw_gbps)
+        .field("busbw_gbps", r.busbw_gbps)
+        .field("wrong", r.wrong)
+        .end_object();
   }
-  f << "]\n";
+  w.end_array();
 }
 
 }  // namespace peers

@@ -1,0 +1,206 @@
+// gradsync-train's flags: reading them one at a time, then the checks between them. Every
+// refusal exits 2 with the usage after the reason, before any rank starts.
+#include "train/flags.h"
+
+#include <gradsync/compress.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+
+namespace train {
+namespace {
+
+constexpr const char* kUsage =
+    "usage: gradsync-train [options]   (one process per rank: run it under gradsync-run)\n"
+    "  --model mlp|cnn        the network (default mlp: 784-2048x4-10, 14.2 M parameters)\n"
+    "  --hidden A,B,...       the MLP's hidden widths (default 2048,2048,2048,2048)\n"
+    "  --epochs N             passes over the training set (default 1)\n"
+    "  --batch B              samples per rank per micro-batch (default 64)\n"
+    "  --lr X                 learning rate (default 0.05 sgd, 0.001 adamw)\n"
+    "  --lr-schedule S        constant (default) or cosine: lr (1 + cos(pi t / T)) / 2 at step\n"
+    "                         t of T, as torch's CosineAnnealingLR to zero\n"
+    "  --optimizer sgd|adamw  (default sgd, momentum 0.9; none when the codec has momentum=M)\n"
+    "  --seed S               weights and data order (default 1)\n"
+    "  --codec SPEC           gradient codec (default none; fp16, int8, topk:ratio=0.01, ...)\n"
+    "  --bucket-mb X          bucket size (default 25)\n"
+    "  --first-bucket-mb X    first bucket size (default 1)\n"
+    "  --no-overlap           all-reduce only after backward, for comparison\n"
+    "  --step-ahead 0|1       with a codec that holds gradient back (error feedback) and SGD,\n"
+    "                         compute gradients at value - lr * held back (default 1)\n"
+    "  --accumulate K         K micro-batches per optimizer step, communicating once\n"
+    "  --zero 0|1|2           ZeRO stage (1, 2: sharded optimizer state / gradients)\n"
+    "  --max-steps N          stop after N optimizer steps (benchmarks; default: all)\n"
+    "  --data DIR             Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)\n"
+    "  --json FILE            rank 0 writes the run's metrics and configuration to FILE\n"
+    "  --checkpoint DIR       save model, optimizer, codec and data position to DIR (each\n"
+    "                         rank its file, written atomically; DIR/LATEST names the step)\n"
+    "  --checkpoint-every N   every N steps (default: at the end of each epoch)\n"
+    "  --resume               continue from DIR/LATEST (same ranks and flags), with the\n"
+    "                         cost model the checkpoint's run chose algorithms by\n"
+    "  --quiet                no progress bar\n";
+
+[[noreturn]] void usage_error(const std::string& what) {
+  std::fprintf(stderr, "gradsync-train: %s\n%s", what.c_str(), kUsage);
+  std::exit(2);
+}
+
+double number(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  const double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || !std::isfinite(x))
+    usage_error(flag + ": '" + v + "' is not a number");
+  return x;
+}
+
+long whole(const std::string& flag, const std::string& v, long low) {
+  const double x = number(flag, v);
+  if (x != std::floor(x) || x < static_cast<double>(low)) {
+    usage_error(flag + ": '" + v + "' is not a whole number >= " + std::to_string(low));
+  }
+  return static_cast<long>(x);
+}
+
+// The command line, read left to right: a flag, then the value it takes, if any.
+class Arguments {
+ public:
+  Arguments(int argc, char** argv) : argc_(argc), argv_(argv) {}
+  bool done() const { return at_ + 1 >= argc_; }
+  std::string next_flag() { return argv_[++at_]; }
+  std::string value_of(const std::string& flag) {
+    if (at_ + 1 >= argc_) usage_error(flag + " needs a value");
+    return argv_[++at_];
+  }
+
+ private:
+  int argc_;
+  char** argv_;
+  int at_ = 0;  // argv_[at_] was read last
+};
+
+std::vector<std::size_t> hidden_widths(const std::string& list) {
+  std::vector<std::size_t> widths;
+  std::stringstream in(list);
+  for (std::string w; std::getline(in, w, ',');) {
+    widths.push_back(static_cast<std::size_t>(whole("--hidden", w, 1)));
+  }
+  return widths;
+}
+
+// The network, the data order and the optimizer; false when `flag` is none of them.
+bool read_model_flag(const std::string& flag, Arguments& args, Config& c) {
+  if (flag == "--model") {
+    c.model = args.value_of(flag);
+    if (c.model != "mlp" && c.model != "cnn") usage_error("--model is mlp or cnn");
+  } else if (flag == "--hidden") {
+    const std::vector<std::size_t> widths = hidden_widths(args.value_of(flag));
+    c.hidden.insert(c.hidden.end(), widths.begin(), widths.end());
+  } else if (flag == "--epochs") {
+    c.epochs = static_cast<int>(whole(flag, args.value_of(flag), 1));
+  } else if (flag == "--batch") {
+    c.batch = static_cast<std::size_t>(whole(flag, args.value_of(flag), 1));
+  } else if (flag == "--lr") {
+    c.lr = number(flag, args.value_of(flag));
+  } else if (flag == "--lr-schedule") {
+    const std::string v = args.value_of(flag);
+    if (v != "constant" && v != "cosine") usage_error("--lr-schedule is constant or cosine");
+    c.cosine = v == "cosine";
+  } else if (flag == "--optimizer") {
+    c.optimizer = args.value_of(flag);
+    if (c.optimizer != "sgd" && c.optimizer != "adamw") usage_error("--optimizer is sgd or adamw");
+  } else if (flag == "--seed") {
+    c.seed = static_cast<std::uint64_t>(whole(flag, args.value_of(flag), 0));
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// How the gradients travel: codec, buckets, overlap, accumulation, ZeRO; false when `flag` is
+// none of them.
+bool read_communication_flag(const std::string& flag, Arguments& args, Config& c) {
+  if (flag == "--codec") {
+    c.codec = args.value_of(flag);
+  } else if (flag == "--bucket-mb") {
+    c.bucket_mb = number(flag, args.value_of(flag));
+  } else if (flag == "--first-bucket-mb") {
+    c.first_bucket_mb = number(flag, args.value_of(flag));
+  } else if (flag == "--no-overlap") {
+    c.overlap = false;
+  } else if (flag == "--step-ahead") {
+    const std::string v = args.value_of(flag);
+    if (v != "0" && v != "1") usage_error("--step-ahead is 0 or 1");
+    c.step_ahead = v == "1";
+  } else if (flag == "--accumulate") {
+    c.accumulate = static_cast<int>(whole(flag, args.value_of(flag), 1));
+  } else if (flag == "--zero") {
+    c.zero = static_cast<int>(whole(flag, args.value_of(flag), 0));
+    if (c.zero > 2) usage_error("--zero is 0, 1 or 2");
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// How long the run lasts, what it reads and writes; false when `flag` is none of these.
+bool read_run_flag(const std::string& flag, Arguments& args, Config& c) {
+  if (flag == "--max-steps") {
+    c.max_steps = whole(flag, args.value_of(flag), 1);
+  } else if (flag == "--data") {
+    c.data = args.value_of(flag);
+  } else if (flag == "--json") {
+    c.json = args.value_of(flag);
+  } else if (flag == "--quiet") {
+    c.quiet = true;
+  } else if (flag == "--checkpoint") {
+    c.checkpoint = args.value_of(flag);
+  } else if (flag == "--checkpoint-every") {
+    c.checkpoint_every = whole(flag, args.value_of(flag), 1);
+  } else if (flag == "--resume") {
+    c.resume = true;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// The defaults that depend on other flags, and the pairs of flags that cannot go together.
+void complete_and_check(Config& c) {
+  if (c.lr < 0) c.lr = c.optimizer == "adamw" ? 0.001 : 0.05;
+  if (c.bucket_mb <= 0 || c.first_bucket_mb <= 0) usage_error("bucket sizes must be positive");
+  if ((c.resume || c.checkpoint_every) && c.checkpoint.empty()) {
+    usage_error("--resume and --checkpoint-every need --checkpoint DIR");
+  }
+  if (c.optimizer != "sgd" && codec_has_momentum(c.codec)) {
+    usage_error("a codec with momentum= takes the place of SGD's momentum: use --optimizer sgd");
+  }
+  if (c.zero > 0 && c.codec != "none") {
+    usage_error("--zero 1|2 reduce-scatters float32 gradients: use --codec none with it");
+  }
+}
+
+}  // namespace
+
+bool codec_has_momentum(const std::string& spec) {
+  return gradsync::compress::CodecSpec::parse(spec).get("momentum", 0) > 0;
+}
+
+Config parse_flags(int argc, char** argv) {
+  Config c;
+  for (Arguments args(argc, argv); !args.done();) {
+    const std::string flag = args.next_flag();
+    if (flag == "-h" || flag == "--help") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (!read_model_flag(flag, args, c) && !read_communication_flag(flag, args, c) &&
+        !read_run_flag(flag, args, c)) {
+      usage_error("unknown option '" + flag + "'");
+    }
+  }
+  complete_and_check(c);
+  return c;
+}
+
+}  // namespace train

@@ -1,0 +1,46 @@
+// gradsync-train's command line: every flag with its default, the checks that refuse a bad
+// value or a conflicting pair before any rank starts, and the usage text.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "train/fashion_mnist.h"
+
+namespace train {
+
+struct Config {
+  std::string model = "mlp";
+  std::vector<std::size_t> hidden;
+  int epochs = 1;
+  std::size_t batch = 64;
+  double lr = -1;  // below 0: the optimizer's default, set by parse_flags
+  bool cosine = false;
+  std::string optimizer = "sgd";
+  std::uint64_t seed = 1;
+  std::string codec = "none";
+  double bucket_mb = 25, first_bucket_mb = 1;
+  bool overlap = true;
+  bool step_ahead = true;
+  int accumulate = 1;
+  int zero = 0;
+  long max_steps = -1;
+  std::string data = kFashionMnistDir;
+  std::string json;
+  bool quiet = false;
+  std::string checkpoint;
+  long checkpoint_every = 0;  // 0: end of each epoch
+  bool resume = false;
+};
+
+// The flags of argv[1..]. --help prints the usage to stdout and exits 0; a flag refused prints
+// why and the usage to stderr and exits 2.
+Config parse_flags(int argc, char** argv);
+
+// A codec with momentum correction (DGC) applies SGD's momentum before the wire: what arrives
+// is already the update, so the optimizer must not apply momentum again.
+bool codec_has_momentum(const std::string& spec);
+
+}  // namespace train

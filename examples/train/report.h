@@ -1,0 +1,68 @@
+// What gradsync-train tells about its run: the progress line while it trains, and at the end
+// the summary line and the --json report (metrics, per-step curves, configuration).
+#pragma once
+
+#include <gradsync/reducer.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "train/flags.h"
+
+namespace train {
+
+// Sums over the steps a run took, for the progress line, the summary and the JSON.
+struct Totals {
+  double compute_s = 0, communication_s = 0, exposed_s = 0, step_s = 0;
+  std::uint64_t bytes_sent = 0, raw_bytes = 0;
+  std::size_t allreduce_calls = 0, steps = 0, samples = 0;
+  float last_loss = 0;
+
+  void add_step(const gradsync::StepStats& stats, double seconds, std::size_t step_samples,
+                float loss);
+  // Of the step time, the part the gradients' collectives ran.
+  double communication_fraction() const;
+  // Of the communication, the part hidden behind compute.
+  double overlap_fraction() const;
+  // Bytes sent over the float32 gradients' bytes.
+  double compression_ratio() const;
+  // `total` over the steps (0 before any).
+  double per_step(double total) const;
+};
+
+// Rank 0's loss, training-batch accuracy and wall time at every step, and the test accuracy
+// after each epoch.
+struct Curves {
+  std::vector<float> losses, train_accuracies;
+  std::vector<double> wall_at_step, test_accuracies;
+};
+
+// What the run did and what it ran with, beyond the flags.
+struct RunReport {
+  int epochs_done = 0;
+  double wall_s = 0;
+  Totals totals;
+  Curves curves;
+  std::string model;  // Model::describe()
+  std::string codec;  // as the reducer spells it, with its defaults filled in
+  int ranks = 0;
+  bool step_ahead = false;          // in effect, not just asked for
+  bool shared_memory_only = false;  // every peer through shm: the arenas' bytes go uncounted
+  std::size_t optimizer_state_bytes = 0, reduced_gradient_bytes = 0;  // per rank
+
+  double test_accuracy() const;  // after the last epoch (0 if none ran)
+};
+
+// Overwrites the progress line on stderr: where the run is and how fast it goes.
+void print_progress(const Config& c, int epoch, std::size_t step, std::size_t steps, float loss,
+                    double accuracy, double samples_per_s, const Totals& t);
+
+// The run's one-line summary on stdout.
+void print_summary(const RunReport& r);
+
+// The --json report; false (after saying so on stderr) if `path` cannot be written.
+bool write_json_report(const std::string& path, const RunReport& r, const Config& c);
+
+}  // namespace train
