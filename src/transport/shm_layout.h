@@ -1,6 +1,5 @@
-// What one rank's shared-memory segment (its "inbox") holds and where: the header, one ring per
-// peer that sends to it, and its shared-arena region. Every process of a group maps the same
-// bytes, so these types are the wire format of the shm transport.
+// The bytes of one rank's shared-memory segment (its "inbox"), which every process of the
+// group maps: these types and sizes are the shm transport's wire format.
 //
 // A segment is a header (doorbell, sleeping flag, pid, closed flag; in the segment of the
 // group's first rank also the group's abort state) followed by one ring per peer that sends to
