@@ -1,16 +1,19 @@
 // Shared-memory transport: the conformance suite over threads, then what only real processes
-// show (data between processes, kill -9, unreaped zombies, nothing left in /dev/shm).
+// show (data between processes, kill -9, unreaped zombies, nothing left in /dev/shm), and the
+// segment names the launcher's clean-up relies on.
 #include <signal.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <stdexcept>
 
+#include "gradsync/shm_segments.h"
 #include "gradsync/store.h"
 #include "harness.h"
 #include "rendezvous/store_util.h"
@@ -53,19 +56,29 @@ void require(bool ok, const std::string& what) {
   if (!ok) throw std::runtime_error("check failed: " + what);
 }
 
-std::int64_t monotonic_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
-      .count();
-}
-
-// The state letter from /proc/<pid>/stat ('R', 'S', 'Z'...), or '?' if unreadable.
-char process_state(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+// The state letter from a /proc/.../stat file ('R', 'S', 'Z'...), or '?' if unreadable.
+char state_in_stat_file(const std::string& path) {
+  std::ifstream in(path);
   std::string line;
   std::getline(in, line);
   auto close_paren = line.rfind(')');
   return close_paren != std::string::npos && close_paren + 2 < line.size() ? line[close_paren + 2]
                                                                            : '?';
+}
+
+char process_state(pid_t pid) {
+  return state_in_stat_file("/proc/" + std::to_string(pid) + "/stat");
+}
+
+// True while thread `tid` of this process sleeps in a futex wait: state 'S' and, where /proc
+// shows it, the system call it is blocked in is futex(2). A thread that spins is 'R'.
+bool asleep_in_futex(pid_t tid) {
+  const std::string task = "/proc/self/task/" + std::to_string(tid);
+  if (state_in_stat_file(task + "/stat") != 'S') return false;
+  std::ifstream in(task + "/syscall");  // "<number> <args>...", or "running"
+  long number = -1;
+  if (!(in >> number)) return true;  // not shown here (kernel option): the state must do
+  return number == SYS_futex;
 }
 
 bool exited_cleanly(int status) {
@@ -117,9 +130,10 @@ TEST(ShmTransport, ProcessesExchangeData) {
 }
 
 // Rank 2 dies by SIGKILL halfway through sending 64 MiB to rank 0, while rank 1 is blocked
-// sending 64 MiB to it. Both survivors must name rank 2 within 2 s (the bound is a
-// correctness property: liveness is checked every 50 ms).
-TEST(ShmTransport, KilledPeerIsReportedWithinTwoSeconds) {
+// sending 64 MiB to it. Both survivors must fail with kPeerLost naming rank 2 and its pid,
+// not run into their deadline (which would be kTimeout): nobody rings the doorbell of a
+// sleeping survivor, so only its periodic liveness check can notice the death.
+TEST(ShmTransport, KilledPeerIsReported) {
   constexpr int kRanks = 3;
   constexpr std::size_t kBytes = std::size_t{64} << 20;
   testing::TempDir dir;
@@ -132,7 +146,6 @@ TEST(ShmTransport, KilledPeerIsReportedWithinTwoSeconds) {
       store->set("victim_pid", to_bytes(std::to_string(::getpid())));
       auto send = t->isend(0, tag_of(1), buf.data(), kBytes);
       while (t->traffic(0).bytes_sent < kBytes / 4) send->test();
-      store->set("killed_at_ns", to_bytes(std::to_string(monotonic_ns())));
       ::raise(SIGKILL);
     }
     auto request = rank == 0 ? t->irecv(2, tag_of(1), buf.data(), kBytes)
@@ -145,16 +158,11 @@ TEST(ShmTransport, KilledPeerIsReportedWithinTwoSeconds) {
       }
       throw std::runtime_error("wait on the killed peer succeeded");
     }();
-    auto detected_ns = monotonic_ns();
-    auto killed_ns = std::stoll(to_string(store->get("killed_at_ns", 10s)));
     std::string victim_pid = to_string(store->get("victim_pid", 10s));
     require(e.kind() == ErrorKind::kPeerLost, std::string("kPeerLost, got: ") + e.what());
     require(e.peer() == 2, std::string("error names peer 2: ") + e.what());
     require(contains(e.what(), "peer process " + victim_pid),
             std::string("names pid: ") + e.what());
-    require(
-        detected_ns - killed_ns < 2'000'000'000,
-        "detected within 2 s, took " + std::to_string((detected_ns - killed_ns) / 1000000) + " ms");
     // Sticky: the transport stays failed, even towards healthy peers.
     try {
       t->isend(1 - rank, tag_of(2), buf.data(), 1)->wait(Clock::now() + 10s);
@@ -303,42 +311,40 @@ TEST(ShmTransport, ClosedPeerDeliversWhatItSentThenFails) {
     char got[3] = {};
     t->irecv(1, tag_of(1), got, 3)->wait(Clock::now() + 30s);
     EXPECT_EQ(std::string(got, 3), "hi!");
-    auto start = Clock::now();
+    // kPeerLost, not the kTimeout that running into the deadline would give.
     Error e = expect_error(ErrorKind::kPeerLost,
                            [&] { t->irecv(1, tag_of(2), got, 3)->wait(Clock::now() + 30s); });
-    EXPECT_LT(Clock::now() - start, 10s);
     EXPECT_TRUE(contains(e.what(), "closed")) << e.what();
   });
 }
 
 // Ranks often outnumber cores (4 ranks on 2 cores in CI): a rank blocked on a late message
-// must sleep on its futex after a brief spin, not burn the core its peer needs.
+// must sleep on its futex after a brief spin, not burn the core its peer needs. The sender
+// sends only once it has seen the waiter asleep in futex(2), which a spinning waiter never is.
 TEST(ShmTransport, IdleWaiterSleepsInsteadOfSpinning) {
-  run_shm_threads(2, {},
-                  [&](int rank, Transport& t) {
-                    int value = 0;
-                    if (rank == 0) {
-                      std::this_thread::sleep_for(300ms);
-                      value = 42;
-                      t.isend(1, tag_of(1), &value, sizeof value)->wait(Clock::now() + 30s);
-                      return;
-                    }
-                    auto thread_cpu = [] {
-                      timespec ts;
-                      ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-                      return std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec);
-                    };
-                    auto cpu_before = thread_cpu();
-                    t.irecv(0, tag_of(1), &value, sizeof value)->wait(Clock::now() + 30s);
-                    auto cpu_used = thread_cpu() - cpu_before;
-                    EXPECT_EQ(value, 42);
-                    // Spinning through the 300 ms would cost ~300 ms of CPU; sleeping costs a few
-                    // wake-ups.
-                    EXPECT_LT(cpu_used, 100ms)
-                        << "waiting used "
-                        << std::chrono::duration_cast<std::chrono::milliseconds>(cpu_used).count()
-                        << " ms of CPU";
-                  });
+  std::atomic<pid_t> waiter_tid{0};
+  run_shm_threads(2, {}, [&](int rank, Transport& t) {
+    int value = 0;
+    if (rank == 1) {
+      waiter_tid = static_cast<pid_t>(::gettid());
+      t.irecv(0, tag_of(1), &value, sizeof value)->wait(Clock::now() + 30s);
+      EXPECT_EQ(value, 42);
+      return;
+    }
+    while (waiter_tid == 0) std::this_thread::yield();
+    // A sleeping waiter runs only for its brief spin after each liveness check (every 50 ms),
+    // so it shows as asleep within a few looks however loaded the machine; a spinning one is
+    // never seen so. The bound counts looks, not time, and only ends a failing test.
+    constexpr int kLooks = 10000;
+    int looks = 1;
+    while (!asleep_in_futex(waiter_tid) && looks < kLooks) {
+      ++looks;
+      std::this_thread::sleep_for(1ms);
+    }
+    EXPECT_LT(looks, kLooks) << "the waiting rank was never seen asleep in futex(2)";
+    value = 42;
+    t.isend(1, tag_of(1), &value, sizeof value)->wait(Clock::now() + 30s);
+  });
 }
 
 // The native consuming receive hands out pieces straight from ring slots: several pieces for
@@ -360,6 +366,39 @@ TEST(ShmTransport, ConsumerReadsSlotsInPlace) {
       EXPECT_TRUE(aligned);
     }
   });
+}
+
+// The one definition of a segment name, which gradsync-run's clean-up reads back: the creator
+// is read from the end, so a key prefix that looks like a name's tail does not confuse it.
+TEST(ShmSegmentNames, CreatorIsReadBackFromTheName) {
+  EXPECT_EQ(shm_segment_name("ab/cdefghij", "ctx 1", 4242, 3, 7),
+            "/gradsync-ab_cdefg-ctx_1-p4242-r3-7");
+  EXPECT_EQ(shm_segment_prefix("ab/cdefghij"), "gradsync-ab_cdefg-");
+  EXPECT_EQ(shm_segment_creator(shm_segment_name("tok", "ctx-p99-r1-2", 4242, 3, 7)), 4242);
+  EXPECT_EQ(shm_segment_creator("gradsync-abcdefgh-p4242-r3-7"), 4242);  // as /dev/shm lists it
+  EXPECT_EQ(shm_segment_creator("gradsync-abcdefgh-seg"), std::nullopt);
+  EXPECT_EQ(shm_segment_creator("gradsync-abcdefgh-p-r3-7"), std::nullopt);
+  EXPECT_EQ(shm_segment_creator("gradsync-abcdefgh-p12345678901-r3-7"), std::nullopt);
+}
+
+// The name the transport really gives its segment (read from the store while the group is
+// still setting up, so the segment still exists) reads back to this process and carries the
+// job's prefix: what gradsync-run relies on to keep a live job's segments.
+TEST(ShmSegmentNames, TransportNamesItsSegmentsByTheDefinition) {
+  auto store = make_inproc_store();
+  std::string prefix = testing::unique_name("shm-names");
+  TransportOptions options;
+  options.token = "f00dcafe-and-the-rest";
+  testing::run_threads(2, [&](int rank) {
+    if (rank == 1) {
+      std::string name = to_string(store->get(prefix + "/shm/segment/0", kSetupTimeout));
+      EXPECT_EQ(shm_segment_creator(name), ::getpid()) << name;
+      EXPECT_TRUE(name.starts_with("/" + shm_segment_prefix(options.token))) << name;
+      EXPECT_TRUE(std::filesystem::exists("/dev/shm" + name)) << name;
+    }
+    make_shm_transport(*store, prefix, rank, 2, all_ranks(2), options, kSetupTimeout);
+  });
+  EXPECT_EQ(segments_left(prefix), std::vector<std::string>{});
 }
 
 }  // namespace

@@ -5,14 +5,12 @@
 // library is broken would hide the very failures it exists to report.
 
 #include <arpa/inet.h>
-#include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -27,6 +25,10 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+// Header-only, so the launcher still links nothing of the library; by path, as this target
+// has no include directories.
+#include "../include/gradsync/shm_segments.h"
 
 extern char** environ;
 
@@ -467,53 +469,6 @@ int exit_code_of(int status) {
   return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
 }
 
-// The creator's pid in a shm transport segment name, ".../gradsync-...-p<pid>-r<rank>-<n>"
-// (make_segment_name in src/transport/shm.cc); -1 for a name without one.
-pid_t segment_creator(std::string_view name) {
-  auto digits_before = [&](std::size_t end, std::string_view tag) -> std::size_t {
-    std::size_t begin = end;
-    while (begin > 0 && name[begin - 1] >= '0' && name[begin - 1] <= '9') --begin;
-    if (begin == end || begin < tag.size() || name.substr(begin - tag.size(), tag.size()) != tag) {
-      return std::string_view::npos;
-    }
-    return begin - tag.size();
-  };
-  const std::size_t counter = digits_before(name.size(), "-");
-  if (counter == std::string_view::npos) return -1;
-  const std::size_t rank = digits_before(counter, "-r");
-  if (rank == std::string_view::npos) return -1;
-  const std::size_t pid = digits_before(rank, "-p");
-  if (pid == std::string_view::npos) return -1;
-  const std::string_view number = name.substr(pid + 2, rank - pid - 2);
-  if (number.size() > 9) return -1;
-  return static_cast<pid_t>(std::stol(std::string(number)));
-}
-
-// Removes shared-memory segments a killed rank could not unlink. The shm transport names its
-// segments "/gradsync-<first 8 chars of GRADSYNC_TOKEN>...", so only this job's are touched,
-// but other jobs may share those 8 characters: a segment whose creator still runs belongs to
-// such a job (this job's ranks have all exited by now) and is left alone, or that job's ranks
-// would lose the segments they are still opening.
-void remove_stale_shm(const std::string& token) {
-  std::string prefix = "gradsync-" + token.substr(0, 8);
-  if (token.size() < 8 || token.substr(0, 8).find('/') != std::string::npos) return;
-  DIR* dir = ::opendir("/dev/shm");
-  if (!dir) return;
-  while (dirent* e = ::readdir(dir)) {
-    std::string name = e->d_name;
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    if (const pid_t creator = segment_creator(name);
-        creator > 0 && (::kill(creator, 0) == 0 || errno == EPERM)) {
-      continue;
-    }
-    std::string path = "/dev/shm/" + name;
-    struct stat st {};
-    // Never another user's segment, even when the token prefix collides.
-    if (::lstat(path.c_str(), &st) == 0 && st.st_uid == ::geteuid()) ::unlink(path.c_str());
-  }
-  ::closedir(dir);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -666,7 +621,7 @@ int main(int argc, char** argv) {
     // The job was stopped: processes the ranks spawned must not outlive it.
     for (const Rank& r : ranks) ::kill(-r.pid, SIGKILL);
   }
-  remove_stale_shm(token);
+  gradsync::remove_stale_shm_segments(token);
 
   if (first_failure) {
     std::fprintf(stderr, "gradsync-run: %s", describe_exit(*first_failure).c_str());
