@@ -21,14 +21,14 @@ void Work::wait() {
   if (!state_) return;
   std::unique_lock lock(state_->mu);
   state_->cv.wait(lock, [&] { return state_->done; });
-  if (state_->error) std::rethrow_exception(state_->error);
+  state_->rethrow_if_failed();
 }
 
 bool Work::wait(std::chrono::milliseconds timeout) {
   if (!state_) return true;
   std::unique_lock lock(state_->mu);
   if (!state_->cv.wait_for(lock, timeout, [&] { return state_->done; })) return false;
-  if (state_->error) std::rethrow_exception(state_->error);
+  state_->rethrow_if_failed();
   return true;
 }
 
@@ -41,7 +41,9 @@ bool Work::test() const {
 std::exception_ptr Work::error() const {
   if (!state_) return nullptr;
   std::lock_guard lock(state_->mu);
-  return state_->done ? state_->error : nullptr;
+  if (!state_->done) return nullptr;
+  if (state_->error) return std::make_exception_ptr(*state_->error);
+  return state_->other_error;
 }
 
 bool Work::skipped() {
@@ -70,33 +72,35 @@ Algorithm Context::Impl::pick_allreduce(std::size_t bytes, Algorithm requested) 
 
 void Context::Impl::execute(Task& task) {
   bool skipped = false;
-  try {
-    if (failure_) {
-      throw Error(ErrorKind::kAborted, "communicator failed earlier: " + *failure_, rank,
+  std::optional<Error> error;
+  std::exception_ptr other_error;
+  if (failure_) {
+    error = Error(ErrorKind::kAborted, "communicator failed earlier: " + *failure_, rank,
                   Error::kNoPeer, collectives::describe(task.sig));
-    }
+  } else {
     const auto limit = task.timeout.count() > 0 ? task.timeout : timeout;
     CallSteps steps(*this, task.sig, transport::Clock::now() + limit);
     try {
       task.body(steps);
       skipped = steps.skipped();
-    } catch (const AgreedError&) {
-      throw;  // every rank raised it alike: nobody waits, the communicator goes on
+    } catch (const AgreedError& e) {
+      error = e;  // every rank raised it alike: nobody waits, the communicator goes on
     } catch (const Error& e) {
-      // Re-raise naming this call, then make the failure sticky and tell every peer, so no
-      // rank keeps waiting on a communicator that can no longer complete.
-      Error named(e.kind(), e.detail(), rank, e.peer(), collectives::describe(task.sig), e.bytes());
-      failure_ = named.what();
-      transport->abort(named.what());
-      throw named;
+      // Name this call, then make the failure sticky and tell every peer, so no rank keeps
+      // waiting on a communicator that can no longer complete.
+      error =
+          Error(e.kind(), e.detail(), rank, e.peer(), collectives::describe(task.sig), e.bytes());
+      failure_ = error->what();
+      transport->abort(error->what());
+    } catch (...) {
+      other_error = std::current_exception();
     }
-  } catch (...) {
-    std::lock_guard lock(task.state->mu);
-    task.state->error = std::current_exception();
   }
   {
     std::lock_guard lock(task.state->mu);
     task.state->skipped = skipped;
+    task.state->error = std::move(error);
+    task.state->other_error = std::move(other_error);
     task.state->done = true;
   }
   task.state->cv.notify_all();

@@ -26,7 +26,15 @@ struct Work::State {
   std::condition_variable cv;
   bool done = false;
   bool skipped = false;  // a compressed all-reduce under NonFinite::kSkip found NaN or Inf
-  std::exception_ptr error;
+  // The call's error. Kept as a value that every wait() throws a copy of, so each exception
+  // object belongs to the thread that throws it: an exception_ptr made on the worker would be
+  // freed by whichever thread drops it last, ordered only by libstdc++'s own count.
+  std::optional<Error> error;
+  std::exception_ptr other_error;  // anything but a gradsync::Error (bad_alloc...)
+  void rethrow_if_failed() const {
+    if (error) throw Error(*error);
+    if (other_error) std::rethrow_exception(other_error);
+  }
 };
 
 // An error every rank raises alike from data they all hold (a NaN that the ranks settled on
