@@ -48,7 +48,11 @@
 #include "transport/tcp.h"
 #include "transport/tcp_buffer_pool.h"
 
-namespace gradsync::transport::tcp {
+namespace gradsync::transport {
+// Hidden: internals of the library, never called from outside it. That also lets GCC inline
+// calls between them under -fPIC, which it may not do for functions a shared library could
+// interpose.
+namespace [[gnu::visibility("hidden")]] tcp {
 
 // Headers and payload remainders below kDirectReadMin (tcp_read.cc) are read through a
 // staging buffer of this size: one recv() then serves many small messages, at the price of
@@ -243,6 +247,10 @@ class Core {
  private:
   struct Drive;  // what one drive_locked call holds (tcp_progress.cc)
 
+  // Members declared `inline` below are defined in, and called only from, their own .cc
+  // file, so that the compiler may fold them into their callers there as it did when the
+  // transport was one file (these are the steps of hot paths cut out to be named).
+
   // --- small helpers (caller holds mu_ unless noted) ------------------------------------
 
   void wake() {
@@ -348,30 +356,30 @@ class Core {
   // --- progress: waiting callers and the loop thread (tcp_progress.cc) ------------------
 
   template <typename Op>
-  void drive_locked(Op& op, Peer& target, std::unique_lock<std::mutex>& lk,
-                    Clock::time_point deadline);
-  bool await_other_reader_locked(RecvOp& op, Peer& target, std::unique_lock<std::mutex>& lk,
-                                 Clock::time_point deadline);
-  void take_read_side_locked(Drive& d, Peer& q, std::unique_lock<std::mutex>& lk);
-  void take_parked_locked(Drive& d, std::unique_lock<std::mutex>& lk);
-  bool read_target_locked(Drive& d, std::unique_lock<std::mutex>& lk);
-  bool read_driven_locked(Drive& d, std::unique_lock<std::mutex>& lk);
-  bool collect_poll_set_locked(Drive& d);
-  void sleep_in_poll_locked(Drive& d, int& waiter, Clock::time_point deadline,
-                            Clock::time_point now, std::unique_lock<std::mutex>& lk);
-  void read_ready_sockets_locked(Drive& d, std::unique_lock<std::mutex>& lk);
-  void prefer_abort_cause_locked(Failure& failure, std::unique_lock<std::mutex>& lk,
-                                 std::uint8_t* stage);
-  void park_driven_locked(Drive& d);
-  void unwatch_locked(Drive& d);
+  inline void drive_locked(Op& op, Peer& target, std::unique_lock<std::mutex>& lk,
+                           Clock::time_point deadline);
+  inline bool await_other_reader_locked(RecvOp& op, Peer& target, std::unique_lock<std::mutex>& lk,
+                                        Clock::time_point deadline);
+  inline void take_read_side_locked(Drive& d, Peer& q, std::unique_lock<std::mutex>& lk);
+  inline void take_parked_locked(Drive& d, std::unique_lock<std::mutex>& lk);
+  inline bool read_target_locked(Drive& d, std::unique_lock<std::mutex>& lk);
+  inline bool read_driven_locked(Drive& d, std::unique_lock<std::mutex>& lk);
+  inline bool collect_poll_set_locked(Drive& d);
+  inline void sleep_in_poll_locked(Drive& d, int& waiter, Clock::time_point deadline,
+                                   Clock::time_point now, std::unique_lock<std::mutex>& lk);
+  inline void read_ready_sockets_locked(Drive& d, std::unique_lock<std::mutex>& lk);
+  inline void prefer_abort_cause_locked(Failure& failure, std::unique_lock<std::mutex>& lk,
+                                        std::uint8_t* stage);
+  inline void park_driven_locked(Drive& d);
+  inline void unwatch_locked(Drive& d);
   void drain_locked(Peer& p, std::unique_lock<std::mutex>& lk);
   void sweep_locked(std::unique_lock<std::mutex>& lk, std::uint8_t* stage);
   void reclaim_locked(bool all);
   void watch_events_locked(Peer& p);
   void loop();
   void run_loop();
-  int reclaim_and_pick_timeout();
-  bool on_wake();
+  inline int reclaim_and_pick_timeout();
+  inline bool on_wake();
   void on_readable(Peer& p, std::uint32_t events);
 
   // --- the write side (tcp_write.cc) ----------------------------------------------------
@@ -379,16 +387,16 @@ class Core {
   bool write_backlog_locked(std::unique_lock<std::mutex>& lk, std::vector<Peer*>& watched);
   void queue_control_locked(Peer& p, frame::Type type, std::vector<std::uint8_t> payload);
   std::size_t flush_locked(Peer& p, std::unique_lock<std::mutex>& lk, bool watching = false);
-  void advance_sends_locked(Peer& p, std::size_t n);
-  void finish_send_locked(Peer& p, std::shared_ptr<SendOp> op);
+  inline void advance_sends_locked(Peer& p, std::size_t n);
+  inline void finish_send_locked(Peer& p, std::shared_ptr<SendOp> op);
   void fail_sends_locked(Peer& p, const Failure& f);
   void settle_sends_after_abort_locked(Peer& p, bool send_frame);
 
   // --- the read side (tcp_read.cc) ------------------------------------------------------
 
   ReadStep read_once_locked(Peer& p, std::unique_lock<std::mutex>& lk, std::uint8_t* stage);
-  void settle_claimed_locked(Peer& p);
-  void consume_locked(Peer& p, const std::uint8_t* data, std::size_t n);
+  inline void settle_claimed_locked(Peer& p);
+  inline void consume_locked(Peer& p, const std::uint8_t* data, std::size_t n);
   void on_header_locked(Peer& p);
   void claim_locked(Peer& p);
   void finish_message_locked(Peer& p);
@@ -438,4 +446,5 @@ class Core {
   std::thread thread_;
 };
 
-}  // namespace gradsync::transport::tcp
+}  // namespace gnu::visibility("hidden")]]tcp
+}  // namespace gradsync::transport

@@ -402,7 +402,7 @@ void Core::run_loop() {
         }
       }
     }
-    refuse_overdue_pending();
+    if (!pending_.empty()) refuse_overdue_pending();
   }
 }
 

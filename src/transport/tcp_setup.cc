@@ -276,7 +276,6 @@ std::string Core::promote(Pending& pc, const frame::Hello& h) {
 
 // Refuses the strays whose hello did not come within kHelloTimeout.
 void Core::refuse_overdue_pending() {
-  if (pending_.empty()) return;
   auto now = std::chrono::steady_clock::now();
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (now >= it->second.deadline) {

@@ -4,7 +4,11 @@
 
 #include <chrono>
 
-namespace gradsync::transport::tcp {
+namespace gradsync::transport {
+// Hidden: internals of the library, never called from outside it. That also lets GCC inline
+// calls between them under -fPIC, which it may not do for functions a shared library could
+// interpose.
+namespace [[gnu::visibility("hidden")]] tcp {
 
 // Applies TCP_NODELAY, liveness detection (GRADSYNC_TCP_LIVENESS_S) and socket buffer sizes
 // (GRADSYNC_TCP_SOCKBUF_BYTES) to a connection.
@@ -19,4 +23,5 @@ struct SpinPolicy {
 // The policy for a transport with `local_ranks` ranks on this host (itself included).
 SpinPolicy choose_spin(unsigned local_ranks);
 
-}  // namespace gradsync::transport::tcp
+}  // namespace gnu::visibility("hidden")]]tcp
+}  // namespace gradsync::transport
