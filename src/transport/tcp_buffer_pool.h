@@ -8,11 +8,9 @@
 #include <mutex>
 #include <vector>
 
-namespace gradsync::transport {
-// Hidden: internals of the library, never called from outside it. That also lets GCC inline
-// calls between them under -fPIC, which it may not do for functions a shared library could
-// interpose.
-namespace [[gnu::visibility("hidden")]] tcp {
+// Hidden, as all tcp internals are (see tcp_core.h).
+#pragma GCC visibility push(hidden)
+namespace gradsync::transport::tcp {
 
 // A fresh large allocation is fresh memory: one page fault and one zeroed page per 4 KiB
 // when recv() first writes it, and an unmap when it is freed. In a 4-rank 64 MiB ring
@@ -59,5 +57,5 @@ class BufferPool {
 };
 using Buffer = BufferPool::Buffer;
 
-}  // namespace gnu::visibility("hidden")]]tcp
-}  // namespace gradsync::transport
+}  // namespace gradsync::transport::tcp
+#pragma GCC visibility pop

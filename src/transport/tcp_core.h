@@ -1,5 +1,6 @@
 // The tcp transport's shared state: the Core of one transport, its peers and the operations
-// queued on them. Core's member functions are defined by job in the tcp_*.cc files below.
+// queued on them. Core's member functions are defined by job in the tcp_*.cc files named
+// with their declarations below.
 //
 // Data path. A send is queued on its peer and written with sendmsg (header and payload in
 // one iovec list, several queued messages per call); the calling thread writes at once
@@ -48,11 +49,11 @@
 #include "transport/tcp.h"
 #include "transport/tcp_buffer_pool.h"
 
-namespace gradsync::transport {
 // Hidden: internals of the library, never called from outside it. That also lets GCC inline
-// calls between them under -fPIC, which it may not do for functions a shared library could
+// calls between them under -fPIC, which it does not do for functions a shared library could
 // interpose.
-namespace [[gnu::visibility("hidden")]] tcp {
+#pragma GCC visibility push(hidden)
+namespace gradsync::transport::tcp {
 
 // Headers and payload remainders below kDirectReadMin (tcp_read.cc) are read through a
 // staging buffer of this size: one recv() then serves many small messages, at the price of
@@ -247,10 +248,6 @@ class Core {
  private:
   struct Drive;  // what one drive_locked call holds (tcp_progress.cc)
 
-  // Members declared `inline` below are defined in, and called only from, their own .cc
-  // file, so that the compiler may fold them into their callers there as it did when the
-  // transport was one file (these are the steps of hot paths cut out to be named).
-
   // --- small helpers (caller holds mu_ unless noted) ------------------------------------
 
   void wake() {
@@ -331,6 +328,10 @@ class Core {
     p.write_side = side;
     watch_events_locked(p);
   }
+
+  // Below, the members declared `inline` are steps cut out of hot paths to be named: each is
+  // defined in, and called only from, its own .cc file, where that lets the compiler fold it
+  // back into its caller as it did when the transport was one file.
 
   // --- connection set-up (tcp_setup.cc) -------------------------------------------------
 
@@ -446,5 +447,5 @@ class Core {
   std::thread thread_;
 };
 
-}  // namespace gnu::visibility("hidden")]]tcp
-}  // namespace gradsync::transport
+}  // namespace gradsync::transport::tcp
+#pragma GCC visibility pop

@@ -4,11 +4,9 @@
 
 #include <chrono>
 
-namespace gradsync::transport {
-// Hidden: internals of the library, never called from outside it. That also lets GCC inline
-// calls between them under -fPIC, which it may not do for functions a shared library could
-// interpose.
-namespace [[gnu::visibility("hidden")]] tcp {
+// Hidden, as all tcp internals are (see tcp_core.h).
+#pragma GCC visibility push(hidden)
+namespace gradsync::transport::tcp {
 
 // Applies TCP_NODELAY, liveness detection (GRADSYNC_TCP_LIVENESS_S) and socket buffer sizes
 // (GRADSYNC_TCP_SOCKBUF_BYTES) to a connection.
@@ -23,5 +21,5 @@ struct SpinPolicy {
 // The policy for a transport with `local_ranks` ranks on this host (itself included).
 SpinPolicy choose_spin(unsigned local_ranks);
 
-}  // namespace gnu::visibility("hidden")]]tcp
-}  // namespace gradsync::transport
+}  // namespace gradsync::transport::tcp
+#pragma GCC visibility pop
