@@ -1,6 +1,5 @@
-// The tcp transport's shared state: the Core of one transport, its peers and the operations
-// queued on them. Core's member functions are defined by job in the tcp_*.cc files named
-// with their declarations below.
+// The tcp transport's shared state: Core (one per transport), its peers and their queued
+// operations. Core's members are defined by job in the tcp_*.cc files named below.
 //
 // Data path. A send is queued on its peer and written with sendmsg (header and payload in
 // one iovec list, several queued messages per call); the calling thread writes at once
@@ -297,6 +296,16 @@ class Core {
   }
   void io_done_locked() {
     if (io_waiters_ > 0) io_cv_.notify_all();
+  }
+
+  // For a request being dropped: waits until no thread is in the syscall on `peer` that
+  // could still touch its buffer (`in_syscall`: &Peer::reading or &Peer::writing), and
+  // returns the peer.
+  Peer& wait_out_syscall_locked(std::unique_lock<std::mutex>& lk, int peer,
+                                bool Peer::*in_syscall) {
+    Peer& p = *peers_[static_cast<std::size_t>(peer)];
+    io_wait_locked(lk, [&] { return !(p.*in_syscall); });
+    return p;
   }
 
   template <typename Op>

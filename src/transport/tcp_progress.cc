@@ -1,6 +1,5 @@
-// Progress in the tcp transport: which thread does a peer's socket I/O, and when. A caller
-// waiting on a request drives the sockets itself (drive_locked); the loop thread does the
-// rest (setup, strays, I/O nobody waits for, sockets callers left idle).
+// Progress in the tcp transport: which thread does a peer's socket I/O, and when: a caller
+// waiting on a request (drive_locked), or the loop thread for everything nobody waits on.
 #include <poll.h>
 #include <sched.h>
 #include <sys/epoll.h>

@@ -1,6 +1,5 @@
-// The read side of the tcp transport: posting receives, reading frames off a socket,
-// giving each data message to its receive (or keeping it as unexpected), and acting on
-// hello and abort frames.
+// The read side of the tcp transport: posting receives, reading frames off a socket, giving
+// data to its receive (or keeping it as unexpected), acting on hello and abort frames.
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -54,8 +53,7 @@ std::shared_ptr<RecvOp> Core::post_recv(int peer, const Tag& tag, void* data, st
 
 void Core::abandon(RecvOp& op, int peer) {
   std::unique_lock lk(mu_);
-  Peer& p = *peers_[static_cast<std::size_t>(peer)];
-  io_wait_locked(lk, [&] { return !p.reading; });
+  Peer& p = wait_out_syscall_locked(lk, peer, &Peer::reading);
   if (op.status != OpStatus::kPending) return;
   op.abandoned = true;
   op.status = OpStatus::kFailed;

@@ -37,8 +37,7 @@ std::shared_ptr<SendOp> Core::post_send(int peer, const Tag& tag, const void* da
 
 void Core::abandon(SendOp& op, int peer) {
   std::unique_lock lk(mu_);
-  Peer& p = *peers_[static_cast<std::size_t>(peer)];
-  io_wait_locked(lk, [&] { return !p.writing; });
+  wait_out_syscall_locked(lk, peer, &Peer::writing);
   if (op.status != OpStatus::kPending) return;
   // Still queued: finish it from a private copy, so the peer receives exactly the
   // stream it expects (dropping or truncating a frame would desynchronise it).
