@@ -83,9 +83,10 @@ enum class WriteSide : std::uint8_t {
   // The threads that send or wait: a send writes its frame at once, and callers waiting in
   // drive_locked write what a full socket left over. EPOLLOUT off.
   kCallers,
-  // The loop thread, on EPOLLOUT: a full socket left frames over and the thread that wrote
-  // them does not watch the socket. A send only queues its frame behind them (waiting
-  // callers may still write them too).
+  // The loop thread, on EPOLLOUT: a full socket left frames over that no waiting caller
+  // was going to write (their writer does not watch the socket, the last watcher left, or
+  // an abort relayed from inside a read queued them). A send only queues its frame behind
+  // them; callers that start waiting take the socket back (kCallers).
   kLoop,
 };
 
