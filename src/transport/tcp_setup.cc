@@ -1,0 +1,290 @@
+// Connection set-up of the tcp transport: listening, dialing, the hello exchange, and
+// accepting connections until they prove to be a peer (or a stray to refuse).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstdio>
+
+#include "transport/tcp_core.h"
+#include "transport/tcp_tuning.h"
+
+namespace gradsync::transport::tcp {
+
+namespace {
+
+// A real peer sends its hello right after connecting; anything silent this long is not one.
+constexpr auto kHelloTimeout = std::chrono::seconds(10);
+// Unidentified connections held at once; more are closed at accept so garbage cannot
+// exhaust file descriptors.
+constexpr std::size_t kMaxPendingConnections = 256;
+
+[[noreturn]] void sys_error(const std::string& what) {
+  throw Error(ErrorKind::kSystem, what + ": " + std::strerror(errno), Error::kUnknownRank,
+              Error::kNoPeer, "tcp transport");
+}
+
+std::string peer_name_of(const sockaddr_storage& ss) {
+  char host[64] = "?";
+  int port = 0;
+  if (ss.ss_family == AF_INET) {
+    auto* a = reinterpret_cast<const sockaddr_in*>(&ss);
+    ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+    port = ntohs(a->sin_port);
+  } else if (ss.ss_family == AF_INET6) {
+    auto* a = reinterpret_cast<const sockaddr_in6*>(&ss);
+    ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+    port = ntohs(a->sin6_port);
+  }
+  return net::join_host_port(host, port);
+}
+
+}  // namespace
+
+Core::Core(int rank, int world_size, const std::vector<int>& group, TransportOptions options)
+    : rank_(rank),
+      world_size_(world_size),
+      options_(std::move(options)),
+      peers_(static_cast<std::size_t>(world_size)),
+      stage_(kStageBytes) {
+  for (int r : group) {
+    if (r == rank) continue;
+    peers_[static_cast<std::size_t>(r)] = std::make_unique<Peer>();
+    peers_[static_cast<std::size_t>(r)]->rank = r;
+  }
+}
+
+Core::~Core() {
+  for (auto& p : peers_) {
+    if (p && p->fd >= 0) ::close(p->fd);
+  }
+}
+
+void Core::start(const TcpOptions& tcp) {
+  listener_ = net::listen_tcp(tcp.bind_addr, 0, /*nonblocking=*/true);
+  std::string host = tcp.advertise_addr.empty() ? net::default_advertise_address(tcp.bind_addr)
+                                                : tcp.advertise_addr;
+  address_ = net::join_host_port(host, net::local_port(listener_.get()));
+  epoll_ = net::Fd(::epoll_create1(EPOLL_CLOEXEC));
+  wake_ = net::Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!epoll_.valid() || !wake_.valid()) sys_error("epoll/eventfd");
+  epoll_add(wake_.get(), kWakeId, EPOLLIN);
+  epoll_add(listener_.get(), kListenerId, EPOLLIN);
+  thread_ = std::thread([this] { loop(); });
+}
+
+// Hands a connected socket to the loop and sends our hello; the peer is ready once its
+// hello comes back.
+void Core::attach_dialed(int peer, net::Fd fd, const std::string& address) {
+  net::set_nonblocking(fd.get());
+  tune_socket(fd.get());
+  std::unique_lock lk(mu_);
+  Peer& p = *peers_[static_cast<std::size_t>(peer)];
+  p.address = address;
+  p.handshake = Handshake::kHelloSent;
+  p.fd = fd.release();
+  epoll_add(p.fd, kPeerIdBase + static_cast<std::uint64_t>(peer), EPOLLIN);
+  queue_control_locked(p, frame::Type::kHello, my_hello());
+  flush_locked(p, lk);
+}
+
+// Blocks until every peer completed the handshake; throws naming the peers that did not.
+void Core::wait_ready(std::chrono::steady_clock::time_point deadline,
+                      std::chrono::milliseconds timeout) {
+  std::unique_lock lk(mu_);
+  auto settled = [&] {
+    for (auto& p : peers_) {
+      if (p && !p->ready() && !p->failure) return false;
+    }
+    return true;
+  };
+  bool ok = cv_.wait_until(lk, deadline, settled);
+  for (auto& p : peers_) {
+    // A peer that failed after its handshake may simply have finished and exited;
+    // its messages stay deliverable, so only a failed handshake is a setup error.
+    if (p && p->failure && !p->ready()) {
+      throw Error(p->failure->kind, p->failure->detail, rank_, p->rank, "tcp connect");
+    }
+  }
+  if (!ok) {
+    std::string missing;
+    for (auto& p : peers_) {
+      if (!p || p->ready()) continue;
+      missing += missing.empty() ? "" : "; ";
+      missing += "rank " + std::to_string(p->rank) +
+                 (p->handshake == Handshake::kHelloSent
+                      ? " at " + p->address + " connected but sent no handshake reply"
+                      : " never connected to " + address_);
+    }
+    throw Error(
+        ErrorKind::kTimeout,
+        "transport setup took longer than " + std::to_string(timeout.count()) + " ms: " + missing,
+        rank_, Error::kNoPeer, "tcp connect");
+  }
+  phase_ = Phase::kRunning;  // the loop closes the listener and strays at its next wake-up
+  choose_spin_locked();
+  wake();
+}
+
+// Sets spin_ and spin_yield_ (see choose_spin). The ranks on this host are the peers that
+// advertise our host name.
+void Core::choose_spin_locked() {
+  auto host_of = [](const std::string& address) {
+    try {
+      return net::split_host_port(address).first;
+    } catch (const Error&) {
+      return std::string();
+    }
+  };
+  const std::string mine = host_of(address_);
+  unsigned local = 1;
+  for (auto& p : peers_) {
+    if (p && host_of(p->address) == mine) ++local;
+  }
+  const SpinPolicy policy = choose_spin(local);
+  spin_yield_ = policy.yield;
+  spin_ = policy.duration;
+}
+
+std::vector<std::uint8_t> Core::my_hello() const {
+  return frame::encode_hello(frame::Hello{static_cast<std::uint32_t>(rank_),
+                                          static_cast<std::uint32_t>(world_size_), options_.token,
+                                          address_});
+}
+
+void Core::epoll_add(int fd, std::uint64_t id, std::uint32_t events) {
+  if (!try_epoll_add(fd, id, events)) sys_error("epoll_ctl");
+}
+
+// Loop-thread variant: an exception there would terminate the process.
+bool Core::try_epoll_add(int fd, std::uint64_t id, std::uint32_t events) {
+  epoll_event ev{};
+  ev.events = events;
+  ev.data.u64 = id;
+  return ::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev) == 0;
+}
+
+// --- loop thread ----------------------------------------------------------------------
+
+void Core::accept_pending() {
+  for (;;) {
+    sockaddr_storage ss{};
+    socklen_t len = sizeof ss;
+    int fd = ::accept4(listener_.get(), reinterpret_cast<sockaddr*>(&ss), &len,
+                       SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) return;
+    if (pending_.size() >= kMaxPendingConnections) {
+      ::close(fd);
+      continue;
+    }
+    std::uint64_t id = kPendingIdBase + next_pending_++;
+    if (!try_epoll_add(fd, id, EPOLLIN)) {
+      ::close(fd);
+      continue;
+    }
+    Pending& pc = pending_[id];
+    pc.fd = net::Fd(fd);
+    pc.from = peer_name_of(ss);
+    pc.deadline = std::chrono::steady_clock::now() + kHelloTimeout;
+  }
+}
+
+void Core::refuse(const Pending& pc, const std::string& why) {
+  std::fprintf(stderr, "gradsync: rank %d: refused tcp connection from %s: %s\n", rank_,
+               pc.from.c_str(), why.c_str());
+}
+
+// Reads a stray's hello with exact-length reads, so no byte meant for the data path is
+// ever consumed here.
+void Core::on_pending(std::uint64_t id) {
+  auto it = pending_.find(id);
+  if (it == pending_.end()) return;
+  Pending& pc = it->second;
+  auto drop = [&](const std::string& why) {
+    refuse(pc, why);
+    pending_.erase(it);
+  };
+  for (;;) {
+    std::uint8_t* dest;
+    std::size_t want;
+    if (pc.hdr_got < frame::kHeaderBytes) {
+      dest = pc.hdr + pc.hdr_got;
+      want = frame::kHeaderBytes - pc.hdr_got;
+    } else {
+      dest = pc.payload.data() + pc.got;
+      want = pc.payload.size() - pc.got;
+    }
+    ssize_t n = want ? ::recv(pc.fd.get(), dest, want, 0) : 0;
+    if (want && n == 0) return drop("closed before completing its hello");
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      if (errno == EINTR) continue;
+      return drop(std::strerror(errno));
+    }
+    if (pc.hdr_got < frame::kHeaderBytes) {
+      pc.hdr_got += static_cast<std::size_t>(n);
+      if (pc.hdr_got < frame::kHeaderBytes) continue;
+      auto st = frame::parse_header(pc.hdr, frame::kDefaultMaxDataBytes, pc.h);
+      if (st != frame::ParseStatus::kOk)
+        return drop(std::string("bad frame: ") + frame::to_string(st));
+      if (pc.h.type != frame::Type::kHello) return drop("first frame is not a hello");
+      pc.payload.resize(pc.h.length);  // bounded by kMaxHelloBytes in parse_header
+      continue;
+    }
+    pc.got += static_cast<std::size_t>(n);
+    if (pc.got < pc.payload.size()) continue;
+    auto hello = frame::parse_hello(pc.payload);
+    if (!hello) return drop("malformed hello");
+    std::string why = promote(pc, *hello);
+    if (!why.empty()) return drop(why);
+    pending_.erase(it);
+    return;
+  }
+}
+
+// Turns a stray that presented a valid hello into the connection of that peer. Returns
+// why it was refused, or "" on success.
+std::string Core::promote(Pending& pc, const frame::Hello& h) {
+  std::unique_lock lk(mu_);
+  // Token first, so a stranger learns nothing about the job's ranks.
+  if (!net::tokens_equal(h.token, options_.token)) return "wrong job token";
+  if (h.world_size != static_cast<std::uint32_t>(world_size_)) {
+    return "world size " + std::to_string(h.world_size) + " != " + std::to_string(world_size_);
+  }
+  if (h.rank >= static_cast<std::uint32_t>(world_size_) || !peers_[h.rank]) {
+    return "rank " + std::to_string(h.rank) + " is not a peer of rank " + std::to_string(rank_);
+  }
+  if (static_cast<int>(h.rank) > rank_)
+    return "rank " + std::to_string(h.rank) + " should be dialed, not dial";
+  Peer& p = *peers_[h.rank];
+  if (p.fd >= 0) return "rank " + std::to_string(h.rank) + " is already connected";
+  tune_socket(pc.fd.get());
+  // Re-register under the peer's id (the pending id dies with the Pending entry).
+  ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, pc.fd.get(), nullptr);
+  if (!try_epoll_add(pc.fd.get(), kPeerIdBase + h.rank, EPOLLIN)) return "epoll_ctl failed";
+  p.fd = pc.fd.release();
+  p.address = h.address;
+  queue_control_locked(p, frame::Type::kHello, my_hello());
+  p.handshake = Handshake::kDone;
+  flush_locked(p, lk);
+  cv_.notify_all();
+  return {};
+}
+
+// Refuses the strays whose hello did not come within kHelloTimeout.
+void Core::refuse_overdue_pending() {
+  auto now = std::chrono::steady_clock::now();
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (now >= it->second.deadline) {
+      refuse(it->second, "no hello within " + std::to_string(kHelloTimeout.count()) + " s");
+      it = pending_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace gradsync::transport::tcp
