@@ -67,6 +67,15 @@ struct CodecRow {
 // first whatever the caller asked: a refusal on one rank alone would leave the others waiting.
 constexpr bool kRefusesNonFinite = true;
 
+// fp16 and bf16: a ring of halves, whole buckets at a time. With feedback the residual joins
+// the data, so decoded payloads are gathered instead: what each rank's rounding lost is its
+// own to keep.
+template <DataType kWire>
+CodecTraits half_traits(const CodecSpec&, bool feedback) {
+  return CodecTraits{feedback ? Pattern::kGather : Pattern::kHalfRing, !kRefusesNonFinite,
+                     !feedback, kWire};
+}
+
 const std::vector<CodecRow>& rows() {
   static const std::vector<CodecRow> table = {
       {"none",
@@ -80,20 +89,12 @@ const std::vector<CodecRow>& rows() {
        "fp16",
        {{"momentum", 0}},
        make_fp16,
-       [](const CodecSpec&, bool feedback) {
-         // With feedback the residual joins each tensor: decoded payloads are gathered, so
-         // what each rank's rounding lost is its own to keep.
-         return CodecTraits{feedback ? Pattern::kGather : Pattern::kHalfRing, !kRefusesNonFinite,
-                            !feedback};
-       }},
+       half_traits<DataType::kFloat16>},
       {"bf16",
        "bf16",
        {{"momentum", 0}},
        make_bf16,
-       [](const CodecSpec&, bool feedback) {
-         return CodecTraits{feedback ? Pattern::kGather : Pattern::kHalfRing, !kRefusesNonFinite,
-                            !feedback, DataType::kBFloat16};
-       }},
+       half_traits<DataType::kBFloat16>},
       {"int8",
        "int8:block=256",
        {{"block", 256}, {"momentum", 0}},
