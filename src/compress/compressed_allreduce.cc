@@ -232,8 +232,8 @@ void gather_allreduce(CallSteps& steps, std::span<float> data, Codec& codec, con
 
 // randomk: every rank drew the same indices, so the payloads add element by element: one
 // float32 all-reduce of the k values.
-void randomk_allreduce(CallSteps& steps, std::span<float> data, Codec& codec,
-                       const Encode& encode, ReduceOp op) {
+void randomk_allreduce(CallSteps& steps, std::span<float> data, Codec& codec, const Encode& encode,
+                       ReduceOp op) {
   std::vector<std::uint8_t> payload;
   encode(data, payload);
   const std::size_t at = randomk_values_offset(), k = (payload.size() - at) / 4;
@@ -463,34 +463,48 @@ Work submit(Context& ctx, const Codec& codec, std::size_t count, ReduceOp op, bo
       blocking);
 }
 
-}  // namespace
-
-Work compressed_allreduce_async(Context& ctx, std::span<float> data, Codec& codec,
-                                const Tensor& tensor, ReduceOp op, NonFinite non_finite) {
-  return submit(ctx, codec, data.size(), op, false, [=, &codec](CallSteps& steps) {
+// One tensor's call, queued (async) or run after the calls before it (blocking).
+Work tensor_call(Context& ctx, std::span<float> data, Codec& codec, const Tensor& tensor,
+                 ReduceOp op, NonFinite non_finite, bool blocking) {
+  return submit(ctx, codec, data.size(), op, blocking, [=, &codec](CallSteps& steps) {
     return compressed_allreduce_steps(steps, data, codec, tensor, op, non_finite);
   });
 }
 
+// A bucket's call, likewise; `parts` is copied, as the caller's may go first.
+Work bucket_call(Context& ctx, std::span<float> data, Codec& codec, const Tensor& bucket,
+                 std::span<const TensorSlice> parts, ReduceOp op, NonFinite non_finite,
+                 bool blocking) {
+  check_tiling(ctx, data, bucket, parts);
+  std::vector<TensorSlice> copied(parts.begin(), parts.end());
+  return submit(ctx, codec, data.size(), op, blocking,
+                [=, &codec, parts = std::move(copied)](CallSteps& steps) {
+                  return compressed_allreduce_steps(steps, data, codec, bucket, parts, op,
+                                                    non_finite);
+                });
+}
+
+}  // namespace
+
+Work compressed_allreduce_async(Context& ctx, std::span<float> data, Codec& codec,
+                                const Tensor& tensor, ReduceOp op, NonFinite non_finite) {
+  return tensor_call(ctx, data, codec, tensor, op, non_finite, false);
+}
+
 bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& tensor,
                           ReduceOp op, NonFinite non_finite) {
-  return !compressed_allreduce_async(ctx, data, codec, tensor, op, non_finite).skipped();
+  return !tensor_call(ctx, data, codec, tensor, op, non_finite, true).skipped();
 }
 
 Work compressed_allreduce_async(Context& ctx, std::span<float> data, Codec& codec,
                                 const Tensor& bucket, std::span<const TensorSlice> parts,
                                 ReduceOp op, NonFinite non_finite) {
-  check_tiling(ctx, data, bucket, parts);
-  std::vector<TensorSlice> copied(parts.begin(), parts.end());  // the caller's may go first
-  return submit(
-      ctx, codec, data.size(), op, false, [=, &codec, parts = std::move(copied)](CallSteps& steps) {
-        return compressed_allreduce_steps(steps, data, codec, bucket, parts, op, non_finite);
-      });
+  return bucket_call(ctx, data, codec, bucket, parts, op, non_finite, false);
 }
 
 bool compressed_allreduce(Context& ctx, std::span<float> data, Codec& codec, const Tensor& bucket,
                           std::span<const TensorSlice> parts, ReduceOp op, NonFinite non_finite) {
-  return !compressed_allreduce_async(ctx, data, codec, bucket, parts, op, non_finite).skipped();
+  return !bucket_call(ctx, data, codec, bucket, parts, op, non_finite, true).skipped();
 }
 
 }  // namespace gradsync::compress
