@@ -3,13 +3,17 @@
 // them. A reader refuses, naming what it expected, bytes of another kind, another version,
 // too few bytes or bytes left over, so an old or foreign file is never half-loaded.
 //
-//   ByteWriter w("GSRD", 2);
-//   w.put<std::uint32_t>(count);
+// Example:
+//   std::uint32_t step = 7;
+//   std::vector<float> residual(1024);
+//   gradsync::ByteWriter w("GSRD", 2);
+//   w.put<std::uint32_t>(step);
 //   w.floats(residual);
-//   ...
-//   ByteReader r(bytes, "GSRD", 2, "reducer state");  // throws if not a GSRD v2
-//   auto count = r.get<std::uint32_t>();
-//   r.floats(residual);  // throws if the stored length differs
+//   std::vector<std::uint8_t> saved = w.take();
+//
+//   gradsync::ByteReader r(saved, "GSRD", 2, "reducer state");  // throws unless a GSRD v2
+//   step = r.get<std::uint32_t>();
+//   r.floats(residual);  // throws unless it holds residual.size() floats
 //   r.finish();          // throws on bytes left over
 #pragma once
 
@@ -34,10 +38,10 @@ class ByteWriter {
     static_assert(std::is_trivially_copyable_v<T>);
     raw(&value, sizeof value);
   }
-  void string(std::string_view s);                  // u32 length, the characters
-  void bytes(std::span<const std::uint8_t> b);      // u64 length, the bytes
-  void floats(std::span<const float> f);            // u64 count, the floats
-  void raw(const void* data, std::size_t n);        // n bytes, no length
+  void string(std::string_view s);              // u32 length, the characters
+  void bytes(std::span<const std::uint8_t> b);  // u64 length, the bytes
+  void floats(std::span<const float> f);        // u64 count, the floats
+  void raw(const void* data, std::size_t n);    // n bytes, no length
 
   const std::vector<std::uint8_t>& data() const { return out_; }
   std::vector<std::uint8_t> take() { return std::move(out_); }

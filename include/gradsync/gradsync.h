@@ -1,5 +1,6 @@
 // gradsync public API: create a Context with init(), then run collectives on it.
 //
+// Example:
 //   auto ctx = gradsync::init();                    // reads RANK/WORLD_SIZE/... from the env
 //   ctx->allreduce(grad.data(), grad.data(), grad.size(),
 //                  gradsync::DataType::kFloat32, gradsync::ReduceOp::kAvg);

@@ -1,9 +1,11 @@
 // Optimizers over flat float32 parameters, and ZeRO sharding (Rajbhandari et al., 2020) of
 // their state and of the gradients across data-parallel ranks.
 //
-//   auto zero = gradsync::optim::ZeroOptimizer(*ctx, params.size(), /*stage=*/2,
-//       [](std::size_t n) { return gradsync::optim::make_adamw(n, {.lr = 1e-3f}); });
-//   zero.step(params, local_grads);  // averages over ranks, updates, every rank in step
+// Example:
+//   gradsync::optim::ZeroOptimizer zero(*ctx, weights.size(), /*stage=*/2, [](std::size_t n) {
+//     return gradsync::optim::make_adamw(n, {.lr = 1e-3f});
+//   });
+//   zero.step(weights, grad);  // averages grad over ranks, updates weights alike on every rank
 #pragma once
 
 #include <cstddef>

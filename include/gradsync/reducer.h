@@ -3,11 +3,19 @@
 // gradients, each bucket is all-reduced (through a codec) on the context's worker as soon as
 // its last gradient is final, and the step waits only for what is still in flight.
 //
+// Example:
 //   gradsync::Reducer reducer(*ctx, {.codec = "fp16"});
-//   for (auto& p : params) reducer.add_parameter(p.name, p.grad, p.rows);
-//   for each step:
-//     forward(); backward();          // backward calls reducer.mark_ready(id) per gradient
-//     auto stats = reducer.finish();  // every gradient now holds the average over ranks
+//   for (auto& p : parameters) {
+//     p.id = reducer.add_parameter(p.name, p.grad.size(), p.grad, p.rows);
+//   }
+//   for (int step = 0; step < steps; ++step) {
+//     forward();
+//     for (auto& p : parameters | std::views::reverse) {  // backward: the last layer first
+//       backward(p);               // writes p.grad
+//       reducer.mark_ready(p.id);  // p's bucket all-reduces once all its gradients are ready
+//     }
+//     reducer.finish();  // waits for the buckets: every p.grad holds the average over ranks
+//   }
 //
 // With a codec that holds gradient back (error feedback: topk, int8, sign, powersgd), run
 // forward and backward at value - lr * reducer.held_back(id) and step from the values as

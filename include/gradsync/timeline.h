@@ -3,8 +3,11 @@
 // compute, bucket packing, compression and all-reduce, the optimizer. Recording is on when
 // GRADSYNC_TIMELINE names the file to write (and costs nothing measurable otherwise).
 //
-//   { gradsync::timeline::Span s("forward", "compute"); model.forward(...); }
-//   ...
+// Example:
+//   {
+//     gradsync::timeline::Span span("forward", "compute");  // until it goes out of scope
+//     forward();
+//   }
 //   gradsync::timeline::write(*ctx);  // collective: rank 0 writes every rank's events
 #pragma once
 
