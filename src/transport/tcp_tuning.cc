@@ -1,5 +1,5 @@
 // Settings of the tcp transport that depend on the host and may be overridden through
-// TcpOptions (Options::tcp_*, GRADSYNC_TCP_*): socket options and how long waiting callers poll.
+// TcpOptions (from Options::tcp_*): socket options and how long waiting callers poll.
 #include "transport/tcp_tuning.h"
 
 #include <netinet/in.h>
