@@ -141,7 +141,7 @@ TEST(Env, GarbageIsNamed) {
   expect_error({{"GRADSYNC_ALGO", "fastest"}}, "GRADSYNC_ALGO='fastest'");
   expect_error({{"MASTER_PORT", "70000"}}, "MASTER_PORT 70000");
   expect_error({{"GRADSYNC_TOPOLOGY", "@/nonexistent/topology"}},
-               "GRADSYNC_TOPOLOGY=@/nonexistent/topology: cannot read the file");
+               "GRADSYNC_TOPOLOGY='@/nonexistent/topology' is not groups like");
 }
 
 // GRADSYNC_TOPOLOGY gives the groups inline, or in a file after '@' (one line per group);

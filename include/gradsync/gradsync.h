@@ -22,7 +22,9 @@
 namespace gradsync {
 
 // Explicit options override the environment (which follows torchrun, mpirun, PMI and srun).
-// A field left at its default is taken from the environment, then from the default.
+// A field left at its default is taken from the environment, then from the default. Every
+// GRADSYNC_* variable, with its default, is in README's knob table; the ones without a field
+// here are process-wide.
 struct Options {
   int rank = -1;            // RANK | OMPI_COMM_WORLD_RANK | PMI_RANK | SLURM_PROCID
   int size = -1;            // WORLD_SIZE | OMPI_COMM_WORLD_SIZE | PMI_SIZE | SLURM_NTASKS
@@ -44,6 +46,29 @@ struct Options {
   // must repeat another bit for bit passes the other's: they decide the algorithms, and so
   // how float32 sums round.
   std::string cost_model;
+  // GRADSYNC_HOST_ID: ranks with the same id share memory. Default: this host's name, boot id
+  // and network namespace.
+  std::string host_id;
+  // GRADSYNC_SOCKET_IFNAME: the network interface whose address every socket of this rank
+  // binds to and advertises (the store rank 0 hosts included), like NCCL_SOCKET_IFNAME.
+  // Default: listen on every interface. Takes precedence over socket_addr.
+  std::string socket_ifname;
+  // GRADSYNC_SOCKET_ADDR: the address the tcp transport advertises to peers. Default: this
+  // host's address on the route to master_addr.
+  std::string socket_addr;
+  // GRADSYNC_TCP_LIVENESS_S: a peer whose host stops answering (no FIN or RST ever comes) is
+  // declared lost after about this many seconds; 0: never (then only the timeout ends such a
+  // wait). Default 15.
+  int tcp_liveness_s = -1;
+  // GRADSYNC_TCP_SOCKBUF_BYTES: SO_SNDBUF and SO_RCVBUF of every tcp connection. Default 0:
+  // the kernel's autotuning, which may grow buffers past what an explicit size may.
+  int tcp_socket_buffer_bytes = -1;
+  // GRADSYNC_TCP_SPIN_US: how long a caller waiting on tcp polls its sockets before it sleeps
+  // in poll(); 0: sleep at once. Default 50, or 100 yielding the core when ranks share cores.
+  int tcp_spin_us = -1;
+  // GRADSYNC_SHM_SPIN_US: how long an idle shared-memory waiter looks for progress before it
+  // sleeps on its futex; 0: sleep at once. Default 20, or 100 yielding when ranks share cores.
+  int shm_spin_us = -1;
 };
 
 // Per-call settings; a field left at its default takes the context's.

@@ -1,13 +1,16 @@
-// Reads the launch environment of torchrun, mpirun, PMI and srun into Options.
+// Reads the launch environment of torchrun, mpirun, PMI and srun, and the GRADSYNC_* knobs,
+// into Options.
 #include "core/env.h"
 
 #include <charconv>
-#include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <mutex>
-#include <set>
+#include <limits>
 #include <sstream>
+
+#include "core/knobs.h"
+#include "cost/cost_model.h"
+#include "kernels/kernels.h"
 
 namespace gradsync::env {
 
@@ -32,15 +35,36 @@ std::optional<long long> first_int(const std::vector<const char*>& names) {
   return std::nullopt;
 }
 
-void log_override(const char* name, const std::string& value) {
-  static std::mutex mu;
-  static std::set<std::string> logged;
-  std::lock_guard lock(mu);
-  if (!logged.insert(name).second) return;
-  if (auto r = get("RANK"); r && *r != "0") return;
-  if (get("GRADSYNC_QUIET")) return;
-  std::fprintf(stderr, "gradsync: %s=%s (from environment)\n", name, value.c_str());
+namespace {
+
+// A text knob: the explicit field if set, else the variable.
+void take_text(std::string& field, const char* knob) {
+  if (field.empty()) field = knobs::text(knob).value_or("");
 }
+
+// A count knob whose field is unset below 0: the explicit field if set, else the variable.
+void take_count(int& field, const char* knob) {
+  if (field >= 0) return;
+  if (auto v = knobs::integer(knob, 0, std::numeric_limits<int>::max())) {
+    field = static_cast<int>(*v);
+  }
+}
+
+// GRADSYNC_TOPOLOGY: the groups inline, or after '@' the file that holds them.
+std::string topology_from_environment(int rank) {
+  auto spec = knobs::text("GRADSYNC_TOPOLOGY");
+  if (!spec || !spec->starts_with('@')) return spec.value_or("");
+  std::ifstream file(spec->substr(1));
+  std::stringstream text;
+  text << file.rdbuf();
+  if (!file || text.str().empty()) {
+    Error e = knobs::refusal("GRADSYNC_TOPOLOGY", *spec, "cannot read the file " + spec->substr(1));
+    throw Error(e.kind(), e.detail(), rank);
+  }
+  return text.str();
+}
+
+}  // namespace
 
 Options resolve(const Options& in) {
   Options o = in;
@@ -60,45 +84,38 @@ Options resolve(const Options& in) {
                       -1);
   if (o.master_addr.empty()) o.master_addr = get("MASTER_ADDR").value_or("127.0.0.1");
   o.master_port = pick(o.master_port, {"MASTER_PORT"}, 29500);
-  if (o.token.empty()) o.token = get("GRADSYNC_TOKEN").value_or("");
-  if (o.topology.empty()) {
-    if (auto t = get("GRADSYNC_TOPOLOGY")) {
-      log_override("GRADSYNC_TOPOLOGY", *t);
-      o.topology = *t;
-      if (t->starts_with('@')) {  // @path: the groups are in a file, one line per group
-        std::ifstream file(t->substr(1));
-        std::stringstream text;
-        text << file.rdbuf();
-        if (!file || text.str().empty()) {
-          throw Error(ErrorKind::kInvalidArgument,
-                      "GRADSYNC_TOPOLOGY=" + *t + ": cannot read the file " + t->substr(1), o.rank);
-        }
-        o.topology = text.str();
-      }
-    }
-  }
-  if (o.transport.empty()) {
-    if (auto t = get("GRADSYNC_TRANSPORT")) {
-      o.transport = *t;
-      log_override("GRADSYNC_TRANSPORT", *t);
-    }
-  }
+
+  take_text(o.token, "GRADSYNC_TOKEN");
+  const bool transport_from_environment = o.transport.empty();
+  take_text(o.transport, "GRADSYNC_TRANSPORT");
+  if (o.topology.empty()) o.topology = topology_from_environment(o.rank);
   if (o.algorithm == Algorithm::kAuto) {
-    if (auto a = get("GRADSYNC_ALGO")) {
+    if (auto a = knobs::text("GRADSYNC_ALGO")) {
       auto parsed = parse_algorithm(*a);
-      if (!parsed) {
-        throw Error(ErrorKind::kInvalidArgument,
-                    "GRADSYNC_ALGO='" + *a + "' is not one of auto, ring, rd, hd, ps, shm");
-      }
+      if (!parsed) throw knobs::refusal("GRADSYNC_ALGO", *a);
       o.algorithm = *parsed;
-      log_override("GRADSYNC_ALGO", *a);
     }
   }
   if (o.timeout.count() <= 0) {
-    auto t = first_int({"GRADSYNC_TIMEOUT"});
-    if (t) log_override("GRADSYNC_TIMEOUT", std::to_string(*t));
-    o.timeout = std::chrono::milliseconds(t && *t > 0 ? *t : 300000);
+    auto t = knobs::integer("GRADSYNC_TIMEOUT", 1, std::numeric_limits<long long>::max());
+    o.timeout = t ? std::chrono::milliseconds(*t) : kDefaultTimeout;
   }
+  if (o.cost_model.empty()) {
+    o.cost_model = knobs::text("GRADSYNC_COST_MODEL").value_or("");
+    if (!o.cost_model.empty() && !cost::CostModel::parse(o.cost_model)) {
+      throw knobs::refusal("GRADSYNC_COST_MODEL", o.cost_model);
+    }
+  }
+  take_text(o.host_id, "GRADSYNC_HOST_ID");
+  take_text(o.socket_ifname, "GRADSYNC_SOCKET_IFNAME");
+  take_text(o.socket_addr, "GRADSYNC_SOCKET_ADDR");
+  take_count(o.tcp_liveness_s, "GRADSYNC_TCP_LIVENESS_S");
+  take_count(o.tcp_socket_buffer_bytes, "GRADSYNC_TCP_SOCKBUF_BYTES");
+  take_count(o.tcp_spin_us, "GRADSYNC_TCP_SPIN_US");
+  take_count(o.shm_spin_us, "GRADSYNC_SHM_SPIN_US");
+  // The process-wide knob the library reads lazily, in the kernels: a bad value fails here,
+  // where an error is expected, rather than in the first collective.
+  kernels::isa_name();
 
   if (o.size < 1) {
     throw Error(ErrorKind::kInvalidArgument,
@@ -110,6 +127,7 @@ Options resolve(const Options& in) {
         "rank " + std::to_string(o.rank) + " is outside world size " + std::to_string(o.size));
   }
   if (!o.transport.empty() && o.transport != "shm" && o.transport != "tcp") {
+    if (transport_from_environment) throw knobs::refusal("GRADSYNC_TRANSPORT", o.transport);
     throw Error(ErrorKind::kInvalidArgument,
                 "transport '" + o.transport + "' is not one of shm, tcp", o.rank);
   }

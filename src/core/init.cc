@@ -26,7 +26,6 @@ namespace {
 // What makes two ranks "the same host" for shared memory: hostname, kernel boot and
 // network namespace (namespaces stand in for hosts in the multi-host tests).
 std::string host_identity() {
-  if (auto forced = env::get("GRADSYNC_HOST_ID")) return *forced;
   char name[256] = {};
   ::gethostname(name, sizeof name - 1);
   std::string boot;
@@ -54,14 +53,17 @@ std::unique_ptr<Context> init(const Options& given) {
   std::unique_ptr<TcpStoreServer> server;
   const auto timeout = o.timeout;
   if (!store && o.size == 1) store = make_inproc_store();
-  // GRADSYNC_SOCKET_IFNAME (like NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME) pins every socket
-  // of this rank, the store rank 0 hosts included, to one interface's address.
+  // Options::socket_ifname (GRADSYNC_SOCKET_IFNAME, like NCCL_SOCKET_IFNAME) pins every
+  // socket of this rank, the store rank 0 hosts included, to one interface's address.
   std::string socket_addr;
-  if (auto ifname = env::get("GRADSYNC_SOCKET_IFNAME")) {
+  if (!o.socket_ifname.empty()) {
     try {
-      socket_addr = net::interface_address(*ifname);
+      socket_addr = net::interface_address(o.socket_ifname);
     } catch (const Error& e) {
-      throw Error(e.kind(), e.detail(), o.rank, Error::kNoPeer, "init");
+      const std::string source =
+          given.socket_ifname.empty() ? "GRADSYNC_SOCKET_IFNAME" : "Options::socket_ifname";
+      throw Error(e.kind(), source + "='" + o.socket_ifname + "': " + e.detail(), o.rank,
+                  Error::kNoPeer, "init");
     }
   }
   if (!store) {
@@ -74,7 +76,8 @@ std::unique_ptr<Context> init(const Options& given) {
   const std::string prefix = "gradsync/" + std::to_string(next_context_generation(o.rank)) + "/";
 
   // Host discovery: ranks with the same identity share memory.
-  store->set(prefix + "host/" + std::to_string(o.rank), to_bytes(host_identity()));
+  store->set(prefix + "host/" + std::to_string(o.rank),
+             to_bytes(o.host_id.empty() ? host_identity() : o.host_id));
   std::vector<std::string> hosts;
   for (int r = 0; r < o.size; ++r) {
     hosts.push_back(to_string(store->get(prefix + "host/" + std::to_string(r), timeout)));
@@ -104,8 +107,10 @@ std::unique_ptr<Context> init(const Options& given) {
   }
   if (o.size > 1) {
     if (use_shm && local_group.size() > 1) {
+      transport::ShmOptions shm;
+      shm.spin_us = o.shm_spin_us;
       transports.push_back(transport::make_shm_transport(*store, prefix + "shm", o.rank, o.size,
-                                                         local_group, topts, timeout));
+                                                         local_group, topts, timeout, shm));
       for (int r : local_group) {
         if (r != o.rank) {
           route[static_cast<std::size_t>(r)] = 0;
@@ -118,10 +123,13 @@ std::unique_ptr<Context> init(const Options& given) {
       std::vector<int> everyone(static_cast<std::size_t>(o.size));
       for (int r = 0; r < o.size; ++r) everyone[static_cast<std::size_t>(r)] = r;
       transport::TcpOptions tcp;
+      if (o.tcp_liveness_s >= 0) tcp.liveness_s = o.tcp_liveness_s;
+      if (o.tcp_socket_buffer_bytes >= 0) tcp.socket_buffer_bytes = o.tcp_socket_buffer_bytes;
+      tcp.spin_us = o.tcp_spin_us;
       if (!socket_addr.empty()) {
         tcp.bind_addr = tcp.advertise_addr = socket_addr;
-      } else if (auto addr = env::get("GRADSYNC_SOCKET_ADDR")) {
-        tcp.advertise_addr = *addr;
+      } else if (!o.socket_addr.empty()) {
+        tcp.advertise_addr = o.socket_addr;
       } else if (!o.master_addr.empty()) {
         // Peers reach us the way we reach the rendezvous host: through the interface the
         // routing table picks for it (a host name may resolve to an address on another

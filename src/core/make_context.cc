@@ -150,10 +150,11 @@ collectives::Topology agreed_topology(Context::Impl& impl, const Options& option
     std::string error;
     auto groups = collectives::parse_topology(options.topology, impl.size, &error);
     if (!groups) {
-      Error e(
-          ErrorKind::kInvalidArgument,
-          "topology '" + options.topology + "' is not like \"0,2;1,3\" (every rank once): " + error,
-          impl.rank, Error::kNoPeer, "init");
+      const std::string what =
+          "topology '" + options.topology + "' (Options::topology or GRADSYNC_TOPOLOGY)";
+      Error e(ErrorKind::kInvalidArgument,
+              what + " is not like \"0,2;1,3\" (every rank once): " + error, impl.rank,
+              Error::kNoPeer, "init");
       impl.transport->abort(e.what());  // the others would wait for us in the check below
       throw e;
     }
@@ -207,25 +208,20 @@ std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> tran
   impl->size = transport->size();
   impl->local_rank = options.local_rank >= 0 ? options.local_rank : impl->rank;
   impl->local_size = options.local_size >= 0 ? options.local_size : impl->size;
-  impl->timeout = options.timeout.count() > 0 ? options.timeout : std::chrono::milliseconds(300000);
+  impl->timeout = options.timeout.count() > 0 ? options.timeout : env::kDefaultTimeout;
   impl->forced_algorithm = options.algorithm;
   for (int p = 0; p < impl->size; ++p) {
     impl->peer_transport.push_back(p == impl->rank ? "self" : transport->name());
   }
   impl->transport = std::move(transport);
   impl->topology = agreed_topology(*impl, options, host_of);
-  if (!cost) {
-    std::optional<std::string> spec = env::get("GRADSYNC_COST_MODEL");
-    if (!options.cost_model.empty()) spec = options.cost_model;
-    if (spec) {
-      cost = cost::CostModel::parse(*spec);
-      if (!cost) {
-        throw Error(
-            ErrorKind::kInvalidArgument,
-            "cost model '" + *spec + "' is not like alpha_us=3,bandwidth_gbps=8,reduce_gbps=20",
-            impl->rank);
-      }
-      if (options.cost_model.empty()) env::log_override("GRADSYNC_COST_MODEL", *spec);
+  if (!cost && !options.cost_model.empty()) {  // init() has read GRADSYNC_COST_MODEL into it
+    cost = cost::CostModel::parse(options.cost_model);
+    if (!cost) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "cost model '" + options.cost_model +
+                      "' is not like alpha_us=3,bandwidth_gbps=8,reduce_gbps=20",
+                  impl->rank);
     }
   }
   if (!cost && impl->size > 1) {

@@ -19,11 +19,10 @@
 #include <atomic>
 #include <bit>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
+#include "core/knobs.h"
 #include "gradsync/error.h"
 #include "kernels/kernels_avx2.h"
 
@@ -460,16 +459,13 @@ bool cpu_has_avx2_f16c_fma() {
 Cpu detect() {
   Cpu c;
   c.has_avx2 = cpu_has_avx2_f16c_fma();
-  if (const char* v = std::getenv("GRADSYNC_KERNELS_ISA"); v != nullptr && *v != '\0') {
-    // Read on first kernel use, where throwing would surprise; a bad value is reported
-    // and ignored instead.
-    const std::string s(v);
-    if (s == "scalar") {
+  // Read on first kernel use; init() reads it first (env::resolve), so a bad value fails a
+  // program there rather than in a collective.
+  if (auto isa = knobs::text("GRADSYNC_KERNELS_ISA")) {
+    if (*isa == "scalar") {
       c.env_scalar = true;
-      std::fprintf(stderr, "gradsync: GRADSYNC_KERNELS_ISA=scalar (default auto)\n");
-    } else if (s != "auto") {
-      std::fprintf(stderr, "gradsync: ignoring GRADSYNC_KERNELS_ISA=%s (expected auto or scalar)\n",
-                   v);
+    } else if (*isa != "auto") {
+      throw knobs::refusal("GRADSYNC_KERNELS_ISA", *isa);
     }
   }
   return c;

@@ -234,7 +234,7 @@ std::string interface_address(const std::string& name) {
   ::freeifaddrs(list);
   if (found.empty()) {
     throw Error(ErrorKind::kInvalidArgument,
-                "GRADSYNC_SOCKET_IFNAME='" + name + "': no such interface with an IPv4 address (" +
+                "no interface " + name + " with an IPv4 address (" +
                     (seen.empty() ? std::string("none has one") : "interfaces: " + seen) + ")");
   }
   return found;

@@ -60,7 +60,7 @@ std::string default_advertise_address(const std::string& bind_addr);
 // host name resolves to. Empty if the host does not resolve or no route leads there.
 std::string local_address_toward(const std::string& host, int port);
 
-// The IPv4 address of network interface `name` (as GRADSYNC_SOCKET_IFNAME names it). Throws
+// The IPv4 address of network interface `name` (as Options::socket_ifname names it). Throws
 // Error(kInvalidArgument) naming the interface and listing those that have one.
 std::string interface_address(const std::string& name);
 

@@ -4,7 +4,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -12,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/knobs.h"
 #include "gradsync/error.h"
 
 namespace gradsync::timeline {
@@ -42,10 +42,7 @@ std::atomic<bool>& forced() {
 }
 
 const std::string& env_path() {
-  static const std::string path = [] {
-    const char* p = std::getenv("GRADSYNC_TIMELINE");
-    return std::string(p ? p : "");
-  }();
+  static const std::string path = knobs::text("GRADSYNC_TIMELINE").value_or("");
   return path;
 }
 

@@ -56,8 +56,9 @@ class ShmTransport final : public Transport {
       : group_(rank, world_size, std::move(group), std::move(options)), arena_(group_) {}
 
   // Collective setup; see make_shm_transport.
-  void connect(Store& store, const std::string& key_prefix, std::chrono::milliseconds timeout) {
-    group_.connect(store, key_prefix, timeout);
+  void connect(Store& store, const std::string& key_prefix, std::chrono::milliseconds timeout,
+               const ShmOptions& shm) {
+    group_.connect(store, key_prefix, timeout, shm);
   }
 
   int rank() const override { return group_.rank; }
@@ -399,7 +400,8 @@ void ShmRequest::wait(Clock::time_point deadline) {
 std::unique_ptr<Transport> make_shm_transport(Store& store, const std::string& key_prefix, int rank,
                                               int world_size, const std::vector<int>& group,
                                               const TransportOptions& options,
-                                              std::chrono::milliseconds timeout) {
+                                              std::chrono::milliseconds timeout,
+                                              const ShmOptions& shm) {
   auto invalid = [&](const std::string& why) {
     return Error(ErrorKind::kInvalidArgument, why, rank, Error::kNoPeer, "shm transport setup");
   };
@@ -416,7 +418,7 @@ std::unique_ptr<Transport> make_shm_transport(Store& store, const std::string& k
     throw invalid("group does not contain this rank");
   }
   auto transport = std::make_unique<shm::ShmTransport>(rank, world_size, group, options);
-  transport->connect(store, key_prefix, timeout);
+  transport->connect(store, key_prefix, timeout, shm);
   return transport;
 }
 

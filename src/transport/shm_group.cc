@@ -16,21 +16,6 @@ namespace gradsync::transport::shm {
 
 using namespace std::chrono_literals;
 
-namespace {
-
-// GRADSYNC_SHM_SPIN_US: microseconds an idle waiter looks for progress before it sleeps on
-// its futex; -1 when unset (the defaults in shm_group.h apply).
-long spin_us_setting() {
-  static const long value = tuning_setting("GRADSYNC_SHM_SPIN_US",
-                                           std::to_string(kSpinBeforeSleep.count()) + ", or " +
-                                               std::to_string(kOversubscribedMessageSpin.count()) +
-                                               " yielding when ranks share cores")
-                                .value_or(-1);
-  return value;
-}
-
-}  // namespace
-
 ShmGroup::ShmGroup(int this_rank, int world_ranks, std::vector<int> group_ranks,
                    TransportOptions transport_options)
     : rank(this_rank),
@@ -79,7 +64,7 @@ void ShmGroup::fail_aborted(std::uint32_t state, int peer) {
 }
 
 void ShmGroup::connect(Store& store, const std::string& key_prefix,
-                       std::chrono::milliseconds timeout) {
+                       std::chrono::milliseconds timeout, const ShmOptions& shm) {
   const auto deadline = Clock::now() + timeout;
   auto remaining = [&] {
     return std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
@@ -160,9 +145,7 @@ void ShmGroup::connect(Store& store, const std::string& key_prefix,
     message_spin = kOversubscribedMessageSpin;
     arena_spin = kOversubscribedArenaSpin;
   }
-  if (long us = spin_us_setting(); us >= 0) {
-    message_spin = arena_spin = std::chrono::microseconds(us);
-  }
+  if (shm.spin_us >= 0) message_spin = arena_spin = std::chrono::microseconds(shm.spin_us);
   group_control = &mappings[0]->header().group;
   link_by_member.assign(static_cast<std::size_t>(group_size), nullptr);
   for (const MappingPtr& m : mappings) {

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "gradsync/store.h"
+#include "transport/shm.h"
 #include "transport/shm_layout.h"
 #include "transport/shm_segment.h"
 #include "transport/transport.h"
@@ -44,7 +45,8 @@ constexpr std::chrono::milliseconds kLivenessInterval{50};
 // between looks (sched_yield, as Open MPI does when oversubscribed) for these long before
 // sleeping: a yield costs nothing when the core has nothing else to run, and a futex
 // wake-up (5-10 us, twice per message when both sides sleep) is what dominates small
-// messages. GRADSYNC_SHM_SPIN_US overrides both spins (and kSpinBeforeSleep).
+// messages. ShmOptions::spin_us (GRADSYNC_SHM_SPIN_US) overrides both spins (and
+// kSpinBeforeSleep).
 constexpr std::chrono::microseconds kOversubscribedMessageSpin{100};
 constexpr std::chrono::microseconds kOversubscribedArenaSpin{100};
 
@@ -132,7 +134,8 @@ class ShmGroup {
   ShmGroup& operator=(const ShmGroup&) = delete;
 
   // Collective setup: see make_shm_transport.
-  void connect(Store& store, const std::string& key_prefix, std::chrono::milliseconds timeout);
+  void connect(Store& store, const std::string& key_prefix, std::chrono::milliseconds timeout,
+               const ShmOptions& shm);
 
   // Any thread: records the first abort's reason for the whole group, then wakes every rank so
   // each notices at once.

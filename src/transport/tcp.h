@@ -16,6 +16,10 @@ namespace gradsync::transport {
 struct TcpOptions {
   std::string bind_addr = "0.0.0.0";  // address to listen on
   std::string advertise_addr;         // address peers dial; default: this host's address
+  // Tuning, from Options::tcp_* (see tcp_tuning.cc for why these defaults).
+  int liveness_s = 15;          // a peer whose host stops answering is lost after this; 0: never
+  int socket_buffer_bytes = 0;  // SO_SNDBUF and SO_RCVBUF; 0: the kernel's autotuning
+  int spin_us = -1;             // how long a waiter polls before poll(); -1: see choose_spin
 };
 
 // Collective call over the ranks in `group` (global ranks, sorted, including `rank`).

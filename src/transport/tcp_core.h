@@ -428,6 +428,7 @@ class Core {
   const int world_size_;
   const TransportOptions options_;
   std::string address_;  // written before the loop starts, then read-only
+  TcpOptions tcp_;       // as start() was given it; then read-only
 
   // Declared before everything that holds its buffers (peers_, and the receive ops the
   // peers hold), so it is destroyed after them.

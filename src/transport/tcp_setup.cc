@@ -64,6 +64,7 @@ Core::~Core() {
 }
 
 void Core::start(const TcpOptions& tcp) {
+  tcp_ = tcp;
   listener_ = net::listen_tcp(tcp.bind_addr, 0, /*nonblocking=*/true);
   std::string host = tcp.advertise_addr.empty() ? net::default_advertise_address(tcp.bind_addr)
                                                 : tcp.advertise_addr;
@@ -80,7 +81,7 @@ void Core::start(const TcpOptions& tcp) {
 // hello comes back.
 void Core::attach_dialed(int peer, net::Fd fd, const std::string& address) {
   net::set_nonblocking(fd.get());
-  tune_socket(fd.get());
+  tune_socket(fd.get(), tcp_);
   std::unique_lock lk(mu_);
   Peer& p = *peers_[static_cast<std::size_t>(peer)];
   p.address = address;
@@ -144,7 +145,7 @@ void Core::choose_spin_locked() {
   for (auto& p : peers_) {
     if (p && host_of(p->address) == mine) ++local;
   }
-  const SpinPolicy policy = choose_spin(local);
+  const SpinPolicy policy = choose_spin(local, tcp_.spin_us);
   spin_yield_ = policy.yield;
   spin_ = policy.duration;
 }
@@ -261,7 +262,7 @@ std::string Core::promote(Pending& pc, const frame::Hello& h) {
     return "rank " + std::to_string(h.rank) + " should be dialed, not dial";
   Peer& p = *peers_[h.rank];
   if (p.fd >= 0) return "rank " + std::to_string(h.rank) + " is already connected";
-  tune_socket(pc.fd.get());
+  tune_socket(pc.fd.get(), tcp_);
   // Re-register under the peer's id (the pending id dies with the Pending entry).
   ::epoll_ctl(epoll_.get(), EPOLL_CTL_DEL, pc.fd.get(), nullptr);
   if (!try_epoll_add(pc.fd.get(), kPeerIdBase + h.rank, EPOLLIN)) return "epoll_ctl failed";

@@ -3,9 +3,7 @@
 
 #include <sched.h>
 
-#include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -62,14 +60,6 @@ unsigned usable_cores() {
   CPU_ZERO(&set);
   if (::sched_getaffinity(0, sizeof set, &set) == 0) return static_cast<unsigned>(CPU_COUNT(&set));
   return std::thread::hardware_concurrency();
-}
-
-std::optional<long> tuning_setting(const char* name, const std::string& default_note) {
-  const char* s = std::getenv(name);
-  if (!s || !*s) return std::nullopt;
-  const long v = std::max(std::atol(s), 0L);
-  std::fprintf(stderr, "gradsync: %s=%ld (default %s)\n", name, v, default_note.c_str());
-  return v;
 }
 
 }  // namespace gradsync::transport

@@ -99,9 +99,4 @@ std::string default_format_tag(const Tag& tag);
 // rank yields its core instead of spinning on it.
 unsigned usable_cores();
 
-// A transport tuning variable from the environment (GRADSYNC_TCP_SPIN_US...): nullopt if unset
-// or empty, else its value (negative read as 0), reported once on stderr with `default_note`
-// so a run's output shows what was overridden. Callers read it once (a function static).
-std::optional<long> tuning_setting(const char* name, const std::string& default_note);
-
 }  // namespace gradsync::transport

@@ -1,0 +1,149 @@
+// The knob registry (see knobs.h): the rows, and reading, validating and logging a variable.
+#include "core/knobs.h"
+
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+
+namespace gradsync::knobs {
+
+namespace {
+
+using enum Scope;
+
+// README's knob table shows these rows (name, setter, default); tests/knobs_test.cc keeps
+// the two in step. Keep the rows sorted by name.
+constexpr Knob kKnobs[] = {
+    {"GRADSYNC_ALGO", "auto", "one of auto, ring, rd, hd, ps, shm, hier", "Options::algorithm",
+     "The all-reduce algorithm of every call; auto: the cost model's choice per call.", kContext},
+    {"GRADSYNC_COST_MODEL", "measured at start-up",
+     "a cost model like alpha_us=0.4,bandwidth_gbps=18 (as Context::cost_model() prints it)",
+     "Options::cost_model",
+     "The cost model's constants instead of a start-up measurement; a run that must repeat "
+     "another bit for bit passes the other's.",
+     kContext},
+    {"GRADSYNC_HOST_ID", "hostname, boot id and network namespace", "any text", "Options::host_id",
+     "Ranks with the same id are one host: they use shared memory.", kContext},
+    {"GRADSYNC_KERNELS_ISA", "auto", "one of auto, scalar",
+     "none: process-wide (one set of kernels serves every context)",
+     "scalar: never use the AVX2 kernels.", kProcess},
+    {"GRADSYNC_QUIET", "unset", "any value", "none: process-wide (it silences the log itself)",
+     "Set: no line on stderr for variables the environment sets.", kProcess},
+    {"GRADSYNC_SHM_SPIN_US", "20, or 100 yielding when ranks share cores",
+     "an integer >= 0 (microseconds)", "Options::shm_spin_us",
+     "How long an idle shared-memory waiter looks for progress before it sleeps; 0: at once.",
+     kContext},
+    {"GRADSYNC_SOCKET_ADDR", "the local address that routes to MASTER_ADDR",
+     "an address peers can dial", "Options::socket_addr",
+     "The address the tcp transport advertises to peers (it listens on all); "
+     "GRADSYNC_SOCKET_IFNAME takes precedence.",
+     kContext},
+    {"GRADSYNC_SOCKET_IFNAME", "unset: every interface", "a network interface with an IPv4 address",
+     "Options::socket_ifname",
+     "The interface whose address every socket binds to and advertises, the store's included "
+     "(like NCCL_SOCKET_IFNAME).",
+     kContext},
+    {"GRADSYNC_TCP_LIVENESS_S", "15", "an integer >= 0 (seconds)", "Options::tcp_liveness_s",
+     "A peer whose host stops answering is declared lost after about this long; 0: never.",
+     kContext},
+    {"GRADSYNC_TCP_SOCKBUF_BYTES", "0", "an integer >= 0 (bytes)",
+     "Options::tcp_socket_buffer_bytes",
+     "SO_SNDBUF and SO_RCVBUF of every connection; 0: the kernel's autotuning.", kContext},
+    {"GRADSYNC_TCP_SPIN_US", "50, or 100 yielding when ranks share cores",
+     "an integer >= 0 (microseconds)", "Options::tcp_spin_us",
+     "How long a waiting caller polls its sockets before it sleeps in poll(); 0: at once.",
+     kContext},
+    {"GRADSYNC_TIMELINE", "unset: no timeline", "a file path",
+     "none: process-wide; timeline::enable() and timeline::write(ctx, path)",
+     "Records a Chrome-trace timeline; timeline::write() writes it to this file.", kProcess},
+    {"GRADSYNC_TIMEOUT", "300000", "an integer >= 1 (milliseconds)", "Options::timeout",
+     "The deadline of every blocking wait, setup included.", kContext},
+    {"GRADSYNC_TOKEN", "unset: no secret", "any text", "Options::token",
+     "The job's secret every connection presents (gradsync-run sets one); never logged.", kContext,
+     false},
+    {"GRADSYNC_TOPOLOGY", "the ranks of each host",
+     "groups like 0,2;1,3 (every rank once), or @file with a group a line", "Options::topology",
+     "Groups of ranks the ring keeps together, where host detection cannot see them; the same "
+     "on every rank.",
+     kContext},
+    {"GRADSYNC_TRANSPORT", "shm within a host, tcp across", "one of shm, tcp", "Options::transport",
+     "The transport between every two ranks.", kContext},
+};
+
+std::optional<std::string> from_environment(std::string_view name) {
+  const char* v = std::getenv(std::string(name).c_str());
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+// What the environment held when the process first asked, for Scope::kProcess knobs.
+std::optional<std::string> read_once(std::string_view name) {
+  static std::mutex mu;
+  static std::map<std::string_view, std::optional<std::string>> seen;
+  std::lock_guard lock(mu);
+  auto [it, fresh] = seen.try_emplace(name);
+  if (fresh) it->second = from_environment(name);
+  return it->second;
+}
+
+// The value without logging it: log_override itself needs GRADSYNC_QUIET this way.
+std::optional<std::string> unlogged(const Knob& knob) {
+  return knob.scope == kProcess ? read_once(knob.name) : from_environment(knob.name);
+}
+
+}  // namespace
+
+std::span<const Knob> all() {
+  return kKnobs;
+}
+
+const Knob& find(std::string_view name) {
+  for (const Knob& knob : kKnobs) {
+    if (knob.name == name) return knob;
+  }
+  throw std::logic_error("gradsync: " + std::string(name) +
+                         " is not in the knob registry (src/core/knobs.cc)");
+}
+
+std::optional<std::string> text(std::string_view name) {
+  const Knob& knob = find(name);
+  auto value = unlogged(knob);
+  if (value && knob.logged) log_override(knob.name, *value);
+  return value;
+}
+
+std::optional<long long> integer(std::string_view name, long long min, long long max) {
+  auto value = text(name);
+  if (!value) return std::nullopt;
+  long long n = 0;
+  const char* end = value->data() + value->size();
+  auto [ptr, ec] = std::from_chars(value->data(), end, n);
+  if (ec != std::errc() || ptr != end || n < min || n > max) throw refusal(name, *value);
+  return n;
+}
+
+Error refusal(std::string_view name, const std::string& value, const std::string& detail) {
+  const Knob& knob = find(name);
+  return Error(ErrorKind::kInvalidArgument, std::string(knob.name) + "='" + value + "' is not " +
+                                                std::string(knob.accepts) +
+                                                (detail.empty() ? "" : ": " + detail));
+}
+
+void log_override(std::string_view name, const std::string& value) {
+  static std::mutex mu;
+  static std::set<std::string, std::less<>> logged;
+  const Knob& knob = find(name);
+  std::lock_guard lock(mu);
+  if (!logged.insert(std::string(name)).second) return;
+  if (auto rank = from_environment("RANK"); rank && *rank != "0") return;
+  if (unlogged(find("GRADSYNC_QUIET"))) return;
+  const std::string line = "gradsync: " + std::string(knob.name) + "=" + value +
+                           " (from environment; default " + std::string(knob.default_text) + ")\n";
+  std::fputs(line.c_str(), stderr);
+}
+
+}  // namespace gradsync::knobs
