@@ -23,39 +23,42 @@ namespace gradsync {
 
 // Explicit options override the environment (which follows torchrun, mpirun, PMI and srun).
 // A field left at its default is taken from the environment, then from the default. Every
+// field has an initializer, so designated initializers may name just the fields they set:
+// init({.rank = 0, .size = 1}). Every
 // GRADSYNC_* variable, with its default, is in README's knob table; the ones without a field
 // here are process-wide.
 struct Options {
-  int rank = -1;            // RANK | OMPI_COMM_WORLD_RANK | PMI_RANK | SLURM_PROCID
-  int size = -1;            // WORLD_SIZE | OMPI_COMM_WORLD_SIZE | PMI_SIZE | SLURM_NTASKS
-  int local_rank = -1;      // LOCAL_RANK | OMPI_COMM_WORLD_LOCAL_RANK | SLURM_LOCALID
-  int local_size = -1;      // LOCAL_WORLD_SIZE | OMPI_COMM_WORLD_LOCAL_SIZE
-  std::string master_addr;  // MASTER_ADDR (default 127.0.0.1)
-  int master_port = -1;     // MASTER_PORT (default 29500)
-  std::string token;        // GRADSYNC_TOKEN: per-job secret every connection must present
-  std::string transport;  // GRADSYNC_TRANSPORT: "" (auto: shm same host, tcp otherwise) | shm | tcp
+  int rank = -1;              // RANK | OMPI_COMM_WORLD_RANK | PMI_RANK | SLURM_PROCID
+  int size = -1;              // WORLD_SIZE | OMPI_COMM_WORLD_SIZE | PMI_SIZE | SLURM_NTASKS
+  int local_rank = -1;        // LOCAL_RANK | OMPI_COMM_WORLD_LOCAL_RANK | SLURM_LOCALID
+  int local_size = -1;        // LOCAL_WORLD_SIZE | OMPI_COMM_WORLD_LOCAL_SIZE
+  std::string master_addr{};  // MASTER_ADDR (default 127.0.0.1)
+  int master_port = -1;       // MASTER_PORT (default 29500)
+  std::string token{};        // GRADSYNC_TOKEN: per-job secret every connection must present
+  std::string
+      transport{};  // GRADSYNC_TRANSPORT: "" (auto: shm same host, tcp otherwise) | shm | tcp
   Algorithm algorithm = Algorithm::kAuto;  // GRADSYNC_ALGO
   std::chrono::milliseconds timeout{0};    // GRADSYNC_TIMEOUT in ms (default 300000)
-  std::shared_ptr<Store> store;  // rendezvous store; default: TCP store at master_addr:port
+  std::shared_ptr<Store> store{};  // rendezvous store; default: TCP store at master_addr:port
   // GRADSYNC_TOPOLOGY: groups of ranks the ring should keep together, for what host detection
   // cannot see (racks, hosts behind one switch): "0,2;1,3" (groups by ';', ranks by ','; every
   // rank once; the same on every rank). Default: the ranks of each host.
-  std::string topology;
+  std::string topology{};
   // GRADSYNC_COST_MODEL: the cost model's constants as Context::cost_model() prints them
   // ("alpha_us=0.4,bandwidth_gbps=18,..."), instead of measuring them at start-up. A run that
   // must repeat another bit for bit passes the other's: they decide the algorithms, and so
   // how float32 sums round.
-  std::string cost_model;
+  std::string cost_model{};
   // GRADSYNC_HOST_ID: ranks with the same id share memory. Default: this host's name, boot id
   // and network namespace.
-  std::string host_id;
+  std::string host_id{};
   // GRADSYNC_SOCKET_IFNAME: the network interface whose address every socket of this rank
   // binds to and advertises (the store rank 0 hosts included), like NCCL_SOCKET_IFNAME.
   // Default: listen on every interface. Takes precedence over socket_addr.
-  std::string socket_ifname;
+  std::string socket_ifname{};
   // GRADSYNC_SOCKET_ADDR: the address the tcp transport advertises to peers. Default: this
   // host's address on the route to master_addr.
-  std::string socket_addr;
+  std::string socket_addr{};
   // GRADSYNC_TCP_LIVENESS_S: a peer whose host stops answering (no FIN or RST ever comes) is
   // declared lost after about this many seconds; 0: never (then only the timeout ends such a
   // wait). Default 15.
