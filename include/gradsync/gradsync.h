@@ -35,8 +35,8 @@ struct Options {
   std::string master_addr{};  // MASTER_ADDR (default 127.0.0.1)
   int master_port = -1;       // MASTER_PORT (default 29500)
   std::string token{};        // GRADSYNC_TOKEN: per-job secret every connection must present
-  std::string
-      transport{};  // GRADSYNC_TRANSPORT: "" (auto: shm same host, tcp otherwise) | shm | tcp
+  // GRADSYNC_TRANSPORT: "" (auto: shm on one host, tcp otherwise) | shm | tcp
+  std::string transport{};
   Algorithm algorithm = Algorithm::kAuto;  // GRADSYNC_ALGO
   std::chrono::milliseconds timeout{0};    // GRADSYNC_TIMEOUT in ms (default 300000)
   std::shared_ptr<Store> store{};  // rendezvous store; default: TCP store at master_addr:port
