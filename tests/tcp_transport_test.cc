@@ -56,12 +56,13 @@ void run_tcp_group(int n, const TransportOptions& options, const RankBody& body,
 
 INSTANTIATE_TEST_SUITE_P(Tcp, TransportConformance,
                          ::testing::Values(TransportFactory{
-                             "tcp", [](int n, const TransportOptions& o, const RankBody& b) {
-                               run_tcp_group(n, o, b);
-                             }}),
+                             "tcp", [](int n, const TransportOptions& o,
+                                       const RankBody& b) { run_tcp_group(n, o, b); }}),
                          TransportFactoryName);
 
-Clock::time_point soon() { return Clock::now() + 30s; }
+Clock::time_point soon() {
+  return Clock::now() + 30s;
+}
 
 // A raw client socket to `address` ("host:port").
 net::Fd raw_connect(const std::string& address) {
@@ -82,7 +83,8 @@ bool closed_within(int fd, std::chrono::milliseconds limit) {
   return false;
 }
 
-std::vector<std::uint8_t> hello_frame(const std::string& token, std::uint32_t rank, std::uint32_t world) {
+std::vector<std::uint8_t> hello_frame(const std::string& token, std::uint32_t rank,
+                                      std::uint32_t world) {
   auto payload = frame::encode_hello(frame::Hello{rank, world, token, "10.9.9.9:1"});
   return frame::encode_frame(frame::Type::kHello, Tag{}, payload);
 }
@@ -136,7 +138,8 @@ TEST(TcpTransport, StraysWithWrongTokenOrGarbageAreRefusedWithoutDisturbingTheJo
     if (r != 2) {
       while (!strays_done) std::this_thread::sleep_for(5ms);
     }
-    ts[static_cast<std::size_t>(r)] = make_tcp_transport(*store, prefix, r, 3, group, options, loopback(), 20s);
+    ts[static_cast<std::size_t>(r)] =
+        make_tcp_transport(*store, prefix, r, 3, group, options, loopback(), 20s);
   });
   store->set(prefix + "/formed", {});
   stray.join();
@@ -154,7 +157,8 @@ TEST(TcpTransport, StraysWithWrongTokenOrGarbageAreRefusedWithoutDisturbingTheJo
     for (auto& q : reqs) q->wait(soon());
     for (int p = 0; p < 3; ++p) {
       if (p == r) continue;
-      EXPECT_EQ(first_pattern_error(in[static_cast<std::size_t>(p)], static_cast<std::uint64_t>(p * 3 + r)),
+      EXPECT_EQ(first_pattern_error(in[static_cast<std::size_t>(p)],
+                                    static_cast<std::uint64_t>(p * 3 + r)),
                 100000u);
     }
   });
@@ -203,7 +207,8 @@ TEST(TcpTransport, MissingAddressNamesThePeer) {
   TransportOptions options;
   options.token = kToken;
   Error e = expect_error(ErrorKind::kTimeout, [&] {
-    make_tcp_transport(*store, testing::unique_name("absent"), 0, 2, {0, 1}, options, loopback(), 200ms);
+    make_tcp_transport(*store, testing::unique_name("absent"), 0, 2, {0, 1}, options, loopback(),
+                       200ms);
   });
   EXPECT_EQ(e.peer(), 1);
   EXPECT_TRUE(contains(e.what(), "/tcp/1")) << e.what();
@@ -218,8 +223,8 @@ TEST(TcpTransport, SubgroupAddressesPeersByGlobalRank) {
   options.token = kToken;
   std::vector<std::unique_ptr<Transport>> ts(3);
   testing::run_threads(3, [&](int i) {
-    ts[static_cast<std::size_t>(i)] =
-        make_tcp_transport(*store, prefix, group[static_cast<std::size_t>(i)], 5, group, options, loopback(), 20s);
+    ts[static_cast<std::size_t>(i)] = make_tcp_transport(
+        *store, prefix, group[static_cast<std::size_t>(i)], 5, group, options, loopback(), 20s);
   });
   testing::run_threads(3, [&](int i) {
     Transport& t = *ts[static_cast<std::size_t>(i)];
@@ -282,13 +287,14 @@ TEST(TcpTransport, DroppedRequestsKeepTheStreamInStep) {
   // taken at that moment; a receive dropped after a timeout keeps its FIFO slot, and its
   // message is discarded rather than written to the freed buffer.
   constexpr std::size_t kBytes = std::size_t{16} << 20;
+  std::atomic<bool> receive_timed_out{false};
   run_tcp_group(2, {}, [&](int rank, Transport& t) {
     if (rank == 0) {
       auto buf = pattern(1, kBytes);
       t.isend(1, tag_of(1), buf.data(), kBytes).reset();  // dropped at once
       std::fill(buf.begin(), buf.end(), 0xEE);            // must not reach the peer
       Bytes late(1000, 0x42);
-      std::this_thread::sleep_for(300ms);  // after rank 1's receive for it timed out
+      receive_timed_out.wait(false);  // sent only once rank 1's receive for it timed out
       t.isend(1, tag_of(2), late.data(), late.size())->wait(soon());
       int last = 77;
       t.isend(1, tag_of(3), &last, sizeof last)->wait(soon());
@@ -302,6 +308,8 @@ TEST(TcpTransport, DroppedRequestsKeepTheStreamInStep) {
         expect_error(ErrorKind::kTimeout, [&] { r->wait(Clock::now() + 50ms); });
         r.reset();
         dropped.reset();  // freed: the transport must not write here any more
+        receive_timed_out = true;
+        receive_timed_out.notify_all();
       }
       int last = 0;
       t.irecv(0, tag_of(3), &last, sizeof last)->wait(soon());
@@ -313,7 +321,8 @@ TEST(TcpTransport, DroppedRequestsKeepTheStreamInStep) {
 TEST(TcpTransport, TestPollsToCompletion) {
   run_tcp_group(2, {}, [&](int rank, Transport& t) {
     std::uint64_t v = rank == 0 ? 0xABCDEF : 0;
-    RequestPtr r = rank == 0 ? t.isend(1, tag_of(4), &v, sizeof v) : t.irecv(0, tag_of(4), &v, sizeof v);
+    RequestPtr r =
+        rank == 0 ? t.isend(1, tag_of(4), &v, sizeof v) : t.irecv(0, tag_of(4), &v, sizeof v);
     auto end = Clock::now() + 30s;
     while (!r->test()) {
       ASSERT_LT(Clock::now(), end) << "test() never reported completion";
@@ -327,7 +336,8 @@ TEST(TcpTransport, ManySmallMessagesAllToAll) {
   constexpr int kMessages = 2000;
   run_tcp_group(4, {}, [&](int rank, Transport& t) {
     std::vector<std::uint32_t> out(kMessages), in(static_cast<std::size_t>(4 * kMessages));
-    for (int i = 0; i < kMessages; ++i) out[static_cast<std::size_t>(i)] = static_cast<std::uint32_t>(rank * 100000 + i);
+    for (int i = 0; i < kMessages; ++i)
+      out[static_cast<std::size_t>(i)] = static_cast<std::uint32_t>(rank * 100000 + i);
     std::vector<RequestPtr> reqs;
     for (int i = 0; i < kMessages; ++i) {
       for (int p = 0; p < 4; ++p) {
@@ -340,7 +350,8 @@ TEST(TcpTransport, ManySmallMessagesAllToAll) {
     for (int p = 0; p < 4; ++p) {
       if (p == rank) continue;
       for (int i = 0; i < kMessages; ++i) {
-        ASSERT_EQ(in[static_cast<std::size_t>(p * kMessages + i)], static_cast<std::uint32_t>(p * 100000 + i));
+        ASSERT_EQ(in[static_cast<std::size_t>(p * kMessages + i)],
+                  static_cast<std::uint32_t>(p * 100000 + i));
       }
       EXPECT_EQ(t.traffic(p).messages_received, static_cast<std::uint64_t>(kMessages));
     }
@@ -370,7 +381,8 @@ TEST(TcpTransport, AbortInterruptsLargeSendsAndCarriesReason) {
         EXPECT_EQ(e.kind(), ErrorKind::kAborted) << e.what();
       }
       std::vector<unsigned char> never(8);
-      Error e = expect_error(ErrorKind::kAborted, [&] { t.irecv(0, tag_of(9), never.data(), 8)->wait(soon()); });
+      Error e = expect_error(ErrorKind::kAborted,
+                             [&] { t.irecv(0, tag_of(9), never.data(), 8)->wait(soon()); });
       EXPECT_TRUE(contains(e.what(), "numerics exploded")) << e.what();
       EXPECT_TRUE(contains(e.what(), "rank 0")) << e.what();
     }
@@ -384,7 +396,8 @@ TEST(TcpTransport, AbortReachesPeersEvenIfTheAborterExitsAtOnce) {
   options.token = kToken;
   std::vector<std::unique_ptr<Transport>> ts(3);
   testing::run_threads(3, [&](int r) {
-    ts[static_cast<std::size_t>(r)] = make_tcp_transport(*store, prefix, r, 3, {0, 1, 2}, options, loopback(), 20s);
+    ts[static_cast<std::size_t>(r)] =
+        make_tcp_transport(*store, prefix, r, 3, {0, 1, 2}, options, loopback(), 20s);
   });
   testing::run_threads(3, [&](int r) {
     if (r == 0) {
@@ -438,8 +451,9 @@ TEST(TcpTransport, ConsumingReceiveReadsWhereTheBytesLanded) {
       // A mismatched consuming receive fails and never calls the consumer.
       bool called = false;
       expect_error(ErrorKind::kMismatch, [&] {
-        t.irecv_consume(0, tag_of(3), 5, [&](const void*, std::size_t, std::size_t) { called = true; })
-            ->wait(soon());
+        t.irecv_consume(0, tag_of(3), 5, [&](const void*, std::size_t, std::size_t) {
+           called = true;
+         })->wait(soon());
       });
       EXPECT_FALSE(called);
     }
