@@ -29,6 +29,10 @@
 #include "transport/shm_segment.h"
 #include "transport/transport.h"
 
+// Hidden: internals of the library, never called from outside it, like everything in the
+// shm_*.h headers. That also lets GCC inline calls between them under -fPIC, which it does not
+// do for functions a shared library could interpose.
+#pragma GCC visibility push(hidden)
 namespace gradsync::transport::shm {
 
 // ---- Waiting -----------------------------------------------------------------------------
@@ -240,3 +244,4 @@ class ShmGroup {
 };
 
 }  // namespace gradsync::transport::shm
+#pragma GCC visibility pop

@@ -19,6 +19,8 @@
 
 #include "transport/transport.h"
 
+// Hidden, as all shm internals are (see shm_group.h).
+#pragma GCC visibility push(hidden)
 namespace gradsync::transport::shm {
 
 // ---- Geometry ----------------------------------------------------------------------------
@@ -151,3 +153,4 @@ struct Layout {
 };
 
 }  // namespace gradsync::transport::shm
+#pragma GCC visibility pop
