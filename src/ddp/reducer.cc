@@ -88,8 +88,8 @@ struct Reducer::State {
   // first_bucket_bytes, the others up to bucket_bytes. A parameter of at least half the cap
   // gets a bucket of its own: no second one fits beside it, and sharing with a smaller one
   // would hold its all-reduce until that one is ready too (or the smaller one's until it is),
-  // to save one call's latency. On the 14.2 M MLP, fc2's 16 MiB weight waited for fc1's
-  // backward in a shared 22 MiB bucket, and its whole all-reduce ran after backward.
+  // to save one call's latency. A timeline of the benchmarks' MLP showed a large weight held
+  // back this way, its whole all-reduce after backward (docs/performance-notes.md).
   // Gradients already in bucket memory move with their parameter.
   void build(const std::vector<int>& order) {
     std::vector<Bucket> fresh;
@@ -160,8 +160,8 @@ struct Reducer::State {
 
   // Where the caller's gradients of a bucket's parameters tile one range of memory (a model's
   // flat gradient array, bucketed in reverse), the bucket reduces that range in place: no
-  // copy in when a gradient is ready, none out after the reduction (57 MB each way per step
-  // on the 14.2 M MLP). Otherwise the bucket keeps its own memory.
+  // copy in when a gradient is ready, none out after the reduction (the whole gradient each
+  // way per step, docs/performance-notes.md). Otherwise the bucket keeps its own memory.
   void view_if_contiguous(Bucket& b) {
     std::vector<std::span<float>> spans;
     for (int id : b.params) {
@@ -277,8 +277,8 @@ struct Reducer::State {
   compress::ErrorFeedback* feedback;  // the codec, if it is error feedback: its state is ours
   const bool whole_buckets;
   bool warned_small = false, warned_exposed = false;
-  // Calls below this carry too few bytes to amortise a collective's fixed cost (tens of us
-  // per call against ~1 GB/s or more of bandwidth).
+  // Calls below this carry too few bytes to amortise a collective's fixed cost: their bytes
+  // take less time than the call's latency (docs/performance-notes.md).
   static constexpr std::size_t kSmallCallBytes = 64 << 10;
   std::vector<Param> params;
   std::vector<Bucket> buckets;

@@ -10,6 +10,8 @@
 #include "transport/shared_arena.h"
 #include "transport/shm_group.h"
 
+// Hidden, as all shm internals are (see shm_group.h).
+#pragma GCC visibility push(hidden)
 namespace gradsync::transport::shm {
 
 class ShmArena final : public SharedArena {
@@ -42,3 +44,4 @@ class ShmArena final : public SharedArena {
 };
 
 }  // namespace gradsync::transport::shm
+#pragma GCC visibility pop

@@ -29,13 +29,18 @@
 #include "transport/shm_segment.h"
 #include "transport/transport.h"
 
+// Hidden: internals of the library, never called from outside it, like everything in the
+// shm_*.h headers. That also lets GCC inline calls between them under -fPIC, which it does not
+// do for functions a shared library could interpose.
+#pragma GCC visibility push(hidden)
 namespace gradsync::transport::shm {
 
 // ---- Waiting -----------------------------------------------------------------------------
 //
-// An idle waiter spins this long before sleeping on its futex: at full bandwidth a slot
-// arrives every ~8-15 us, so the spin catches back-to-back slots without a system call, yet a
-// rank whose peer is descheduled (4 ranks on 2 cores) gives its core back within 20 us.
+// An idle waiter spins this long before sleeping on its futex: longer than the next slot takes
+// to arrive at full bandwidth (docs/performance-notes.md), so the spin catches back-to-back
+// slots without a system call, yet a rank whose peer is descheduled (4 ranks on 2 cores) gives
+// its core back within 20 us.
 constexpr std::chrono::microseconds kSpinBeforeSleep{20};
 // A sleeping waiter wakes at least this often to look for dead peers, so a peer killed with
 // SIGKILL (which cannot ring a doorbell) is noticed well within a second.
@@ -43,10 +48,10 @@ constexpr std::chrono::milliseconds kLivenessInterval{50};
 // When the group has more ranks than this process has cores, the rank waited for is often
 // descheduled, and every microsecond spun is taken from it. Waiters then yield the core
 // between looks (sched_yield, as Open MPI does when oversubscribed) for these long before
-// sleeping: a yield costs nothing when the core has nothing else to run, and a futex
-// wake-up (5-10 us, twice per message when both sides sleep) is what dominates small
-// messages. ShmOptions::spin_us (GRADSYNC_SHM_SPIN_US) overrides both spins (and
-// kSpinBeforeSleep).
+// sleeping: a yield costs nothing when the core has nothing else to run, and futex wake-ups
+// (twice per message when both sides sleep) are what dominate small messages
+// (docs/performance-notes.md). ShmOptions::spin_us (GRADSYNC_SHM_SPIN_US) overrides both spins
+// (and kSpinBeforeSleep).
 constexpr std::chrono::microseconds kOversubscribedMessageSpin{100};
 constexpr std::chrono::microseconds kOversubscribedArenaSpin{100};
 
@@ -239,3 +244,4 @@ class ShmGroup {
 };
 
 }  // namespace gradsync::transport::shm
+#pragma GCC visibility pop

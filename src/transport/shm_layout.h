@@ -19,20 +19,21 @@
 
 #include "transport/transport.h"
 
+// Hidden, as all shm internals are (see shm_group.h).
+#pragma GCC visibility push(hidden)
 namespace gradsync::transport::shm {
 
 // ---- Geometry ----------------------------------------------------------------------------
 //
-// Ring geometry for small groups: 16 slots of 128 KiB. Measured with 2 processes streaming
-// 256 MiB (and 1 MiB messages) on a 2-core EPYC VM: 8 x 256 KiB, 16 x 128 KiB and 32 x 64 KiB
-// all reach the memory-bandwidth limit (~8.5 GB/s copying out, ~17 GB/s consuming in place),
-// so the choice rests on two other effects. Smaller slots fill the pipeline sooner (the
-// consumer starts after one slot: ~9 us here instead of ~17 us for 256 KiB), which adds up over
-// the 2(N-1) steps of a ring all-reduce; and a slot takes less than kSpinBeforeSleep
-// (shm_group.h) to copy, so a consumer waiting for the next slot catches it while spinning
-// instead of paying a futex wake-up per slot. Many slots let the producer run ahead through
-// scheduling jitter. The whole ring (2 MiB) stays cache-resident (1 MiB L2 per core, 32 MiB
-// L3), so the consumer reads what the producer just wrote from cache, not DRAM.
+// Ring geometry for small groups: 16 slots of 128 KiB. Between two processes streaming large
+// messages, 8 x 256 KiB, 16 x 128 KiB and 32 x 64 KiB all reach the memory-bandwidth limit,
+// copying out and consuming in place alike (docs/performance-notes.md), so the choice rests on
+// two other effects. Smaller slots fill the pipeline sooner (the consumer starts after one
+// slot), which adds up over the 2(N-1) steps of a ring all-reduce; and a slot takes less than
+// kSpinBeforeSleep (shm_group.h) to copy, so a consumer waiting for the next slot catches it
+// while spinning instead of paying a futex wake-up per slot. Many slots let the producer run
+// ahead through scheduling jitter. The whole ring (2 MiB) stays cache-resident (1 MiB L2 per
+// core, 32 MiB L3), so the consumer reads what the producer just wrote from cache, not DRAM.
 constexpr std::uint32_t kSlotCount = 16;
 constexpr std::size_t kMaxSlotBytes = 128 * 1024;
 // Large groups get smaller slots so one rank's inbox stays within kInboxBudgetBytes (shared
@@ -152,3 +153,4 @@ struct Layout {
 };
 
 }  // namespace gradsync::transport::shm
+#pragma GCC visibility pop

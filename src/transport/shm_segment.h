@@ -18,6 +18,8 @@
 
 #include "transport/shm_layout.h"
 
+// Hidden, as all shm internals are (see shm_group.h).
+#pragma GCC visibility push(hidden)
 namespace gradsync::transport::shm {
 
 // ---- Futex doorbell ----------------------------------------------------------------------
@@ -111,3 +113,4 @@ MappingPtr create_segment(const std::string& name, const Layout& layout, int ran
 MappingPtr open_segment(const std::string& name, const Layout& layout, int rank, int owner_rank);
 
 }  // namespace gradsync::transport::shm
+#pragma GCC visibility pop

@@ -45,11 +45,11 @@ void tune_socket(int fd, const TcpOptions& tcp) {
   }
 }
 
-// Polling sees bytes without a wake-up, and a wake-up costs more than a small message (2-core
-// VM, 4 KiB all-reduce: 2 ranks 29 us without polling, 11 us with it). When this host has a
-// core for every local rank of the transport, a waiter polls for kBusySpin; when ranks share
-// cores, for kYieldSpin with sched_yield() between tries, so the ranks sharing the core run
-// meanwhile (as Open MPI does when oversubscribed; 4 ranks on 2 cores: 69 -> 35 us).
+// Polling sees bytes without a wake-up, and a wake-up costs more than a small message's whole
+// exchange (docs/performance-notes.md). When this host has a core for every local rank of the
+// transport, a waiter polls for kBusySpin; when ranks share cores, for kYieldSpin with
+// sched_yield() between tries, so the ranks sharing the core run meanwhile (as Open MPI does
+// when oversubscribed).
 SpinPolicy choose_spin(unsigned local_ranks, int spin_us) {
   SpinPolicy policy;
   policy.yield = local_ranks > usable_cores();
