@@ -1,7 +1,6 @@
 // Codecs against numbers: round-trip bounds per codec, error feedback conserving mass over many
 // steps, state saved and restored by tensor name, and malformed specs and payloads refused
 // with a clear error instead of read out of bounds.
-#include "gradsync/bytes.h"
 #include "gradsync/compress.h"
 
 #include <gtest/gtest.h>
@@ -11,6 +10,7 @@
 #include <limits>
 #include <random>
 
+#include "gradsync/bytes.h"
 #include "gradsync/error.h"
 #include "harness.h"
 #include "kernels/kernels.h"

@@ -185,7 +185,8 @@ void ErrorFeedback::keep_unsent(FeedbackState s, std::span<const std::uint32_t> 
 
 std::span<const float> ErrorFeedback::held_back(const std::string& tensor) const {
   const auto own = owned_.find(tensor);
-  return own == owned_.end() ? std::span<const float>() : std::span<const float>(own->second.residual);
+  return own == owned_.end() ? std::span<const float>()
+                             : std::span<const float>(own->second.residual);
 }
 
 void ErrorFeedback::encode(const Tensor& tensor, std::span<const float> in,

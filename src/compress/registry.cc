@@ -85,16 +85,8 @@ const std::vector<CodecRow>& rows() {
        [](const CodecSpec&, bool feedback) {
          return CodecTraits{Pattern::kFloat32, !kRefusesNonFinite, !feedback};
        }},
-      {"fp16",
-       "fp16",
-       {{"momentum", 0}},
-       make_fp16,
-       half_traits<DataType::kFloat16>},
-      {"bf16",
-       "bf16",
-       {{"momentum", 0}},
-       make_bf16,
-       half_traits<DataType::kBFloat16>},
+      {"fp16", "fp16", {{"momentum", 0}}, make_fp16, half_traits<DataType::kFloat16>},
+      {"bf16", "bf16", {{"momentum", 0}}, make_bf16, half_traits<DataType::kBFloat16>},
       {"int8",
        "int8:block=256",
        {{"block", 256}, {"momentum", 0}},

@@ -49,8 +49,7 @@ void ByteWriter::floats(std::span<const float> f) {
 ByteReader::ByteReader(std::span<const std::uint8_t> in, std::string_view kind,
                        std::uint32_t version, std::string what)
     : in_(in), what_(std::move(what)) {
-  if (in_.size() < kKindBytes + 4 ||
-      std::memcmp(in_.data(), kind.data(), kKindBytes) != 0) {
+  if (in_.size() < kKindBytes + 4 || std::memcmp(in_.data(), kind.data(), kKindBytes) != 0) {
     fail("not one (it starts with '" + printable(in_.first(std::min(in_.size(), kKindBytes))) +
          "', not '" + std::string(kind) + "')");
   }
@@ -98,8 +97,7 @@ std::vector<float> ByteReader::floats() {
 void ByteReader::floats(std::span<float> out) {
   const auto n = get<std::uint64_t>();
   if (n != out.size()) {
-    fail(std::to_string(n) + " floats stored where " + std::to_string(out.size()) +
-         " are wanted");
+    fail(std::to_string(n) + " floats stored where " + std::to_string(out.size()) + " are wanted");
   }
   raw(out.data(), out.size_bytes());
 }

@@ -119,9 +119,9 @@ struct Reducer::State {
       }
       for (int id : bucket.params) {
         Param& p = params[static_cast<std::size_t>(id)];
-        const std::size_t at = bucket.view.empty()
-                                   ? offset
-                                   : static_cast<std::size_t>(p.external.data() - bucket.view.data());
+        const std::size_t at =
+            bucket.view.empty() ? offset
+                                : static_cast<std::size_t>(p.external.data() - bucket.view.data());
         if (p.bucket >= 0 && p.count) {  // the gradient and the feedback state move with it
           Bucket& old = buckets[static_cast<std::size_t>(p.bucket)];
           if (bucket.view.empty()) copy_floats(old.values(), p.offset, bucket.data, at, p.count);
@@ -236,10 +236,9 @@ struct Reducer::State {
       for (int id : b.params) {
         Param& p = params[static_cast<std::size_t>(id)];
         const compress::FeedbackState state = feedback_state(b, &p);
-        compress::compressed_allreduce_steps(steps, slot(p), *codec,
-                                             compress::Tensor(p.name, p.rows), ReduceOp::kAvg,
-                                             compress::NonFinite::kThrow,
-                                             feedback ? &state : nullptr);
+        compress::compressed_allreduce_steps(
+            steps, slot(p), *codec, compress::Tensor(p.name, p.rows), ReduceOp::kAvg,
+            compress::NonFinite::kThrow, feedback ? &state : nullptr);
         ++b.calls;
       }
     }
@@ -544,7 +543,7 @@ std::span<const float> Reducer::held_back(int id) const {
   if (s.in_step) misuse(s.ctx, "held_back() inside a step: call it after finish()");
   const State::Param& p = s.params[static_cast<std::size_t>(id)];
   if (!s.feedback) return s.codec->held_back(p.name);  // PowerSGD keeps its own
-  if (p.bucket < 0) return {};                          // before the first step
+  if (p.bucket < 0) return {};                         // before the first step
   return std::span<const float>(s.buckets[static_cast<std::size_t>(p.bucket)].residual)
       .subspan(p.offset, p.count);
 }
