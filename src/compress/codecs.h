@@ -141,7 +141,6 @@ class SubtractsPayload {
 // rank then sends its value at every index any rank picked, summed by a float32 all-reduce.
 class SelectsIndices {
  public:
-  virtual bool exchanges_union() const = 0;
   // The indices encode would send for `in` (ascending); counts a warm-up step as encode does.
   virtual void select_indices(const Tensor& tensor, std::span<const float> in,
                               std::vector<std::uint32_t>& out) = 0;

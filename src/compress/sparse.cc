@@ -98,7 +98,6 @@ class TopKCodec final : public SparseDecoder, public SelectsIndices {
     return "topk:" + std::string(exact_ ? "exact=1," : "") + "ratio=" + format_number(ratio_) +
            (warmup_ > 0 ? ",warmup=" + std::to_string(warmup_) : "") + (union_ ? ",union=1" : "");
   }
-  bool exchanges_union() const override { return union_; }
   bool biased() const override { return true; }
   std::size_t encoded_bytes(std::size_t count) const override {
     return 8 + 8 * k_of(warmup_ > 0 ? std::max(ratio_, kWarmupStart) : ratio_, count);
