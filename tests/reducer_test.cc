@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -291,6 +292,37 @@ TEST(Reducer, CodecsReduceBucketsOrParameters) {
     EXPECT_EQ(s3.allreduce_calls, kSizes.size());
     expect_average(int8, q, n, 0, "int8", 0.05);
   });
+}
+
+// A NaN or Inf in a gradient is named by its parameter and the element within it, whether the
+// codec reduces the bucket whole (none, fp16, top-k) or parameter by parameter (int8).
+TEST(Reducer, ANonFiniteGradientIsNamedByItsParameter) {
+  const int n = 3;
+  for (const std::string codec : {"none", "fp16", "topk:ratio=0.5", "int8"}) {
+    testing::run_inproc_contexts(n, [&](Context& ctx) {
+      ReducerOptions o;
+      o.codec = codec;
+      o.bucket_bytes = std::size_t{1} << 20;  // every parameter in one bucket
+      o.first_bucket_bytes = o.bucket_bytes;
+      Reducer reducer(ctx, o);
+      Model m = register_all(reducer, true);
+      std::vector<std::size_t> order(kSizes.size());
+      std::iota(order.begin(), order.end(), 0);
+      for (std::size_t p : order) {
+        std::span<float> g = reducer.gradient(m.ids[p]);
+        for (std::size_t i = 0; i < g.size(); ++i) g[i] = grad_value(ctx.rank(), p, 0, i);
+        if (p == 4 && ctx.rank() == 1) g[17] = std::numeric_limits<float>::quiet_NaN();
+        reducer.mark_ready(m.ids[p]);
+      }
+      try {
+        reducer.finish();
+        ADD_FAILURE() << codec << ": a NaN gradient was reduced";
+      } catch (const Error& e) {
+        EXPECT_TRUE(contains(e.what(), "'layer4'")) << codec << ": " << e.what();
+        EXPECT_TRUE(contains(e.what(), "NaN on rank 1 (element 17")) << codec << ": " << e.what();
+      }
+    });
+  }
 }
 
 // Error feedback loses nothing: what the steps delivered (the averages) plus what every rank

@@ -86,17 +86,34 @@ void finish_average(std::span<float> data, ReduceOp op, int n) {
   }
 }
 
+// What a call reduces, for its errors: one tensor, or a bucket and the parts that tile it.
+struct Reduced {
+  const Tensor& tensor;
+  std::span<const TensorSlice> parts;
+
+  // Element `i` of the call's data, by the part that holds it: a user knows parameters, not
+  // the offsets of a bucket the reducer built.
+  std::string element(std::size_t i) const {
+    for (const TensorSlice& part : parts) {
+      if (i >= part.offset && i - part.offset < part.count) {
+        return "element " + std::to_string(i - part.offset) + " of '" + part.tensor.name + "'";
+      }
+    }
+    return "element " + std::to_string(i);
+  }
+};
+
 // Settles what the ranks found: codes[r] is -1 or 2 x element + (1 if NaN) of rank r's first
 // NaN or Inf, `overflow` the same for a sum of finite values past the float range. True if
 // nothing was found; otherwise every rank (they all hold the same codes) throws (kThrow) or
 // returns false (kSkip).
-bool settle_non_finite(const CallSteps& steps, const Tensor& tensor,
+bool settle_non_finite(const CallSteps& steps, const Reduced& reduced,
                        std::span<const std::int64_t> codes, std::int64_t overflow, NonFinite policy,
                        std::size_t bytes) {
   std::string where;
   auto add = [&](std::int64_t code, const std::string& what) {
-    where += std::string(where.empty() ? "" : ", ") + (code % 2 ? "NaN" : "Inf") + what +
-             " (element " + std::to_string(code / 2) + ")";
+    where += std::string(where.empty() ? "" : ", ") + (code % 2 ? "NaN" : "Inf") + what + " (" +
+             reduced.element(static_cast<std::size_t>(code / 2)) + ")";
   };
   for (std::size_t r = 0; r < codes.size(); ++r) {
     if (codes[r] >= 0) add(codes[r], " on rank " + std::to_string(r));
@@ -104,14 +121,15 @@ bool settle_non_finite(const CallSteps& steps, const Tensor& tensor,
   if (overflow >= 0) add(overflow, " in the sum of finite values");
   if (where.empty()) return true;
   if (policy == NonFinite::kSkip) return false;
-  throw AgreedError(Error(ErrorKind::kInvalidArgument,
-                          "tensor '" + tensor.name + "' has " + where + ": not reduced on any rank",
-                          steps.rank(), Error::kNoPeer, kOp, bytes));
+  throw AgreedError(
+      Error(ErrorKind::kInvalidArgument,
+            "tensor '" + reduced.tensor.name + "' has " + where + ": not reduced on any rank",
+            steps.rank(), Error::kNoPeer, kOp, bytes));
 }
 
 // True if no rank's data holds NaN or Inf (see settle_non_finite). One pass over the data and
 // one 8-byte all-gather: each rank's first bad element.
-bool every_rank_finite(CallSteps& steps, std::span<const float> data, const Tensor& tensor,
+bool every_rank_finite(CallSteps& steps, std::span<const float> data, const Reduced& reduced,
                        NonFinite policy) {
   const std::size_t bad = kernels::first_non_finite(data.data(), data.size());
   const std::int64_t mine =
@@ -119,7 +137,7 @@ bool every_rank_finite(CallSteps& steps, std::span<const float> data, const Tens
                          : static_cast<std::int64_t>(2 * bad + (std::isnan(data[bad]) ? 1 : 0));
   std::vector<std::int64_t> all(static_cast<std::size_t>(steps.size()));
   steps.allgather(&mine, all.data(), 1, DataType::kInt64);
-  return settle_non_finite(steps, tensor, all, -1, policy, data.size_bytes());
+  return settle_non_finite(steps, reduced, all, -1, policy, data.size_bytes());
 }
 
 // float32 and fp16/bf16 (without feedback) where every rank shares an arena and the cost
@@ -129,7 +147,7 @@ bool every_rank_finite(CallSteps& steps, std::span<const float> data, const Tens
 // only a bad sum sends it to the inputs, to name the rank. Past that point the data is
 // reduced, so kSkip leaves the sums, not the inputs.
 bool shm_allreduce(CallSteps& steps, std::span<float> data, DataType round_through, ReduceOp op,
-                   const Tensor& tensor, NonFinite policy) {
+                   const Reduced& reduced, NonFinite policy) {
   const Context::Impl& context = steps.context();
   const int n = steps.size();
   std::vector<std::int64_t> found(static_cast<std::size_t>(n) + 1, -1);
@@ -155,7 +173,7 @@ bool shm_allreduce(CallSteps& steps, std::span<float> data, DataType round_throu
     for (std::size_t m = 0; m < codes.size(); ++m) keep_first(codes[m], all[r * found.size() + m]);
     keep_first(overflow, all[r * found.size() + codes.size()]);
   }
-  return settle_non_finite(steps, tensor, codes, overflow, policy, data.size_bytes());
+  return settle_non_finite(steps, reduced, codes, overflow, policy, data.size_bytes());
 }
 
 // fp16/bf16 without feedback, off the shared-memory path: where the ranks share an arena
@@ -332,11 +350,10 @@ void check_op(const Context& ctx, ReduceOp op) {
   }
 }
 
-}  // namespace
-
-bool compressed_allreduce_steps(CallSteps& steps, std::span<float> data, Codec& codec,
-                                const Tensor& tensor, ReduceOp op, NonFinite non_finite,
-                                const FeedbackState* caller_state) {
+// The call's steps for a tensor, or a bucket reduced whole (`parts` name its elements).
+bool reduce_whole(CallSteps& steps, std::span<float> data, Codec& codec, const Reduced& reduced,
+                  ReduceOp op, NonFinite non_finite, const FeedbackState* caller_state) {
+  const Tensor& tensor = reduced.tensor;
   const CodecTraits& traits = codec.traits();
   const Context::Impl& context = steps.context();
   codec.set_stream(static_cast<std::uint64_t>(steps.rank()));
@@ -345,12 +362,12 @@ bool compressed_allreduce_steps(CallSteps& steps, std::span<float> data, Codec& 
       context.pick_allreduce(data.size_bytes(), Algorithm::kAuto) == Algorithm::kSharedMemory) {
     const DataType round_through =
         traits.pattern == Pattern::kHalfRing ? traits.half_type : DataType::kFloat32;
-    return shm_allreduce(steps, data, round_through, op, tensor, non_finite);
+    return shm_allreduce(steps, data, round_through, op, reduced, non_finite);
   }
   const NonFinite policy = non_finite == NonFinite::kPropagate && traits.refuses_non_finite
                                ? NonFinite::kThrow
                                : non_finite;
-  if (policy != NonFinite::kPropagate && !every_rank_finite(steps, data, tensor, policy)) {
+  if (policy != NonFinite::kPropagate && !every_rank_finite(steps, data, reduced, policy)) {
     return false;
   }
   // Error feedback's state: the caller's, or the codec's own under the tensor's name.
@@ -391,8 +408,6 @@ bool compressed_allreduce_steps(CallSteps& steps, std::span<float> data, Codec& 
   return true;
 }
 
-namespace {
-
 // `parts` must tile `data`: a float outside every part would lose its residual, one in two
 // would be fed back twice.
 void check_tiling(const Context& ctx, std::span<const float> data, const Tensor& bucket,
@@ -428,6 +443,12 @@ void check_tiling(const Context& ctx, std::span<const float> data, const Tensor&
 }  // namespace
 
 bool compressed_allreduce_steps(CallSteps& steps, std::span<float> data, Codec& codec,
+                                const Tensor& tensor, ReduceOp op, NonFinite non_finite,
+                                const FeedbackState* caller_state) {
+  return reduce_whole(steps, data, codec, Reduced{tensor, {}}, op, non_finite, caller_state);
+}
+
+bool compressed_allreduce_steps(CallSteps& steps, std::span<float> data, Codec& codec,
                                 const Tensor& bucket, std::span<const TensorSlice> parts,
                                 ReduceOp op, NonFinite non_finite,
                                 const FeedbackState* caller_state) {
@@ -439,7 +460,7 @@ bool compressed_allreduce_steps(CallSteps& steps, std::span<float> data, Codec& 
     }
     return all_reduced;
   }
-  return compressed_allreduce_steps(steps, data, codec, bucket, op, non_finite, caller_state);
+  return reduce_whole(steps, data, codec, Reduced{bucket, parts}, op, non_finite, caller_state);
 }
 
 namespace {
