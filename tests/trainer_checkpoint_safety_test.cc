@@ -75,7 +75,7 @@ class TrainerCheckpointSafety : public ::testing::Test {
     EXPECT_EQ(r.exit_code(), 1) << r.output;
     EXPECT_TRUE(contains(r.output, why)) << "wanted: " << why << "\n" << r.output;
     EXPECT_EQ(testing::read_file(dir() + "/LATEST"), "4\n");
-    EXPECT_EQ(testing::read_file(file_of(dir(), 4, 0)), saved_);
+    EXPECT_TRUE(testing::read_file(file_of(dir(), 4, 0)) == saved_) << "rank 0's file changed";
     EXPECT_TRUE(std::filesystem::exists(file_of(dir(), 4, 1)));
     EXPECT_FALSE(std::filesystem::exists(file_of(dir(), 6, 0))) << "a refused run trained";
   }

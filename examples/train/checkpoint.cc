@@ -110,14 +110,43 @@ std::vector<Report> gather(gradsync::Context& ctx, const Report& mine) {
   return all;
 }
 
-// Throws `what` followed by every failed rank's reason, on every rank alike.
+// Throws `what` followed by every failed rank's reason, on every rank alike. Ranks that failed
+// alike are named together ("ranks 0, 1: ..."), their own files as "rank-<r>".
 void throw_if_any_failed(const std::vector<Report>& all, const std::string& what) {
-  std::string why;
+  std::vector<std::pair<std::string, std::vector<std::size_t>>> reasons;
   for (std::size_t r = 0; r < all.size(); ++r) {
     if (!all[r].failed) continue;
-    why += (why.empty() ? "" : "; ") + ("rank " + std::to_string(r) + ": ") + all[r].error;
+    std::string reason = all[r].error;
+    const std::string own = ".rank-" + std::to_string(r) + ".ckpt";
+    for (auto at = reason.find(own); at != reason.npos; at = reason.find(own, at)) {
+      reason.replace(at, own.size(), ".rank-<r>.ckpt");
+    }
+    const auto same = std::find_if(reasons.begin(), reasons.end(),
+                                   [&](const auto& seen) { return seen.first == reason; });
+    if (same == reasons.end()) {
+      reasons.push_back({reason, {r}});
+    } else {
+      same->second.push_back(r);
+    }
   }
-  if (!why.empty()) throw std::runtime_error(what + ": " + why);
+  if (reasons.empty()) return;
+  std::string why;
+  for (const auto& [reason, ranks] : reasons) {
+    std::string who = ranks.size() == 1 ? "rank " : "ranks ";
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+      who += (i ? ", " : "") + std::to_string(ranks[i]);
+    }
+    std::string text = reason;
+    if (ranks.size() == 1) {  // its own file by its name
+      const std::string own = ".rank-" + std::to_string(ranks[0]) + ".ckpt";
+      for (auto at = text.find(".rank-<r>.ckpt"); at != text.npos;
+           at = text.find(".rank-<r>.ckpt")) {
+        text.replace(at, 14, own);
+      }
+    }
+    why += (why.empty() ? "" : "; ") + who + ": " + text;
+  }
+  throw std::runtime_error(what + ": " + why);
 }
 
 std::string describe_position(const Report& r) {
@@ -381,13 +410,16 @@ std::vector<std::uint8_t> read_file(const std::string& path) {
 void refuse_existing_checkpoints(gradsync::Context& ctx, const std::string& dir) {
   Report mine;
   std::error_code ec;
+  std::size_t files = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (!is_checkpoint_name(name)) continue;
-    fail(mine, dir + " holds checkpoints of another run (" + name +
-                   "), which this run would delete: continue them with --resume, or replace "
-                   "them with --overwrite");
-    break;
+    files += is_checkpoint_name(entry.path().filename().string());
+  }
+  if (files) {
+    // Named the same on every rank (not by a rank's own file), so the ranks' reasons read as one.
+    fail(mine, dir + " holds checkpoints of another run (" + std::to_string(files) + " files" +
+                   (std::filesystem::exists(dir + "/LATEST") ? ", LATEST among them" : "") +
+                   "), which this run would delete: continue them with --resume, or replace them "
+                   "with --overwrite");
   }
   throw_if_any_failed(gather(ctx, mine), "refusing to start");
 }
