@@ -73,7 +73,9 @@ TEST(TrainerCheckpoint, ResumeAfterACrashInTheMiddleOfASaveRepeatsTheLossesBitFo
                               dir + "/plain-full --resume 2>&1");
   EXPECT_NE(r.status, 0);
   EXPECT_TRUE(contains(r.output, "plain-full/step-24.rank-")) << r.output;
-  EXPECT_TRUE(contains(r.output, "parameters; this run has")) << r.output;
+  EXPECT_TRUE(contains(r.output, "written with gradsync-run -n 3; this run has gradsync-run -n 2"))
+      << r.output;
+  EXPECT_TRUE(contains(r.output, "written with --hidden 32; this run has --hidden 16")) << r.output;
   std::filesystem::remove_all(dir);
 }
 

@@ -39,6 +39,8 @@ constexpr const char* kUsage =
     "  --checkpoint-every N   every N steps (default: at the end of each epoch)\n"
     "  --resume               continue from DIR/LATEST (same ranks and flags), with the\n"
     "                         cost model the checkpoint's run chose algorithms by\n"
+    "  --overwrite            a new run replaces the checkpoints DIR holds (without it or\n"
+    "                         --resume, a DIR that holds checkpoints is refused)\n"
     "  --quiet                no progress bar\n";
 
 [[noreturn]] void usage_error(const std::string& what) {
@@ -159,6 +161,8 @@ bool read_run_flag(const std::string& flag, Arguments& args, Config& c) {
     c.checkpoint_every = whole(flag, args.value_of(flag), 1);
   } else if (flag == "--resume") {
     c.resume = true;
+  } else if (flag == "--overwrite") {
+    c.overwrite = true;
   } else {
     return false;
   }
@@ -171,6 +175,10 @@ void complete_and_check(Config& c) {
   if (c.bucket_mb <= 0 || c.first_bucket_mb <= 0) usage_error("bucket sizes must be positive");
   if ((c.resume || c.checkpoint_every) && c.checkpoint.empty()) {
     usage_error("--resume and --checkpoint-every need --checkpoint DIR");
+  }
+  if (c.overwrite && (c.checkpoint.empty() || c.resume)) {
+    usage_error(
+        "--overwrite replaces the checkpoints of --checkpoint DIR: give it without --resume");
   }
   if (c.optimizer != "sgd" && codec_has_momentum(c.codec)) {
     usage_error("a codec with momentum= takes the place of SGD's momentum: use --optimizer sgd");

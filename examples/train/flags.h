@@ -33,6 +33,7 @@ struct Config {
   std::string checkpoint;
   long checkpoint_every = 0;  // 0: end of each epoch
   bool resume = false;
+  bool overwrite = false;  // a new run may replace the checkpoints in --checkpoint DIR
 };
 
 // The flags of argv[1..]. --help prints the usage to stdout and exits 0; a flag refused prints

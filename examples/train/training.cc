@@ -88,6 +88,10 @@ class LearningRate {
       : lr_(c.lr), cosine_(c.cosine), total_steps_(static_cast<long>(steps_per_epoch) * c.epochs) {
     if (c.max_steps >= 0) total_steps_ = std::min(total_steps_, c.max_steps);
   }
+  // For the checkpoint's identity: a resumed run must continue the same schedule.
+  std::string describe() const {
+    return cosine_ ? "cosine over " + std::to_string(total_steps_) + " steps" : "constant";
+  }
   float at(long step) const {
     if (!cosine_) return static_cast<float>(lr_);
     return static_cast<float>(lr_ * 0.5 *
@@ -132,19 +136,30 @@ struct StepResult {
 class Trainer {
  public:
   Trainer(const Config& c, const gradsync::Options& options);
-  Position resume() { return load_checkpoint(c_.checkpoint, state(), talk_); }
+  Position resume() {
+    return load_checkpoint(c_.checkpoint, state(), identity(), {c_.epochs, steps_per_epoch_},
+                           talk_);
+  }
+  // A new run (no --resume) starts only where it would delete no other run's checkpoints,
+  // unless --overwrite.
+  void check_checkpoint_dir() {
+    if (!c_.checkpoint.empty() && !c_.resume && !c_.overwrite) {
+      refuse_existing_checkpoints(*ctx_, c_.checkpoint);
+    }
+  }
   void announce() const;
   void train_from(const Position& start);
   int report();
 
  private:
   RankState state();
+  Identity identity() const;
   bool reached_max_steps() const { return c_.max_steps >= 0 && steps_done_ >= c_.max_steps; }
   std::size_t samples_per_step() const {
     return c_.batch * static_cast<std::size_t>(c_.accumulate * world_);
   }
-  void run_epoch(int epoch, std::size_t first_step);
-  void finish_epoch(int epoch);
+  std::size_t run_epoch(int epoch, std::size_t first_step);
+  void finish_epoch(int epoch, std::size_t next_step);
   StepResult train_step(int epoch, std::size_t step);
   void run_micro_batch(int epoch, std::size_t step, int micro, StepResult& result);
   void load_batch(const std::vector<std::size_t>& samples);
@@ -155,7 +170,9 @@ class Trainer {
   double batch_accuracy(const StepResult& result) const;
   bool checkpoint_due() const;
   Position position_after(int epoch, std::size_t step) const;
-  void save(const Position& at) { save_checkpoint(c_.checkpoint, state(), at, ++saves_); }
+  void save(const Position& at) {
+    save_checkpoint(c_.checkpoint, state(), identity(), at, ++saves_);
+  }
   RunReport summarize() const;
 
   const Config& c_;
@@ -219,6 +236,36 @@ RankState Trainer::state() {
           reducer_ ? &*reducer_ : nullptr};
 }
 
+// The flags a checkpoint's state depends on, as the user gives them: a resumed run must give
+// the same (--hidden's parameters per tensor too, should the model's code change).
+Identity Trainer::identity() const {
+  std::string hidden, tensors;
+  for (const std::size_t w : c_.hidden) hidden += (hidden.empty() ? "" : ",") + std::to_string(w);
+  for (const Parameter& p : model_->parameters()) {
+    tensors += (tensors.empty() ? "" : ",") + p.name + ":" + std::to_string(p.count);
+  }
+  const auto text = [](double x) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.17g", x);
+    return std::string(buf);
+  };
+  return {{"gradsync-run -n", std::to_string(world_)},
+          {"--model", c_.model},
+          {"--hidden", hidden.empty() ? "(the default)" : hidden},
+          {"parameters", tensors},
+          {"--codec", reducer_ ? reducer_->codec_spec() : c_.codec},
+          {"--bucket-mb", text(c_.bucket_mb)},
+          {"--first-bucket-mb", text(c_.first_bucket_mb)},
+          {"--step-ahead", c_.step_ahead ? "1" : "0"},
+          {"--optimizer", c_.optimizer},
+          {"--lr", text(c_.lr)},
+          {"--lr-schedule", lr_.describe()},
+          {"--batch", std::to_string(c_.batch)},
+          {"--accumulate", std::to_string(c_.accumulate)},
+          {"--zero", std::to_string(c_.zero)},
+          {"--seed", std::to_string(c_.seed)}};
+}
+
 void Trainer::announce() const {
   if (!talk_) return;
   std::fprintf(stderr,
@@ -234,16 +281,17 @@ void Trainer::train_from(const Position& start) {
   steps_done_ = start.steps_done;
   epochs_done_ = start.epoch;
   for (int epoch = start.epoch; epoch < c_.epochs && !reached_max_steps(); ++epoch) {
-    run_epoch(epoch, epoch == start.epoch ? start.step : 0);
-    finish_epoch(epoch);
+    const std::size_t next_step = run_epoch(epoch, epoch == start.epoch ? start.step : 0);
+    finish_epoch(epoch, next_step);
   }
   wall_s_ = seconds_since(started_);
 }
 
-void Trainer::run_epoch(int epoch, std::size_t first_step) {
+// Returns the step it stopped before: steps_per_epoch_, unless --max-steps stopped it.
+std::size_t Trainer::run_epoch(int epoch, std::size_t first_step) {
   const auto epoch_start = Clock::now();
-  std::size_t epoch_samples = 0;
-  for (std::size_t step = first_step; step < steps_per_epoch_ && !reached_max_steps(); ++step) {
+  std::size_t epoch_samples = 0, step = first_step;
+  for (; step < steps_per_epoch_ && !reached_max_steps(); ++step) {
     const StepResult result = train_step(epoch, step);
     record(result);
     epoch_samples += samples_per_step();
@@ -255,13 +303,18 @@ void Trainer::run_epoch(int epoch, std::size_t first_step) {
                      samples_per_s, totals_);
     }
   }
+  return step;
 }
 
 // An epoch ends (or --max-steps stops it) with a checkpoint unless --checkpoint-every sets
-// their own pace, and the test accuracy.
-void Trainer::finish_epoch(int epoch) {
+// their own pace, and the test accuracy. Stopped before `next_step`: a run resumed with more
+// --max-steps goes on from there, not from the next epoch.
+void Trainer::finish_epoch(int epoch, std::size_t next_step) {
   ++epochs_done_;
-  if (!c_.checkpoint.empty() && c_.checkpoint_every == 0) save({steps_done_, epoch + 1, 0});
+  if (!c_.checkpoint.empty() && c_.checkpoint_every == 0) {
+    save(next_step == steps_per_epoch_ ? Position{steps_done_, epoch + 1, 0}
+                                       : Position{steps_done_, epoch, next_step});
+  }
   const double test_accuracy = evaluate(*ctx_, *model_, test_set_, 256);
   if (talk_) std::fprintf(stderr, "  test accuracy %.2f%%\n", 100 * test_accuracy);
   curves_.test_accuracies.push_back(test_accuracy);
@@ -416,6 +469,7 @@ int run_training(const Config& c) {
     options.cost_model.assign(saved.begin(), saved.end());
   }
   Trainer trainer(c, options);
+  trainer.check_checkpoint_dir();
   const Position start = c.resume ? trainer.resume() : Position{};
   trainer.announce();
   trainer.train_from(start);
