@@ -5,6 +5,7 @@ that hung, crashed, exited 0 although it could not do what was asked, failed wit
 what was wrong, or failed only by running into its timeout.
 
 usage: scripts/chaos.py [--build DIR] [--cases N] [--seed S] [--hang-s S] [--keep]
+                        [--only env|flag|data|output|checkpoint|connection]...
 Exit status: 0 when every case behaved, 1 otherwise. Standard library only.
 """
 import argparse
@@ -266,7 +267,12 @@ class Chaos:
         env.update(extra)
         return env
 
-    def make(self):
+    def make(self, only):
+        makers = {"env": self.env_case, "flag": self.flag_case, "data": self.data_case,
+                  "output": self.output_case, "checkpoint": self.checkpoint_case,
+                  "connection": self.connection_case}
+        if only:
+            return makers[self.rng.choice(only)]()
         roll = self.rng.random()
         if roll < 0.3:
             return self.env_case()
@@ -394,6 +400,9 @@ def main():
     p.add_argument("--seed", type=int, default=int(time.time()))
     p.add_argument("--hang-s", type=int, default=60)
     p.add_argument("--keep", action="store_true", help="keep the temporary files")
+    p.add_argument("--only", action="append", default=[],
+                   choices=["env", "flag", "data", "output", "checkpoint", "connection"],
+                   help="only this kind of mistake (repeatable)")
     args = p.parse_args()
     rng = random.Random(args.seed)
     work = tempfile.mkdtemp(prefix="gradsync-chaos-")
@@ -401,7 +410,7 @@ def main():
     print("chaos: %d cases, seed %d (rerun with --seed %d)" % (args.cases, args.seed, args.seed))
     bad, kinds = [], {}
     for i in range(args.cases):
-        case = chaos.make()
+        case = chaos.make(args.only)
         problem, rc, text, seconds = run_case(case, chaos, args.hang_s)
         kinds.setdefault(case.kind, [0, 0, 0.0])
         kinds[case.kind][0] += 1
