@@ -350,7 +350,9 @@ class Core {
   void epoll_add(int fd, std::uint64_t id, std::uint32_t events);
   bool try_epoll_add(int fd, std::uint64_t id, std::uint32_t events);
   void accept_pending();
+  void evict_pending();
   void refuse(const Pending& pc, const std::string& why);
+  void close_listener();
   void on_pending(std::uint64_t id);
   std::string promote(Pending& pc, const frame::Hello& h);
   void refuse_overdue_pending();
@@ -454,6 +456,7 @@ class Core {
   net::Fd listener_, epoll_, wake_;
   std::map<std::uint64_t, Pending> pending_;
   std::uint64_t next_pending_ = 0;
+  std::uint64_t refused_ = 0;  // connections refused as not a peer (see Core::refuse)
   std::vector<std::uint8_t> stage_;
   std::thread thread_;
 };

@@ -427,8 +427,7 @@ bool Core::on_wake() {
   std::lock_guard lk(mu_);
   if (phase_ == Phase::kStopping) return false;
   if (phase_ == Phase::kRunning && listener_.valid()) {
-    listener_.reset();  // real peers are all here; close the door on strays
-    pending_.clear();
+    close_listener();  // real peers are all here; close the door on strays
   }
   return true;
 }
