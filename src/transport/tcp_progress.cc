@@ -72,6 +72,7 @@ void Core::wait(Op& op, int peer, const char* what,
   if (op.status == OpStatus::kPending) drive_locked(op, p, lk, deadline);
   if (check_locked(op, peer, what)) return;
   std::size_t done = progress(op);
+  timed_out_ = TimedOut{op.tag, peer, std::strcmp(what, "send") == 0};
   throw Error(ErrorKind::kTimeout,
               std::string(what) + " of " + describe(op.tag) +
                   (std::strcmp(what, "send") == 0 ? " to" : " from") + " rank " +
