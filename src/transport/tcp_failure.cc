@@ -101,8 +101,8 @@ void Core::fail_peer_locked(Peer& p, const Failure& f) {
 // Asks every connected peer what it waits on and waits up to `grace` for the answers. The
 // loop thread of a live process answers at once, whatever its caller is doing; a stopped
 // or hung process does not, though its kernel keeps ACKing, so that is how it shows. A
-// peer that did not answer but whose bytes kept moving (its answer may be queued behind a
-// large message) is only said to be slow. Caller thread, after a wait timed out.
+// peer that did not answer but kept sending (its answer may be queued behind a large
+// message) is only said to be slow. Caller thread, after a wait timed out.
 StallReport Core::explain_stall(Clock::duration grace) {
   std::unique_lock lk(mu_);
   if (abort_ || phase_ != Phase::kRunning) return {};
@@ -157,7 +157,7 @@ StallReport Core::explain_stall(Clock::duration grace) {
   }
   if (!slow.empty()) {
     report.detail += std::string(report.detail.empty() ? "" : "; ") + ranks_named(slow) +
-                     " did not answer a liveness probe" + within + " but bytes kept moving";
+                     " did not answer a liveness probe" + within + " but kept sending";
   }
   if (!answers.empty()) {
     report.detail += report.detail.empty() ? answers.substr(2) : answers;
@@ -211,12 +211,10 @@ std::string Core::status_locked() const {
   return s;
 }
 
-// Changes whenever bytes move on `p`'s connection either way.
+// Changes whenever bytes arrive from `p`. Only what it sends counts: a stopped process's
+// kernel still takes in what we send it, until its buffers fill.
 std::uint64_t Core::motion_locked(const Peer& p) const {
-  std::uint64_t m = p.traffic.bytes_sent + p.traffic.messages_sent + p.traffic.bytes_received +
-                    p.traffic.messages_received + p.in.hdr_got + p.in.got;
-  if (!p.sendq.empty()) m += p.sendq.front()->written;
-  return m;
+  return p.traffic.bytes_received + p.traffic.messages_received + p.in.hdr_got + p.in.got;
 }
 
 // Answers a probe. Called from inside a read, so the loop writes the answer (EPOLLOUT), or
