@@ -164,6 +164,88 @@ TEST(TcpTransport, StraysWithWrongTokenOrGarbageAreRefusedWithoutDisturbingTheJo
   });
 }
 
+// Hundreds of junk connections reach rank 2's listener before any real peer dials: silent
+// ones (more than the listener holds unidentified at once), garbage, an oversized hello,
+// half a header. Each costs junk its place, never a real peer's: the group forms, the data
+// arrives intact, and every junk connection is refused (and counted) rather than taken for a
+// peer.
+TEST(TcpTransport, FloodOfJunkConnectionsNeverCostsARealPeerItsPlace) {
+  auto store = make_inproc_store();
+  std::string prefix = testing::unique_name("flood");
+  std::atomic<bool> flooded{false};
+  std::vector<int> group = {0, 1, 2};
+  TransportOptions options;
+  options.token = kToken;
+  std::vector<std::unique_ptr<Transport>> ts(3);
+  constexpr int kSilent = 400, kGarbage = 50, kOversized = 50, kHalfHeader = 20;
+  constexpr int kJunk = kSilent + kGarbage + kOversized + kHalfHeader;
+  ::testing::internal::CaptureStderr();
+  std::thread flood([&] {
+    Bytes addr = store->get(prefix + "/tcp/2", 10000ms);
+    std::string address(addr.begin(), addr.end());
+    std::vector<net::Fd> junk;
+    for (int i = 0; i < kSilent; ++i) junk.push_back(raw_connect(address));
+    const std::string garbage(200, 'x');
+    for (int i = 0; i < kGarbage; ++i) {
+      junk.push_back(raw_connect(address));
+      EXPECT_TRUE(net::write_all(junk.back().get(), garbage.data(), garbage.size()));
+    }
+    std::uint8_t hdr[frame::kHeaderBytes];
+    frame::encode_header(frame::Header{frame::Type::kHello, Tag{}, std::uint64_t{1} << 40}, hdr);
+    for (int i = 0; i < kOversized; ++i) {
+      junk.push_back(raw_connect(address));
+      EXPECT_TRUE(net::write_all(junk.back().get(), hdr, sizeof hdr));
+    }
+    frame::encode_header(frame::Header{frame::Type::kHello, Tag{}, 100}, hdr);
+    for (int i = 0; i < kHalfHeader; ++i) {
+      junk.push_back(raw_connect(address));
+      EXPECT_TRUE(net::write_all(junk.back().get(), hdr, frame::kHeaderBytes / 2));
+    }
+    flooded = true;
+    store->get(prefix + "/formed", 30000ms);  // junk stays open until the group formed
+  });
+  std::string setup_error;
+  try {
+    testing::run_threads(3, [&](int r) {
+      if (r != 2) {
+        while (!flooded) std::this_thread::sleep_for(5ms);
+      }
+      ts[static_cast<std::size_t>(r)] =
+          make_tcp_transport(*store, prefix, r, 3, group, options, loopback(), 20s);
+    });
+  } catch (const Error& e) {
+    setup_error = e.what();
+  }
+  store->set(prefix + "/formed", {});
+  flood.join();
+  ASSERT_EQ(setup_error, "");
+  testing::run_threads(3, [&](int r) {
+    Transport& t = *ts[static_cast<std::size_t>(r)];
+    std::vector<RequestPtr> reqs;
+    std::vector<std::vector<unsigned char>> in(3), out(3);
+    for (int p = 0; p < 3; ++p) {
+      if (p == r) continue;
+      in[static_cast<std::size_t>(p)].resize(100000);
+      out[static_cast<std::size_t>(p)] = pattern(static_cast<std::uint64_t>(r * 3 + p), 100000);
+      reqs.push_back(t.irecv(p, tag_of(1), in[static_cast<std::size_t>(p)].data(), 100000));
+      reqs.push_back(t.isend(p, tag_of(1), out[static_cast<std::size_t>(p)].data(), 100000));
+    }
+    for (auto& q : reqs) q->wait(soon());
+    for (int p = 0; p < 3; ++p) {
+      if (p == r) continue;
+      EXPECT_EQ(first_pattern_error(in[static_cast<std::size_t>(p)],
+                                    static_cast<std::uint64_t>(p * 3 + r)),
+                100000u);
+    }
+  });
+  ts.clear();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  // Every junk connection refused exactly once: none of them became a peer.
+  EXPECT_TRUE(contains(log, "rank 2: refused " + std::to_string(kJunk) + " tcp connections in all"))
+      << log;
+  EXPECT_TRUE(contains(log, "evicted without a complete hello")) << log;
+}
+
 TEST(TcpTransport, MismatchedTokensFailSetupNamingThePeer) {
   auto store = make_inproc_store();
   std::string prefix = testing::unique_name("tokens");

@@ -1,5 +1,6 @@
 // gradsync::Context: argument checks, call signatures, algorithm choice, blocking and
 // async execution in issue order, and the sticky failure that aborts a broken communicator.
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <numeric>
@@ -86,10 +87,25 @@ void Context::Impl::execute(Task& task) {
     } catch (const AgreedError& e) {
       error = e;  // every rank raised it alike: nobody waits, the communicator goes on
     } catch (const Error& e) {
+      // A timeout names the peer this rank waited for, which may itself wait for another:
+      // first find out which rank is stopped or hung and what the others wait on (a
+      // stopped rank is then the error's peer). Grace: a quarter of the timeout, up to 2 s.
+      std::string detail = e.detail();
+      int peer = e.peer();
+      if (e.kind() == ErrorKind::kTimeout) {
+        const auto grace = std::min<std::chrono::milliseconds>(limit / 4, std::chrono::seconds(2));
+        transport::StallReport stall;
+        try {
+          stall = transport->explain_stall(grace);
+        } catch (const std::exception&) {
+          // Only a diagnosis: the timeout itself is what must be raised.
+        }
+        if (!stall.detail.empty()) detail += "; " + stall.detail;
+        if (stall.silent.size() == 1) peer = stall.silent.front();
+      }
       // Name this call, then make the failure sticky and tell every peer, so no rank keeps
       // waiting on a communicator that can no longer complete.
-      error =
-          Error(e.kind(), e.detail(), rank, e.peer(), collectives::describe(task.sig), e.bytes());
+      error = Error(e.kind(), detail, rank, peer, collectives::describe(task.sig), e.bytes());
       failure_ = error->what();
       transport->abort(error->what());
     } catch (...) {

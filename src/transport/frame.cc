@@ -85,6 +85,8 @@ ParseStatus parse_header(const std::uint8_t in[kHeaderBytes], std::uint64_t max_
     case static_cast<std::uint8_t>(Type::kHello): limit = kMaxHelloBytes; break;
     case static_cast<std::uint8_t>(Type::kData): limit = max_data_bytes; break;
     case static_cast<std::uint8_t>(Type::kAbort): limit = kMaxAbortBytes; break;
+    case static_cast<std::uint8_t>(Type::kProbe): limit = kMaxProbeBytes; break;
+    case static_cast<std::uint8_t>(Type::kProbeAnswer): limit = kMaxProbeBytes; break;
     default: return ParseStatus::kBadType;
   }
   if (length > limit) return ParseStatus::kTooLong;
@@ -129,6 +131,22 @@ std::optional<Abort> parse_abort(std::span<const std::uint8_t> payload) {
   a.rank = get_u32(payload.data());
   a.reason.assign(reinterpret_cast<const char*>(payload.data() + 4), payload.size() - 4);
   return a;
+}
+
+std::vector<std::uint8_t> encode_probe(const Probe& p) {
+  std::size_t n = std::min<std::size_t>(kMaxProbeBytes - 8, p.status.size());
+  std::vector<std::uint8_t> out(8 + n);
+  put_u64(out.data(), p.nonce);
+  if (n) std::memcpy(out.data() + 8, p.status.data(), n);
+  return out;
+}
+
+std::optional<Probe> parse_probe(std::span<const std::uint8_t> payload) {
+  if (payload.size() < 8 || payload.size() > kMaxProbeBytes) return std::nullopt;
+  Probe p;
+  p.nonce = get_u64(payload.data());
+  p.status.assign(reinterpret_cast<const char*>(payload.data() + 8), payload.size() - 8);
+  return p;
 }
 
 std::vector<std::uint8_t> encode_frame(Type type, const Tag& tag,

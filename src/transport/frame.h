@@ -26,12 +26,17 @@ enum class Type : std::uint8_t {
   kHello = 1,  // first frame on every connection: token, rank, world size, address
   kData = 2,   // one message of the Transport interface
   kAbort = 3,  // the sender aborted; payload names its rank and reason
+  // A rank whose wait timed out asks each peer what it is doing; the peer's transport
+  // thread answers at once (kProbeAnswer), which a stopped or hung process cannot.
+  kProbe = 4,
+  kProbeAnswer = 5,
 };
 
 // Limits on what a header may declare, so a corrupt or hostile length never turns into a
 // huge allocation. Control frames are tiny; data frames are bounded by `max_data_bytes`.
 constexpr std::uint64_t kMaxHelloBytes = 4096;
 constexpr std::uint64_t kMaxAbortBytes = 64 * 1024;
+constexpr std::uint64_t kMaxProbeBytes = 4096;
 constexpr std::uint64_t kDefaultMaxDataBytes = std::uint64_t{1} << 40;  // 1 TiB
 constexpr std::size_t kMaxTokenBytes = 1024;
 constexpr std::size_t kMaxAddressBytes = 512;
@@ -69,6 +74,16 @@ struct Abort {
 };
 std::vector<std::uint8_t> encode_abort(const Abort& a);  // payload only
 std::optional<Abort> parse_abort(std::span<const std::uint8_t> payload);
+
+// A probe (`status` empty) or its answer: the probe's number, so a late answer to an earlier
+// probe is told apart, and what the answering rank waits on.
+struct Probe {
+  std::uint64_t nonce = 0;
+  std::string status;  // truncated to fit kMaxProbeBytes when encoded
+  bool operator==(const Probe&) const = default;
+};
+std::vector<std::uint8_t> encode_probe(const Probe& p);  // payload only
+std::optional<Probe> parse_probe(std::span<const std::uint8_t> payload);
 
 // Header plus payload in one buffer, for control frames.
 std::vector<std::uint8_t> encode_frame(Type type, const Tag& tag,

@@ -51,6 +51,17 @@ RequestPtr RouterTransport::irecv_consume(int peer, const Tag& tag, std::size_t 
                                           Consumer consume) {
   return to(peer).irecv_consume(peer, tag, bytes, std::move(consume));
 }
+// Asks every transport in turn: only tcp waits (for answers), so the grace is spent once.
+StallReport RouterTransport::explain_stall(Clock::duration grace) {
+  StallReport all;
+  for (auto& t : transports_) {
+    StallReport r = t->explain_stall(grace);
+    if (!r.detail.empty()) all.detail += (all.detail.empty() ? "" : "; ") + r.detail;
+    all.silent.insert(all.silent.end(), r.silent.begin(), r.silent.end());
+  }
+  return all;
+}
+
 void RouterTransport::abort(const std::string& reason) {
   for (auto& t : transports_) t->abort(reason);
 }

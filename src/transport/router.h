@@ -25,6 +25,7 @@ class RouterTransport final : public Transport {
   RequestPtr irecv_consume(int peer, const Tag& tag, std::size_t bytes, Consumer consume) override;
   void abort(const std::string& reason) override;
   PeerTraffic traffic(int peer) const override;
+  StallReport explain_stall(Clock::duration grace) override;
   const Transport* channel(int peer) const override;
   // The arena of the one transport every peer routes to, if it offers one for the whole world.
   SharedArena* shared_arena() override { return arena_; }

@@ -66,6 +66,22 @@ class ShmTransport final : public Transport {
   const char* name() const override { return "shm"; }
   SharedArena* shared_arena() override { return &arena_; }
 
+  // A stopped peer process keeps its futexes and rings as they were, so only its state says
+  // why nothing moves. Threads of this process and other pid namespaces cannot be looked at.
+  StallReport explain_stall(Clock::duration) override {
+    StallReport report;
+    for (const auto& link : group_.links) {
+      if (!link->pid_checkable) continue;
+      const char state = process_state(link->pid);
+      if (state != 'T' && state != 't') continue;
+      report.silent.push_back(link->rank);
+      report.detail += std::string(report.detail.empty() ? "" : "; ") + "rank " +
+                       std::to_string(link->rank) + " (process " + std::to_string(link->pid) +
+                       " on this host) is stopped (SIGSTOP, or held by a debugger)";
+    }
+    return report;
+  }
+
   RequestPtr isend(int peer, const Tag& tag, const void* data, std::size_t bytes) override {
     PeerLink& link = link_for(peer, "isend", bytes);
     if (bytes != 0 && data == nullptr) {

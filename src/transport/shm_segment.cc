@@ -90,14 +90,18 @@ int open_pidfd(pid_t pid) {
 #endif
 }
 
-bool process_alive_by_proc(pid_t pid) {
+char process_state(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
   std::string stat_line;
-  if (!std::getline(in, stat_line)) return false;
+  if (!std::getline(in, stat_line)) return 0;
   std::size_t close_paren = stat_line.rfind(')');  // the command name may contain spaces
-  if (close_paren == std::string::npos || close_paren + 2 >= stat_line.size()) return true;
-  char state = stat_line[close_paren + 2];
-  return state != 'Z' && state != 'X';
+  if (close_paren == std::string::npos || close_paren + 2 >= stat_line.size()) return '?';
+  return stat_line[close_paren + 2];
+}
+
+bool process_alive_by_proc(pid_t pid) {
+  char state = process_state(pid);
+  return state != 0 && state != 'Z' && state != 'X';
 }
 
 Mapping::~Mapping() {

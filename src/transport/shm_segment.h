@@ -63,6 +63,9 @@ int open_pidfd(pid_t pid);
 // Fallback when pidfds are unavailable. A zombie (state Z) or dying (X) process counts as
 // dead: it can never write to the ring again, but kill(pid, 0) would still succeed.
 bool process_alive_by_proc(pid_t pid);
+// The state letter of /proc/<pid>/stat ('R', 'S', 'T' stopped, 't' traced, 'Z'...); 0 if
+// there is no such process.
+char process_state(pid_t pid);
 
 // ---- Segments ----------------------------------------------------------------------------
 

@@ -118,6 +118,7 @@ class TcpTransport final : public Transport {
   }
   void abort(const std::string& reason) override { core_->abort(reason); }
   PeerTraffic traffic(int peer) const override { return core_->traffic(peer); }
+  StallReport explain_stall(Clock::duration grace) override { return core_->explain_stall(grace); }
 
  private:
   int rank_;

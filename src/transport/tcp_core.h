@@ -182,6 +182,7 @@ struct Peer {
   bool in_unloaded = false;        // listed in Core::unloaded_
 
   PeerTraffic traffic;  // payload bytes of data frames only; headers and control frames excluded
+  std::optional<std::string> probe_answer;  // its answer to our latest probe (explain_stall)
 
   bool ready() const { return handshake == Handshake::kDone; }
 };
@@ -220,6 +221,7 @@ class Core {
   std::shared_ptr<RecvOp> post_recv(int peer, const Tag& tag, void* data, std::size_t bytes,
                                     bool consume = false);  // tcp_read.cc
   void abort(const std::string& reason);                    // tcp_failure.cc
+  StallReport explain_stall(Clock::duration grace);         // tcp_failure.cc
 
   PeerTraffic traffic(int peer) const {
     std::lock_guard lk(mu_);
@@ -350,7 +352,9 @@ class Core {
   void epoll_add(int fd, std::uint64_t id, std::uint32_t events);
   bool try_epoll_add(int fd, std::uint64_t id, std::uint32_t events);
   void accept_pending();
+  void evict_pending();
   void refuse(const Pending& pc, const std::string& why);
+  void close_listener();
   void on_pending(std::uint64_t id);
   std::string promote(Pending& pc, const frame::Hello& h);
   void refuse_overdue_pending();
@@ -363,6 +367,10 @@ class Core {
                    std::size_t got_bytes) const;
   void apply_abort_locked(bool send_frames);
   void fail_peer_locked(Peer& p, const Failure& f);
+  std::string status_locked() const;
+  std::uint64_t motion_locked(const Peer& p) const;
+  void on_probe_locked(Peer& p, std::span<const std::uint8_t> payload);
+  void on_probe_answer_locked(Peer& p, std::span<const std::uint8_t> payload);
 
   // --- progress: waiting callers and the loop thread (tcp_progress.cc) ------------------
 
@@ -443,6 +451,15 @@ class Core {
   bool abort_send_frames_ = false;
   int abort_origin_ = -1;  // the peer whose abort frame we relay (it gets none back)
   Phase phase_ = Phase::kSetup;
+  std::uint64_t probe_nonce_ = 0;  // number of our latest probe (explain_stall)
+  std::optional<Tag> last_tag_;    // of the latest operation posted, for probe answers
+  // The wait that timed out last (its request is dropped by then), for probe answers.
+  struct TimedOut {
+    Tag tag;
+    int peer = -1;
+    bool send = false;
+  };
+  std::optional<TimedOut> timed_out_;
 
   std::chrono::nanoseconds spin_{0};  // see choose_spin (tcp_tuning.h); set before any operation
   bool spin_yield_ = false;
@@ -454,6 +471,7 @@ class Core {
   net::Fd listener_, epoll_, wake_;
   std::map<std::uint64_t, Pending> pending_;
   std::uint64_t next_pending_ = 0;
+  std::uint64_t refused_ = 0;  // connections refused as not a peer (see Core::refuse)
   std::vector<std::uint8_t> stage_;
   std::thread thread_;
 };

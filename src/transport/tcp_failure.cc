@@ -1,5 +1,6 @@
 // How failures spread through the tcp transport (a lost connection, a local or remote
-// abort, destruction) and the errors its operations report.
+// abort, destruction), the errors its operations report, and the liveness probe that
+// names a stopped or hung peer when a wait timed out.
 #include <sys/epoll.h>
 #include <sys/socket.h>
 
@@ -11,6 +12,15 @@ namespace {
 
 // How long destruction waits for queued frames to drain (see Core::shutdown).
 constexpr auto kShutdownLinger = std::chrono::seconds(1);
+
+// "rank 2", "ranks 1, 3".
+std::string ranks_named(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    s += (i ? ", " : "") + std::to_string(ranks[i]);
+  }
+  return s;
+}
 
 }  // namespace
 
@@ -85,6 +95,142 @@ void Core::fail_peer_locked(Peer& p, const Failure& f) {
   const Failure& reported = abort_ ? *abort_ : f;
   fail_recvs_locked(p, reported);
   if (!p.writing) fail_sends_locked(p, reported);
+  cv_.notify_all();
+}
+
+// Asks every connected peer what it waits on and waits up to `grace` for the answers. The
+// loop thread of a live process answers at once, whatever its caller is doing; a stopped
+// or hung process does not, though its kernel keeps ACKing, so that is how it shows. A
+// peer that did not answer but kept sending (its answer may be queued behind a large
+// message) is only said to be slow. Caller thread, after a wait timed out.
+StallReport Core::explain_stall(Clock::duration grace) {
+  std::unique_lock lk(mu_);
+  if (abort_ || phase_ != Phase::kRunning) return {};
+  const std::uint64_t nonce = ++probe_nonce_;
+  struct Asked {
+    Peer* peer;
+    std::uint64_t motion;
+  };
+  std::vector<Asked> asked;
+  for (auto& pp : peers_) {
+    if (!pp || pp->failure || !pp->ready()) continue;
+    pp->probe_answer.reset();
+    queue_control_locked(*pp, frame::Type::kProbe, frame::encode_probe({nonce, {}}));
+    asked.push_back({pp.get(), motion_locked(*pp)});
+  }
+  for (Asked& a : asked) {
+    // As a send does: the loop, if it is already this socket's writer, writes it after what
+    // is queued before it.
+    if (a.peer->write_side != WriteSide::kLoop) flush_locked(*a.peer, lk);
+  }
+  const auto start = Clock::now();
+  cv_.wait_until(lk, start + grace, [&] {
+    if (abort_) return true;
+    for (Asked& a : asked) {
+      if (!a.peer->probe_answer && !a.peer->failure) return false;
+    }
+    return true;
+  });
+  const auto waited =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+  std::vector<int> silent, slow;
+  std::string answers, addresses;
+  for (Asked& a : asked) {
+    const Peer& p = *a.peer;
+    if (p.probe_answer) {
+      answers += "; rank " + std::to_string(p.rank) + " " + *p.probe_answer;
+    } else if (p.failure) {
+      continue;  // lost meanwhile: its own error names it
+    } else if (motion_locked(p) != a.motion) {
+      slow.push_back(p.rank);
+    } else {
+      silent.push_back(p.rank);
+      addresses += (addresses.empty() ? " at " : ", ") + p.address;
+    }
+  }
+  StallReport report;
+  const std::string within = " within " + std::to_string(waited) + " ms";
+  if (!silent.empty()) {
+    report.detail = ranks_named(silent) + addresses + (silent.size() == 1 ? " does" : " do") +
+                    " not answer (no reply to a liveness probe" + within +
+                    ", nothing received meanwhile): stopped or hung?";
+  }
+  if (!slow.empty()) {
+    report.detail += std::string(report.detail.empty() ? "" : "; ") + ranks_named(slow) +
+                     " did not answer a liveness probe" + within + " but kept sending";
+  }
+  if (!answers.empty()) {
+    report.detail += report.detail.empty() ? answers.substr(2) : answers;
+  }
+  // An abort that cut the wait short early leaves a rank not heard from yet unproven.
+  if (!abort_ || Clock::now() - start >= grace / 2) report.silent = std::move(silent);
+  return report;
+}
+
+// What this rank waits on, for a peer's probe: the call of its oldest pending operation and
+// the peers of its pending operations; or that it waits on none (it is behind, or busy
+// elsewhere), with the call of its last operation.
+std::string Core::status_locked() const {
+  std::optional<Tag> call;
+  std::vector<int> from, to;
+  for (const auto& pp : peers_) {
+    if (!pp) continue;
+    const Peer& p = *pp;
+    const RecvOp* arriving = p.in.claimed.get();
+    const RecvOp* recv = arriving && arriving->status == OpStatus::kPending ? arriving : nullptr;
+    for (const auto& op : p.posted) {
+      if (recv) break;
+      if (op->status == OpStatus::kPending && !op->abandoned) recv = op.get();
+    }
+    if (recv) {
+      from.push_back(p.rank);
+      if (!call) call = recv->tag;
+    }
+    for (const auto& op : p.sendq) {
+      if (op->type != frame::Type::kData || op->status != OpStatus::kPending) continue;
+      to.push_back(p.rank);
+      if (!call) call = op->tag;
+      break;
+    }
+  }
+  if (!call && timed_out_ && last_tag_ && timed_out_->tag == *last_tag_) {
+    // Its own wait timed out just now, and dropped its requests on the way out.
+    return "timed out in " + describe(timed_out_->tag) + " waiting " +
+           (timed_out_->send ? "for rank " + std::to_string(timed_out_->peer) + " to take its send"
+                             : "for a message from rank " + std::to_string(timed_out_->peer));
+  }
+  if (!call) {
+    return "waits on no tcp peer" +
+           (last_tag_ ? " (its last tcp operation was in " + describe(*last_tag_) + ")"
+                      : std::string(" (it has not sent or received over tcp yet)"));
+  }
+  std::string s = "waits in " + describe(*call) + " for ";
+  if (!from.empty()) s += "a message from " + ranks_named(from);
+  if (!from.empty() && !to.empty()) s += " and for ";
+  if (!to.empty()) s += ranks_named(to) + " to take its send";
+  return s;
+}
+
+// Changes whenever bytes arrive from `p`. Only what it sends counts: a stopped process's
+// kernel still takes in what we send it, until its buffers fill.
+std::uint64_t Core::motion_locked(const Peer& p) const {
+  return p.traffic.bytes_received + p.traffic.messages_received + p.in.hdr_got + p.in.got;
+}
+
+// Answers a probe. Called from inside a read, so the loop writes the answer (EPOLLOUT), or
+// the thread in sendmsg for this socket does when it comes back for the rest of the queue.
+void Core::on_probe_locked(Peer& p, std::span<const std::uint8_t> payload) {
+  auto probe = frame::parse_probe(payload);
+  if (!probe || abort_ || p.failure) return;  // after an abort, only the abort frame is sent
+  queue_control_locked(p, frame::Type::kProbeAnswer,
+                       frame::encode_probe({probe->nonce, status_locked()}));
+  if (!p.writing) set_write_side_locked(p, WriteSide::kLoop);
+}
+
+void Core::on_probe_answer_locked(Peer& p, std::span<const std::uint8_t> payload) {
+  auto answer = frame::parse_probe(payload);
+  if (!answer || answer->nonce != probe_nonce_) return;  // late: an earlier probe's
+  p.probe_answer = std::move(answer->status);
   cv_.notify_all();
 }
 

@@ -72,6 +72,7 @@ void Core::wait(Op& op, int peer, const char* what,
   if (op.status == OpStatus::kPending) drive_locked(op, p, lk, deadline);
   if (check_locked(op, peer, what)) return;
   std::size_t done = progress(op);
+  timed_out_ = TimedOut{op.tag, peer, std::strcmp(what, "send") == 0};
   throw Error(ErrorKind::kTimeout,
               std::string(what) + " of " + describe(op.tag) +
                   (std::strcmp(what, "send") == 0 ? " to" : " from") + " rank " +
@@ -427,8 +428,7 @@ bool Core::on_wake() {
   std::lock_guard lk(mu_);
   if (phase_ == Phase::kStopping) return false;
   if (phase_ == Phase::kRunning && listener_.valid()) {
-    listener_.reset();  // real peers are all here; close the door on strays
-    pending_.clear();
+    close_listener();  // real peers are all here; close the door on strays
   }
   return true;
 }

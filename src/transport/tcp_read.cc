@@ -27,6 +27,7 @@ std::shared_ptr<RecvOp> Core::post_recv(int peer, const Tag& tag, void* data, st
   std::unique_lock lk(mu_);
   Peer& p = peer_checked(peer, "recv", bytes);
   if (abort_) throw error_of(*abort_, peer, "recv", bytes);
+  last_tag_ = tag;
   if (!p.unexpected.empty()) {
     Unexpected u = std::move(p.unexpected.front());
     p.unexpected.pop_front();
@@ -189,6 +190,10 @@ void Core::on_header_locked(Peer& p) {
       break;
     case frame::Type::kAbort:
       break;
+    case frame::Type::kProbe:
+    case frame::Type::kProbeAnswer:
+      if (!p.ready()) return protocol("a probe before the handshake");
+      break;
     case frame::Type::kData:
       if (!p.ready()) return protocol("data before the handshake");
       if (abort_) {
@@ -271,6 +276,12 @@ void Core::finish_message_locked(Peer& p) {
       break;
     case frame::Type::kAbort:
       on_abort_frame_locked(p, payload);
+      break;
+    case frame::Type::kProbe:
+      on_probe_locked(p, payload);
+      break;
+    case frame::Type::kProbeAnswer:
+      on_probe_answer_locked(p, payload);
       break;
   }
   in.in_header = true;

@@ -16,11 +16,16 @@ namespace gradsync::transport::tcp {
 
 namespace {
 
-// A real peer sends its hello right after connecting; anything silent this long is not one.
-constexpr auto kHelloTimeout = std::chrono::seconds(10);
-// Unidentified connections held at once; more are closed at accept so garbage cannot
-// exhaust file descriptors.
+// A real peer sends its hello in one write right after connecting, so its hello is
+// usually there by the time we accept; anything silent this long is not a peer.
+constexpr auto kHelloTimeout = std::chrono::seconds(5);
+// Unidentified connections held at once, so junk cannot exhaust file descriptors. When full,
+// a new connection evicts the oldest that is still silent (else the oldest): a flood of
+// junk only ever costs junk its place, never the connection of a peer dialing after it.
 constexpr std::size_t kMaxPendingConnections = 256;
+// Refusals logged one by one; past that, only counted (a flood must not flood stderr too),
+// and the count is logged once the listener closes.
+constexpr std::uint64_t kRefusalsLogged = 5;
 
 [[noreturn]] void sys_error(const std::string& what) {
   throw Error(ErrorKind::kSystem, what + ": " + std::strerror(errno), Error::kUnknownRank,
@@ -177,10 +182,7 @@ void Core::accept_pending() {
     int fd = ::accept4(listener_.get(), reinterpret_cast<sockaddr*>(&ss), &len,
                        SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) return;
-    if (pending_.size() >= kMaxPendingConnections) {
-      ::close(fd);
-      continue;
-    }
+    if (pending_.size() >= kMaxPendingConnections) evict_pending();
     std::uint64_t id = kPendingIdBase + next_pending_++;
     if (!try_epoll_add(fd, id, EPOLLIN)) {
       ::close(fd);
@@ -190,12 +192,50 @@ void Core::accept_pending() {
     pc.fd = net::Fd(fd);
     pc.from = peer_name_of(ss);
     pc.deadline = std::chrono::steady_clock::now() + kHelloTimeout;
+    on_pending(id);  // a peer's hello is likely there already: it then never holds a slot
   }
 }
 
+// Frees one slot of pending_: the oldest connection that has sent nothing, else the oldest.
+// Whatever it sent is read first, so a hello that already arrived is never thrown away.
+void Core::evict_pending() {
+  auto victim = pending_.end();
+  for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+    if (it->second.hdr_got == 0) {
+      victim = it;
+      break;
+    }
+  }
+  if (victim == pending_.end()) victim = pending_.begin();
+  const std::uint64_t id = victim->first;
+  on_pending(id);
+  auto it = pending_.find(id);
+  if (it == pending_.end()) return;  // it completed its hello (or was refused) just now
+  refuse(it->second, "evicted without a complete hello: " + std::to_string(kMaxPendingConnections) +
+                         " unidentified connections were waiting");
+  pending_.erase(it);
+}
+
 void Core::refuse(const Pending& pc, const std::string& why) {
-  std::fprintf(stderr, "gradsync: rank %d: refused tcp connection from %s: %s\n", rank_,
-               pc.from.c_str(), why.c_str());
+  if (++refused_ <= kRefusalsLogged) {
+    std::fprintf(stderr, "gradsync: rank %d: refused tcp connection from %s: %s\n", rank_,
+                 pc.from.c_str(), why.c_str());
+  }
+}
+
+// The listener closes: the connections still unidentified are refused, and the count of
+// refusals that were not logged one by one is logged.
+void Core::close_listener() {
+  for (auto& [id, pc] : pending_) refuse(pc, "still without a hello when every peer was in");
+  pending_.clear();
+  listener_.reset();
+  if (refused_ > kRefusalsLogged) {
+    std::fprintf(stderr,
+                 "gradsync: rank %d: refused %llu tcp connections in all that were not peers of "
+                 "this job (only the first %llu logged)\n",
+                 rank_, static_cast<unsigned long long>(refused_),
+                 static_cast<unsigned long long>(kRefusalsLogged));
+  }
 }
 
 // Reads a stray's hello with exact-length reads, so no byte meant for the data path is

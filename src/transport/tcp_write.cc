@@ -28,6 +28,7 @@ std::shared_ptr<SendOp> Core::post_send(int peer, const Tag& tag, const void* da
   std::unique_lock lk(mu_);
   Peer& p = peer_checked(peer, "send", bytes);
   if (const Failure* f = failure_for(p)) throw error_of(*f, peer, "send", bytes);
+  last_tag_ = tag;
   p.sendq.push_back(op);
   // Write from this thread when the loop is not already busy with this socket: saves
   // a thread hand-off for small messages, and large ones just fill the socket buffer.

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "gradsync/error.h"
 #include "gradsync/types.h"
@@ -47,6 +48,15 @@ using Consumer = std::function<void(const void* data, std::size_t offset, std::s
 
 class SharedArena;  // transport/shared_arena.h
 
+// What a rank learns about its peers once one of its waits timed out: a peer that waits on
+// another names the rank the job really waits for, and a stopped or hung process, which
+// the kernel still ACKs for over TCP and whose liveness no socket reveals, shows by not
+// answering (tcp) or by its process state (shm).
+struct StallReport {
+  std::string detail;       // added to the timeout's message; "" when nothing was learnt
+  std::vector<int> silent;  // ranks found stopped, or that did not answer within the grace
+};
+
 // Matching rule: messages between an ordered pair of ranks are FIFO. The k-th receive
 // posted for peer p matches the k-th message p sent to this rank. A receive whose tag or
 // length differs from the arriving message fails with kMismatch and names both tags.
@@ -71,6 +81,14 @@ class Transport {
   virtual void abort(const std::string& reason) = 0;
 
   virtual PeerTraffic traffic(int peer) const = 0;
+
+  // Called once a wait timed out, before the timeout is raised: spends at most about
+  // `grace` finding out which peers are stopped or hung and what the others wait on.
+  // Default: nothing to add.
+  virtual StallReport explain_stall(Clock::duration grace) {
+    (void)grace;
+    return {};
+  }
 
   // The transport that actually carries messages to `peer` (a router forwards each peer to one
   // of several). A transport serves one thread at a time, so an algorithm may drive two sets
