@@ -135,11 +135,19 @@ TEST(Env, GarbageIsNamed) {
     }
   };
   expect_error({{"RANK", "two"}, {"WORLD_SIZE", "4"}}, "RANK='two' is not an integer");
-  expect_error({{"RANK", "4"}, {"WORLD_SIZE", "4"}}, "rank 4 is outside world size 4");
+  expect_error({{"RANK", "4"}, {"WORLD_SIZE", "4"}},
+               "RANK='4' is not an integer in [0, WORLD_SIZE): the world size is 4");
+  // Past int: once cast to int, 2^32 was rank 0.
+  expect_error({{"RANK", "4294967296"}, {"WORLD_SIZE", "1"}},
+               "RANK='4294967296' is not an integer in [0, WORLD_SIZE)");
+  expect_error({{"OMPI_COMM_WORLD_SIZE", "-3"}},
+               "OMPI_COMM_WORLD_SIZE='-3' is not an integer in [1, 1048576]");
   expect_error({{"GRADSYNC_TRANSPORT", "carrier-pigeon"}},
                "'carrier-pigeon' is not one of shm, tcp");
   expect_error({{"GRADSYNC_ALGO", "fastest"}}, "GRADSYNC_ALGO='fastest'");
-  expect_error({{"MASTER_PORT", "70000"}}, "MASTER_PORT 70000");
+  expect_error({{"MASTER_PORT", "70000"}}, "MASTER_PORT='70000' is not an integer in [1, 65535]");
+  // Port 0 used to be taken, and then waited the whole timeout to connect to it.
+  expect_error({{"MASTER_PORT", "0"}}, "MASTER_PORT='0' is not an integer in [1, 65535]");
   expect_error({{"GRADSYNC_TOPOLOGY", "@/nonexistent/topology"}},
                "GRADSYNC_TOPOLOGY='@/nonexistent/topology' is not groups like");
 }

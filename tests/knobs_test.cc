@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <sstream>
@@ -27,7 +28,8 @@ namespace {
 
 using testing::contains;
 
-// Sets variables for one test; every per-context knob is unset before and after.
+// Sets variables for one test; every per-context knob and launcher variable is unset before
+// and after.
 class KnobEnv {
  public:
   explicit KnobEnv(std::initializer_list<std::pair<const char*, const char*>> vars = {}) {
@@ -41,7 +43,7 @@ class KnobEnv {
  private:
   static void clear() {
     for (const knobs::Knob& k : knobs::all()) {
-      if (k.scope == knobs::Scope::kContext) ::unsetenv(std::string(k.name).c_str());
+      if (k.scope != knobs::Scope::kProcess) ::unsetenv(std::string(k.name).c_str());
     }
   }
 };
@@ -118,12 +120,26 @@ TEST(Knobs, RowsAreSortedAndComplete) {
     const std::string name(k.name);
     EXPECT_LT(previous, name) << "rows out of order";
     previous = name;
-    EXPECT_TRUE(name.starts_with("GRADSYNC_")) << name;
+    EXPECT_EQ(name.starts_with("GRADSYNC_"), k.scope != knobs::Scope::kLauncher) << name;
     for (std::string_view field : {k.default_text, k.accepts, k.setter, k.meaning}) {
       EXPECT_FALSE(field.empty()) << name;
       EXPECT_EQ(field.find('|'), std::string_view::npos) << name << ": breaks README's table";
     }
-    if (k.scope == knobs::Scope::kContext) {
+    // An integer's row states its range, which is what a refusal quotes: the static one, or,
+    // for a rank, the size it must stay below (checked once the size is known).
+    if (k.max > k.min) {
+      const std::string range = "[" + std::to_string(k.min) + ", " + std::to_string(k.max) + "]";
+      const std::string accepts(k.accepts);
+      const bool is_a_rank = k.max == knobs::kMaxWorldSize - 1 && contains(accepts, "SIZE)");
+      EXPECT_TRUE(contains(accepts, "an integer in " + range) || is_a_rank) << name;
+    } else {
+      EXPECT_FALSE(contains(std::string(k.accepts), "integer"))
+          << name << ": an integer row needs its range";
+    }
+    if (k.scope == knobs::Scope::kLauncher) {
+      EXPECT_FALSE(k.logged) << name << ": every rank of every job sets it";
+    }
+    if (k.scope != knobs::Scope::kProcess) {
       EXPECT_TRUE(k.setter.starts_with("Options::")) << name << ": per context, so a field";
     } else {
       EXPECT_TRUE(k.setter.starts_with("none: ")) << name << ": says why there is no field";
@@ -134,18 +150,27 @@ TEST(Knobs, RowsAreSortedAndComplete) {
 TEST(Knobs, UnregisteredNameIsALogicError) {
   EXPECT_THROW(knobs::find("GRADSYNC_NO_SUCH_KNOB"), std::logic_error);
   EXPECT_THROW(knobs::text("GRADSYNC_NO_SUCH_KNOB"), std::logic_error);
-  EXPECT_THROW(knobs::integer("GRADSYNC_NO_SUCH_KNOB", 0, 1), std::logic_error);
+  EXPECT_THROW(knobs::integer("GRADSYNC_NO_SUCH_KNOB"), std::logic_error);
+  EXPECT_THROW(knobs::integer("GRADSYNC_ALGO"), std::logic_error) << "a text knob";
 }
 
-// README's table (variable, Options field, default, accepts, meaning) has one row per knob,
-// with the registry's field, default and accepted values; the meaning may be worded freely.
+// README's tables (variable, Options field, default, accepts, meaning) have one row per knob
+// and launcher variable, with the registry's field, default and accepted values; the meaning
+// may be worded freely.
 TEST(Knobs, ReadmeTableListsExactlyTheRegistry) {
   const std::string readme = testing::read_file(testing::source_dir() + "/README.md");
   ASSERT_FALSE(readme.empty());
   std::map<std::string, std::vector<std::string>> rows;
   std::stringstream lines(readme);
   for (std::string line; std::getline(lines, line);) {
-    if (line.starts_with("| `GRADSYNC_")) {
+    // A row whose first cell is a variable's name: `UPPER_CASE`.
+    const std::size_t close = line.find('`', 3);
+    if (line.starts_with("| `") && close != std::string::npos && close > 3 &&
+        std::all_of(line.begin() + 3, line.begin() + static_cast<std::ptrdiff_t>(close),
+                    [](char c) {
+                      return std::isupper(static_cast<unsigned char>(c)) ||
+                             std::isdigit(static_cast<unsigned char>(c)) || c == '_';
+                    })) {
       auto c = cells(line);
       rows[c[0]] = c;
     }
@@ -321,6 +346,87 @@ TEST(Knobs, GarbageIsRefusedNamingTheVariableAndWhatItAccepts) {
   explicit_options.tcp_spin_us = 5;
   explicit_options.timeout = std::chrono::milliseconds(100);
   EXPECT_EQ(env::resolve(explicit_options).tcp_spin_us, 5);
+}
+
+// Every integer knob and launcher variable refuses what lies outside its row's range, and
+// what is no plain decimal integer, quoting the variable, the value and the range.
+TEST(Knobs, IntegersOutsideTheirRangeAreRefusedNamingTheRange) {
+  for (const knobs::Knob& k : knobs::all()) {
+    if (k.max <= k.min) continue;
+    const std::string name(k.name);
+    for (const std::string& value :
+         {std::to_string(k.min - 1), std::to_string(k.max + 1), std::string("99999999999999999999"),
+          std::string("4294967296"), std::string("+1"), std::string(" 1"), std::string("1 "),
+          std::string("0x10"), std::string("1e3"), std::string("1.0"), std::string("one")}) {
+      SCOPED_TRACE(name + "=" + value);
+      KnobEnv env({{name.c_str(), value.c_str()}});
+      try {
+        knobs::integer(name);
+        ADD_FAILURE() << "accepted";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+        const std::string want = name + "='" + value + "' is not " + std::string(k.accepts);
+        EXPECT_TRUE(contains(e.what(), want)) << e.what() << "\nwants: " << want;
+      }
+    }
+    KnobEnv env({{name.c_str(), std::to_string(k.max).c_str()}});
+    EXPECT_EQ(knobs::integer(name), k.max) << name;
+  }
+}
+
+// The launcher's variables go through the registry too: a rank past int's range is not taken
+// for rank 0, port 0 is no port, and a rank beyond its world names the variable that set it.
+TEST(Knobs, LauncherVariablesAreRefusedNamingTheVariable) {
+  const struct {
+    std::initializer_list<std::pair<const char*, const char*>> vars;
+    std::string want;
+  } cases[] = {
+      {{{"RANK", "4294967296"}, {"WORLD_SIZE", "1"}},
+       "RANK='4294967296' is not an integer in [0, WORLD_SIZE)"},
+      {{{"RANK", "-1"}, {"WORLD_SIZE", "2"}}, "RANK='-1' is not an integer in [0, WORLD_SIZE)"},
+      {{{"RANK", "2"}, {"WORLD_SIZE", "2"}},
+       "RANK='2' is not an integer in [0, WORLD_SIZE): the world size is 2"},
+      {{{"PMI_RANK", "5"}, {"PMI_SIZE", "4"}},
+       "PMI_RANK='5' is not an integer in [0, WORLD_SIZE): the world size is 4"},
+      {{{"WORLD_SIZE", "0"}}, "WORLD_SIZE='0' is not an integer in [1, 1048576]"},
+      {{{"SLURM_NTASKS", "99999999999"}}, "SLURM_NTASKS='99999999999' is not an integer in [1, "},
+      {{{"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"}},
+       "LOCAL_RANK='3' is not an integer in [0, LOCAL_WORLD_SIZE): the local world size is 2"},
+      {{{"MASTER_PORT", "0"}}, "MASTER_PORT='0' is not an integer in [1, 65535]"},
+      {{{"MASTER_PORT", "65536"}}, "MASTER_PORT='65536' is not an integer in [1, 65535]"},
+      {{{"GRADSYNC_TIMEOUT", "99999999999999999"}},
+       "GRADSYNC_TIMEOUT='99999999999999999' is not an integer in [1, 2147483647]"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.want);
+    const std::string what = refused_by_resolve(c.vars).what();
+    EXPECT_TRUE(contains(what, c.want)) << what;
+    EXPECT_FALSE(contains(what, "rank -1")) << what;
+  }
+  // Explicit fields are checked as strictly.
+  Options port_zero;
+  port_zero.master_port = 0;
+  EXPECT_TRUE(contains(refused_by_resolve({}, port_zero).what(), "master port 0 is outside"));
+  Options beyond;
+  beyond.rank = 3;
+  beyond.size = 3;
+  EXPECT_TRUE(contains(refused_by_resolve({}, beyond).what(), "rank 3 is outside [0, 3)"));
+}
+
+// GRADSYNC_ALGO's row names every spelling parse_algorithm takes, and each of them parses.
+TEST(Knobs, AlgoNamesEveryValueItAccepts) {
+  const std::string accepts(knobs::find("GRADSYNC_ALGO").accepts);
+  for (const char* spelling :
+       {"auto", "ring", "rd", "recursive_doubling", "hd", "halving_doubling", "rabenseifner", "ps",
+        "parameter_server", "shm", "shared_memory", "hier", "hierarchical"}) {
+    EXPECT_TRUE(parse_algorithm(spelling)) << spelling;
+    EXPECT_TRUE(contains(accepts, spelling)) << spelling << " is accepted, yet not named";
+  }
+  for (Algorithm a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kRecursiveDoubling,
+                      Algorithm::kHalvingDoubling, Algorithm::kParameterServer,
+                      Algorithm::kSharedMemory, Algorithm::kHierarchical}) {
+    EXPECT_TRUE(contains(accepts, to_string(a))) << to_string(a);
+  }
 }
 
 // gtest assertions in a forked child would be lost with it: it reports by exit status.

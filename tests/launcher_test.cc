@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "harness.h"
+
 extern char** environ;
 
 namespace {
@@ -380,6 +382,87 @@ TEST(Launcher, RemovesThisJobsShmSegmentsOnly) {
   EXPECT_FALSE(std::filesystem::exists(exited_job));
   std::filesystem::remove(other);
   std::filesystem::remove(running_job);
+}
+
+// Every number on the command line is read whole and within its range; anything else is
+// refused before a rank starts, naming the flag, the value and the range, with exit code 2.
+TEST(Launcher, NumbersAreReadStrictly) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"-n", "99999999999", "true"}, "--nproc-per-node: '99999999999' is not an integer in [1, "},
+      {{"-n", " 2", "true"}, "--nproc-per-node: ' 2' is not an integer"},
+      {{"-n", "0x2", "true"}, "--nproc-per-node: '0x2' is not an integer"},
+      {{"--node-rank", "-1", "true"}, "--node-rank: '-1' is not an integer in [0, "},
+      {{"--master-port", "0", "true"}, "--master-port: '0' is not an integer in [1, 65535]"},
+      {{"--timeout-s", "inf", "true"}, "--timeout-s: 'inf' is not a number in [0, "},
+      {{"--timeout-s", "1e999", "true"}, "--timeout-s: '1e999' is not a number"},
+      {{"--grace-s", "-1", "true"}, "--grace-s: '-1' is not a number"},
+      {{"--nnodes", "1048576", "-n", "2", "true"}, "2097152 ranks, more than the 1048576"},
+  };
+  for (const auto& [args, want] : cases) {
+    Result r = run_launcher(args);
+    EXPECT_EQ(r.exit_code(), 2) << want;
+    EXPECT_NE(r.err.find(want), std::string::npos) << r.err;
+  }
+}
+
+std::string bench_path() {
+  return gradsync::testing::build_dir() + "/tools/gradsync-bench";
+}
+
+// gradsync-bench refuses sizes, counts and ranks it cannot honour before it allocates or
+// starts (exit 2, naming the flag and its range), where it used to end in std::bad_alloc.
+TEST(Bench, FlagsAreReadStrictlyAndUpFront) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--max-bytes 99999999999999", "--max-bytes: '99999999999999' is not a size in [0, "},
+      {"--max-bytes 18446744073709551615G", "--max-bytes: '18446744073709551615G' is not a size"},
+      {"--min-bytes -1", "--min-bytes: '-1' is not a size"},
+      {"--min-bytes 4X", "--min-bytes: '4X' is not a size"},
+      {"--iters 0", "--iters: '0' is not an integer in [1, 1000000]"},
+      {"--iters 4294967297", "--iters: '4294967297' is not an integer in [1, 1000000]"},
+      {"--warmup -1", "--warmup: '-1' is not an integer in [0, 1000000]"},
+      {"--factor 1", "--factor: '1' is not an integer in [2, "},
+      {"--factor 2.5", "--factor: '2.5' is not an integer"},
+      {"--root nine", "--root: 'nine' is not an integer in [0, "},
+  };
+  for (const auto& [args, want] : cases) {
+    auto r = gradsync::testing::run_shell(bench_path() + " allreduce " + args + " 2>&1");
+    EXPECT_EQ(r.exit_code(), 2) << args << ": " << r.output;
+    EXPECT_TRUE(gradsync::testing::contains(r.output, want)) << r.output;
+  }
+  auto r = gradsync::testing::run_shell(bench_path() +
+                                        " broadcast --root 1 --min-bytes 1K --max-bytes 1K 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(gradsync::testing::contains(r.output, "--root: '1' is not a rank in [0, 0]"))
+      << r.output;
+}
+
+// A --json file that cannot be written fails the run before it starts (it used to be found
+// out at the end, and the run still exited 0); one that can is written.
+TEST(Bench, UnwritableJsonFailsBeforeTheRun) {
+  gradsync::testing::TempDir dir;
+  const std::string sweep = " allreduce --min-bytes 1K --max-bytes 1K --iters 2 --warmup 0 --json ";
+  auto r = gradsync::testing::run_shell(bench_path() + sweep + dir.path() + "/no-such-dir/r.json" +
+                                        " 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(gradsync::testing::contains(
+      r.output, "--json: cannot write " + dir.path() + "/no-such-dir/r.json: No such file"))
+      << r.output;
+  EXPECT_FALSE(gradsync::testing::contains(r.output, "avg bus bandwidth")) << "it ran";
+  r = gradsync::testing::run_shell(bench_path() + sweep + dir.path() + "/r.json 2>&1");
+  EXPECT_EQ(r.exit_code(), 0) << r.output;
+  EXPECT_TRUE(gradsync::testing::contains(gradsync::testing::read_file(dir.path() + "/r.json"),
+                                          "\"bytes\": 1024"));
+}
+
+// Before init() knows the rank, an error names none: not "rank -1".
+TEST(Bench, ErrorsBeforeTheRankIsKnownNameNoRank) {
+  for (const std::string env : {"GRADSYNC_ALGO=foo", "RANK=4294967296 WORLD_SIZE=1"}) {
+    auto r = gradsync::testing::run_shell(env + " " + bench_path() + " allreduce 2>&1");
+    EXPECT_EQ(r.exit_code(), 1) << env << ": " << r.output;
+    EXPECT_FALSE(gradsync::testing::contains(r.output, "rank -1")) << r.output;
+    EXPECT_TRUE(gradsync::testing::contains(r.output, env.substr(0, env.find('=')) + "='"))
+        << r.output;
+  }
 }
 
 }  // namespace

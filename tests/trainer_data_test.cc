@@ -3,6 +3,7 @@
 // written here by hand (each must name its path and what is wrong), and the sharded sampler
 // (disjoint, equal, deterministic shards that change every epoch).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -288,7 +289,7 @@ TEST(FashionMnist, DamagedIdxIsNamed) {
     std::fill(idx.begin() + 4, idx.begin() + 8, 0xff);
     write_file(set.images, gzip(idx));
     expect_load_error(set.dir, set.images,
-                      "truncated: header promises 3367254359280 bytes of pixels, file holds 2352");
+                      "the header counts 4294967295 images, more than the 1048576");
   }
   {
     const SmallSet set(tmp, "huge_label_count");
@@ -296,7 +297,16 @@ TEST(FashionMnist, DamagedIdxIsNamed) {
     std::fill(idx.begin() + 4, idx.begin() + 8, 0xff);
     write_file(set.labels, gzip(idx));
     expect_load_error(set.dir, set.labels,
-                      "truncated: header promises 4294967295 labels, file holds 3");
+                      "the header counts 4294967295 labels, more than the 1048576");
+  }
+  {
+    // Within the limit, yet more than the file can hold: counted, not allocated for.
+    const SmallSet set(tmp, "large_count");
+    Bytes idx = idx_images(3);
+    idx[6] = 0x10;  // 4099 images
+    write_file(set.images, gzip(idx));
+    expect_load_error(set.dir, set.images,
+                      "truncated: header promises 3213616 bytes of pixels, file holds 2352");
   }
   {
     const SmallSet set(tmp, "short_labels");
@@ -336,10 +346,10 @@ TEST(FashionMnist, MissingFilesAreNamed) {
     expect_load_error(set.dir, set.labels, "cannot open");
   }
   {
-    const SmallSet set(tmp, "directory");  // opens, but cannot be read
+    const SmallSet set(tmp, "directory");
     std::filesystem::remove(set.images);
     std::filesystem::create_directory(set.images);
-    expect_load_error(set.dir, set.images, "cannot read");
+    expect_load_error(set.dir, set.images, "is a directory, not a regular file");
   }
   // The test split is looked for under its own names.
   const SmallSet set(tmp, "train_only");
@@ -348,6 +358,50 @@ TEST(FashionMnist, MissingFilesAreNamed) {
     ADD_FAILURE() << "no t10k files, yet the test split loaded";
   } catch (const std::runtime_error& e) {
     EXPECT_TRUE(contains(e.what(), set.dir + "/t10k-images-idx3-ubyte.gz")) << e.what();
+  }
+}
+
+// What is no data file is refused by what it is, before a byte is read: a FIFO (which blocked
+// the loader forever), /dev/zero behind a symlink (read until memory ran out), a file larger
+// than any data set's.
+TEST(FashionMnist, OnlyRegularFilesOfASaneSize) {
+  TempDir tmp;
+  {
+    const SmallSet set(tmp, "fifo");
+    std::filesystem::remove(set.images);
+    ASSERT_EQ(::mkfifo(set.images.c_str(), 0600), 0);
+    expect_load_error(set.dir, set.images, "is a FIFO, not a regular file");
+  }
+  {
+    const SmallSet set(tmp, "dev_zero");
+    std::filesystem::remove(set.labels);
+    std::filesystem::create_symlink("/dev/zero", set.labels);
+    expect_load_error(set.dir, set.labels, "is a character device, not a regular file");
+  }
+  {
+    const SmallSet set(tmp, "huge");  // sparse: no disk space taken
+    std::filesystem::resize_file(set.images, (std::uintmax_t{1} << 30) + 1);
+    expect_load_error(set.dir, set.images, "1073741825 bytes, more than the 1073741824");
+  }
+}
+
+// An empty set is an error, for the training split and the test split alike (an empty test
+// set reported "test accuracy 0.00%" and exit 0).
+TEST(FashionMnist, EmptySetIsAnError) {
+  TempDir tmp;
+  for (const bool train : {true, false}) {
+    const std::string prefix = train ? "train" : "t10k";
+    const std::string dir = tmp.path() + "/" + prefix;
+    std::filesystem::create_directories(dir);
+    const std::string images = dir + "/" + prefix + "-images-idx3-ubyte.gz";
+    write_file(images, gzip(idx_images(0)));
+    write_file(dir + "/" + prefix + "-labels-idx1-ubyte.gz", gzip(idx_labels({})));
+    try {
+      load_fashion_mnist(dir, train);
+      ADD_FAILURE() << prefix << ": an empty set loaded";
+    } catch (const std::runtime_error& e) {
+      EXPECT_TRUE(contains(e.what(), images + ": empty: the header counts 0 images")) << e.what();
+    }
   }
 }
 

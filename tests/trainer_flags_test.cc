@@ -31,5 +31,37 @@ TEST(TrainerFlags, ConflictsAndUnknownValuesAreRefused) {
   EXPECT_TRUE(testing::contains(r.output, "--step-ahead is 0 or 1")) << r.output;
 }
 
+// Every number is read whole and within its range, and refused before any rank starts with
+// the flag, the value and the range: --lr -1 used to train (below 0 is the default's marker),
+// --epochs 99999999999 to wrap around an int, --batch and --hidden to end in std::bad_alloc.
+TEST(TrainerFlags, NumbersAreReadStrictlyAndInRange) {
+  const std::string train = testing::build_dir() + "/examples/gradsync-train";
+  const std::pair<const char*, const char*> cases[] = {
+      {"--lr -1", "--lr: '-1' is not a number in (0, "},
+      {"--lr 0", "--lr: '0' is not a number in (0, "},
+      {"--lr nan", "--lr: 'nan' is not a number"},
+      {"--lr inf", "--lr: 'inf' is not a number"},
+      {"--epochs 99999999999", "--epochs: '99999999999' is not an integer in [1, "},
+      {"--epochs 1e3", "--epochs: '1e3' is not an integer"},
+      {"--batch 99999999999", "--batch: '99999999999' is not an integer in [1, "},
+      {"--batch 0", "--batch: '0' is not an integer in [1, "},
+      {"--hidden 99999999999", "--hidden: '99999999999' is not an integer in [1, "},
+      {"--hidden 64,,64", "--hidden: '' is not an integer"},
+      {"--max-steps 0", "--max-steps: '0' is not an integer in [1, "},
+      {"--max-steps 99999999999999999999", "--max-steps: '99999999999999999999' is not"},
+      {"--bucket-mb 1e300", "--bucket-mb: '1e300' is not a number in (0, "},
+      {"--first-bucket-mb -1", "--first-bucket-mb: '-1' is not a number in (0, "},
+      {"--accumulate 0", "--accumulate: '0' is not an integer in [1, "},
+      {"--zero 3", "--zero: '3' is not an integer in [0, 2]"},
+      {"--seed -1", "--seed: '-1' is not an integer in [0, "},
+      {"--seed 0x10", "--seed: '0x10' is not an integer"},
+  };
+  for (auto [args, want] : cases) {
+    auto r = testing::run_shell(train + " " + args + " 2>&1");
+    EXPECT_EQ(r.exit_code(), 2) << args << ": " << r.output;
+    EXPECT_TRUE(testing::contains(r.output, want)) << r.output;
+  }
+}
+
 }  // namespace
 }  // namespace gradsync

@@ -3,6 +3,7 @@
 // member a line, everything inside on that line), escaping, numbers that read back to the
 // same bits, and calls out of order refused.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -140,6 +141,15 @@ TEST(TrainerReport, JsonReportHasEveryKeyTheScriptsRead) {
     EXPECT_TRUE(contains(text, std::string("\"") + key + "\": ")) << key;
   }
   EXPECT_FALSE(write_json_report(dir.path() + "/no/such/dir/run.json", r, c));
+}
+
+// A report that opens but cannot be written (a full disk) is a failure too, not a success
+// with the file lost.
+TEST(TrainerReport, JsonReportToAFullDiskFails) {
+  if (::access("/dev/full", W_OK) != 0) GTEST_SKIP() << "no /dev/full";
+  RunReport r;
+  r.wall_s = 1;
+  EXPECT_FALSE(write_json_report("/dev/full", r, Config{}));
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <gradsync/compress.h>
 #include <gradsync/gradsync.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -14,10 +15,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <new>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "flag_numbers.h"
 #include "json_writer.h"
 
 namespace {
@@ -86,31 +89,26 @@ struct Config {
   std::exit(2);
 }
 
-std::size_t parse_bytes(const std::string& flag, const std::string& v) {
-  char* end = nullptr;
-  errno = 0;
-  unsigned long long x = std::strtoull(v.c_str(), &end, 10);
-  if (v.empty() || end == v.c_str() || errno != 0) usage_error(flag + ": bad size '" + v + "'");
-  std::string suffix = end;
-  int shift = 0;
-  if (suffix == "K" || suffix == "k" || suffix == "KiB")
-    shift = 10;
-  else if (suffix == "M" || suffix == "m" || suffix == "MiB")
-    shift = 20;
-  else if (suffix == "G" || suffix == "g" || suffix == "GiB")
-    shift = 30;
-  else if (!suffix.empty())
-    usage_error(flag + ": bad size suffix in '" + v + "'");
-  return static_cast<std::size_t>(x) << shift;
+// The largest message: a rank holds a send and a receive buffer of up to this size, which
+// must fit in this machine's memory (a size past it ended in std::bad_alloc mid-run).
+std::size_t max_message_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return std::size_t{1} << 30;
+  return static_cast<std::size_t>(pages) / 2 * static_cast<std::size_t>(page);
 }
 
-int parse_count(const std::string& flag, const std::string& v, int lo) {
-  char* end = nullptr;
-  long x = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || x < lo || x > (1 << 30)) {
-    usage_error(flag + " expects an integer >= " + std::to_string(lo) + ", got '" + v + "'");
-  }
-  return static_cast<int>(x);
+std::size_t parse_bytes(const std::string& flag, const std::string& v) {
+  return static_cast<std::size_t>(
+      gradsync::flags::bytes(flag, v, 0, max_message_bytes(), usage_error));
+}
+
+// Calls per size: a million already takes longer than anyone waits for a sweep.
+constexpr long long kMaxCalls = 1000000;
+// Ranks gradsync accepts (RANK and WORLD_SIZE in README's launcher table).
+constexpr long long kMaxRoot = (1 << 20) - 1;
+
+int parse_count(const std::string& flag, const std::string& v, long long lo, long long hi) {
+  return static_cast<int>(gradsync::flags::integer(flag, v, lo, hi, usage_error));
 }
 
 Config parse_args(int argc, char** argv) {
@@ -142,7 +140,7 @@ Config parse_args(int argc, char** argv) {
     else if (a == "--max-bytes")
       c.max_bytes = parse_bytes(a, value());
     else if (a == "--factor")
-      c.factor = static_cast<std::size_t>(parse_count(a, value(), 2));
+      c.factor = static_cast<std::size_t>(parse_count(a, value(), 2, 1 << 20));
     else if (a == "--dtype") {
       auto d = gradsync::parse_dtype(value());
       if (!d) usage_error("unknown --dtype '" + std::string(argv[i]) + "'");
@@ -159,11 +157,11 @@ Config parse_args(int argc, char** argv) {
       c.transport = value();
       c.transport_set = true;
     } else if (a == "--root")
-      c.root = parse_count(a, value(), 0);
+      c.root = parse_count(a, value(), 0, kMaxRoot);
     else if (a == "--iters")
-      c.iters = parse_count(a, value(), 1);
+      c.iters = parse_count(a, value(), 1, kMaxCalls);
     else if (a == "--warmup")
-      c.warmup = parse_count(a, value(), 0);
+      c.warmup = parse_count(a, value(), 0, kMaxCalls);
     else if (a == "--check")
       c.check = true;
     else if (a == "--per-call")
@@ -592,13 +590,14 @@ double wire_ratio(const Record& r, int n) {
 }
 
 // One record per size, with the fields run_peers.sh and the bench scripts read (the peer
-// benchmarks write the same ones).
-void write_json(const Config& c, const std::vector<Record>& recs, const std::string& transport,
+// benchmarks write the same ones). False, after saying why, if the file could not be written.
+bool write_json(const Config& c, const std::vector<Record>& recs, const std::string& transport,
                 int n, int hosts) {
   std::ofstream f(c.json);
   if (!f) {
-    std::fprintf(stderr, "gradsync-bench: cannot write %s\n", c.json.c_str());
-    return;
+    std::fprintf(stderr, "gradsync-bench: cannot write %s: %s\n", c.json.c_str(),
+                 std::strerror(errno));
+    return false;
   }
   gradsync::json::Writer w(f);
   w.begin_array();
@@ -622,6 +621,35 @@ void write_json(const Config& c, const std::vector<Record>& recs, const std::str
         .end_object();
   }
   w.end_array();
+  f.flush();
+  if (!f) {
+    std::fprintf(stderr, "gradsync-bench: cannot write %s: %s\n", c.json.c_str(),
+                 std::strerror(errno));
+    return false;
+  }
+  return true;
+}
+
+// Before the sweep, so a long run is not wasted: rank 0, which writes --json, tries the path,
+// and every rank learns whether it can (each then exits 2, as for any other refused flag).
+void check_json_path(const Config& c, gradsync::Context& ctx) {
+  if (c.json.empty()) return;
+  std::string why = ctx.rank() == 0 ? gradsync::flags::cannot_write(c.json) : "";
+  std::int32_t ok = why.empty() ? 1 : 0;
+  ctx.broadcast(&ok, 1, gradsync::DataType::kInt32, 0);
+  if (ok) return;
+  if (ctx.rank() == 0) {
+    std::fprintf(stderr, "gradsync-bench: --json: cannot write %s: %s\n", c.json.c_str(),
+                 why.c_str());
+  }
+  std::exit(2);
+}
+
+// "rank R: " where the rank is known and the message does not already name it.
+std::string rank_prefix(int rank, const std::exception& e) {
+  const auto* error = dynamic_cast<const gradsync::Error*>(&e);
+  if (rank < 0 || (error && error->rank() == rank)) return "";
+  return "rank " + std::to_string(rank) + ": ";
 }
 
 }  // namespace
@@ -635,8 +663,11 @@ int main(int argc, char** argv) {
     auto ctx = gradsync::init(opts);
     rank = ctx->rank();
     const int n = ctx->size();
-    if (c.coll == Collective::kBroadcast && c.root >= n)
-      usage_error("--root must be below the world size");
+    if (c.coll == Collective::kBroadcast && c.root >= n) {
+      usage_error(gradsync::flags::refusal("--root", std::to_string(c.root), "a rank",
+                                           "[0, " + std::to_string(n - 1) + "]"));
+    }
+    check_json_path(c, *ctx);
 
     // Every rank learns the transports; rank 0's view (its peers) names them for the report.
     const std::string transport = transports_of(*ctx);
@@ -667,7 +698,11 @@ int main(int argc, char** argv) {
     std::vector<Record> recs;
     std::uint64_t wrong_total = 0;
     double busbw_sum = 0;
-    for (std::size_t bytes = c.min_bytes; bytes <= c.max_bytes; bytes *= c.factor) {
+    // A next size past max_bytes ends the sweep before bytes * factor could wrap around.
+    const auto next = [&c](std::size_t bytes) {
+      return bytes > c.max_bytes / c.factor ? c.max_bytes + 1 : bytes * c.factor;
+    };
+    for (std::size_t bytes = c.min_bytes; bytes <= c.max_bytes; bytes = next(bytes)) {
       // Sizes that round down to the size already measured (below one element, or below
       // one element per rank) would only repeat the previous row.
       if (!recs.empty() && bench.effective_bytes(bytes) == recs.back().bytes) continue;
@@ -691,11 +726,17 @@ int main(int argc, char** argv) {
                   c.check ? (wrong_total ? "FAILED" : "OK") : "(not checked)");
       std::printf("# avg bus bandwidth: %.3f GB/s\n",
                   recs.empty() ? 0.0 : busbw_sum / static_cast<double>(recs.size()));
-      if (!c.json.empty()) write_json(c, recs, transport, n, ctx->hosts());
+      if (!c.json.empty() && !write_json(c, recs, transport, n, ctx->hosts())) return 1;
     }
     return wrong_total ? 1 : 0;
+  } catch (const std::bad_alloc&) {  // the sizes were checked against memory; others use it too
+    std::fprintf(stderr,
+                 "gradsync-bench: %sout of memory for --max-bytes %zu: lower it, or run fewer "
+                 "ranks on this host\n",
+                 rank >= 0 ? ("rank " + std::to_string(rank) + ": ").c_str() : "", c.max_bytes);
+    return 1;
   } catch (const std::exception& e) {  // gradsync::Error names rank, peer, op and bytes
-    std::fprintf(stderr, "gradsync-bench: rank %d: %s\n", rank, e.what());
+    std::fprintf(stderr, "gradsync-bench: %s%s\n", rank_prefix(rank, e).c_str(), e.what());
     return 1;
   }
 }

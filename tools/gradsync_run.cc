@@ -29,6 +29,7 @@
 // Header-only, so the launcher still links nothing of the library; by path, as this target
 // has no include directories.
 #include "../include/gradsync/shm_segments.h"
+#include "flag_numbers.h"
 
 extern char** environ;
 
@@ -83,24 +84,18 @@ struct Config {
   std::exit(2);
 }
 
+// The most ranks a job may have: gradsync's limit on WORLD_SIZE (README's launcher table).
+constexpr long long kMaxWorldSize = 1 << 20;
+// About three years: a limit a duration<double> converts to steady_clock's nanoseconds without
+// overflow.
+constexpr double kMaxSeconds = 1e8;
+
 long parse_int(const std::string& flag, const std::string& value, long lo, long hi) {
-  char* end = nullptr;
-  errno = 0;
-  long v = std::strtol(value.c_str(), &end, 10);
-  if (value.empty() || *end != '\0' || errno != 0 || v < lo || v > hi) {
-    usage_error(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                "], got '" + value + "'");
-  }
-  return v;
+  return static_cast<long>(gradsync::flags::integer(flag, value, lo, hi, usage_error));
 }
 
 double parse_seconds(const std::string& flag, const std::string& value) {
-  char* end = nullptr;
-  double v = std::strtod(value.c_str(), &end);
-  if (value.empty() || *end != '\0' || !(v >= 0)) {
-    usage_error(flag + " expects a non-negative number of seconds, got '" + value + "'");
-  }
-  return v;
+  return gradsync::flags::number(flag, value, 0, kMaxSeconds, false, usage_error);
 }
 
 Config parse_args(int argc, char** argv) {
@@ -133,9 +128,9 @@ Config parse_args(int argc, char** argv) {
     } else if (take_value(arg, "-n", &v) || take_value(arg, "--nproc-per-node", &v)) {
       cfg.nproc_per_node = static_cast<int>(parse_int("--nproc-per-node", v, 1, 4096));
     } else if (take_value(arg, "--nnodes", &v)) {
-      cfg.nnodes = static_cast<int>(parse_int("--nnodes", v, 1, 1 << 20));
+      cfg.nnodes = static_cast<int>(parse_int("--nnodes", v, 1, kMaxWorldSize));
     } else if (take_value(arg, "--node-rank", &v)) {
-      cfg.node_rank = static_cast<int>(parse_int("--node-rank", v, 0, 1 << 20));
+      cfg.node_rank = static_cast<int>(parse_int("--node-rank", v, 0, kMaxWorldSize - 1));
     } else if (take_value(arg, "--master-addr", &v)) {
       if (v.empty()) usage_error("--master-addr must not be empty");
       cfg.master_addr = v;
@@ -155,6 +150,12 @@ Config parse_args(int argc, char** argv) {
   }
   for (; i < argc; ++i) cfg.command.emplace_back(argv[i]);
   if (cfg.command.empty()) usage_error("no program to run");
+  if (const long long ranks = static_cast<long long>(cfg.nnodes) * cfg.nproc_per_node;
+      ranks > kMaxWorldSize) {
+    usage_error("--nnodes " + std::to_string(cfg.nnodes) + " x --nproc-per-node " +
+                std::to_string(cfg.nproc_per_node) + " is " + std::to_string(ranks) +
+                " ranks, more than the " + std::to_string(kMaxWorldSize) + " a job may have");
+  }
   if (cfg.node_rank >= cfg.nnodes) {
     usage_error("--node-rank " + std::to_string(cfg.node_rank) + " must be below --nnodes " +
                 std::to_string(cfg.nnodes));

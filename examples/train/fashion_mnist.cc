@@ -29,6 +29,22 @@ constexpr std::size_t kChunk = std::size_t{1} << 20;
 // more than the file could hold (a corrupt count must not become a huge allocation).
 constexpr std::uint64_t kMaxInflateRatio = 1032;
 
+// Sane sizes: the real files are 26 MB at most and hold 60,000 images; these leave room for a
+// data set twenty times larger and refuse what no such file can be (a header's 4 billion
+// images, a disk image passed by mistake) before reading or allocating for it.
+constexpr std::uint64_t kMaxFileBytes = std::uint64_t{1} << 30;
+constexpr std::uint32_t kMaxCount = 1 << 20;
+
+// What a file that is not a regular file is, for the message.
+const char* file_type(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
 [[noreturn]] void fail(const std::string& path, const std::string& what) {
   throw std::runtime_error(path + ": " + what);
 }
@@ -98,8 +114,10 @@ class GzipStream {
   }
 
  private:
+  // Regular files only, of a sane size, read to their end: a FIFO would block (at open,
+  // without O_NONBLOCK, and then forever) and /dev/zero would be read until memory ran out.
   void read_whole_file() {
-    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
       const int err = errno;
       std::string what = std::string("cannot open: ") + std::strerror(err);
@@ -110,11 +128,25 @@ class GzipStream {
       fail(path_, what);
     }
     struct stat st {};
-    if (::fstat(fd, &st) == 0 && st.st_size > 0) {
-      compressed_.resize(static_cast<std::size_t>(st.st_size));
+    if (::fstat(fd, &st) != 0) {
+      const int err = errno;
+      ::close(fd);
+      fail(path_, std::string("cannot stat: ") + std::strerror(err));
     }
-    // One read() per chunk of the known size; keep reading past it in case the file grew
-    // (or fstat could not tell, as for a pipe).
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      fail(path_, std::string("is ") + file_type(st.st_mode) +
+                      ", not a regular file (expected a gzip-compressed IDX file)");
+    }
+    const auto too_large = [&](std::uint64_t size) {
+      ::close(fd);
+      fail(path_, std::to_string(size) + " bytes, more than the " + std::to_string(kMaxFileBytes) +
+                      " a Fashion-MNIST file can be");
+    };
+    if (static_cast<std::uint64_t>(st.st_size) > kMaxFileBytes) too_large(st.st_size);
+    compressed_.resize(static_cast<std::size_t>(st.st_size));
+    // One read() per chunk of the known size; keep reading past it in case the file grew,
+    // up to the limit.
     std::size_t have = 0;
     for (;;) {
       if (have == compressed_.size()) compressed_.resize(std::max<std::size_t>(2 * have, 1 << 16));
@@ -127,6 +159,7 @@ class GzipStream {
       }
       if (got == 0) break;
       have += static_cast<std::size_t>(got);
+      if (have > kMaxFileBytes) too_large(have);
     }
     ::close(fd);
     compressed_.resize(have);
@@ -206,6 +239,12 @@ std::vector<std::uint32_t> read_idx_header(GzipStream& in, const std::string& pa
   if (got < want) truncated(got);
   std::vector<std::uint32_t> dims;
   for (int d = 0; d < ndims; ++d) dims.push_back(be32(header.data() + 4 + 4 * d));
+  // An empty set trains nothing and tests to 0%; a huge count is damage, not data.
+  if (dims[0] == 0) fail(path, std::string("empty: the header counts 0 ") + kind);
+  if (dims[0] > kMaxCount) {
+    fail(path, "the header counts " + std::to_string(dims[0]) + " " + kind + ", more than the " +
+                   std::to_string(kMaxCount) + " a Fashion-MNIST file can hold");
+  }
   return dims;
 }
 

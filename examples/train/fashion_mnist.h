@@ -25,6 +25,7 @@ struct Dataset {
 
 // Loads the training (60,000) or test (10,000) split from `dir`
 // ({train,t10k}-{images-idx3,labels-idx1}-ubyte.gz). A missing, truncated or corrupt file,
+// one that is no regular file (a FIFO, a device) or larger than any such file, an empty set,
 // or images and labels that disagree, throws std::runtime_error naming the path and what is
 // wrong.
 Dataset load_fashion_mnist(const std::string& dir, bool train);

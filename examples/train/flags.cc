@@ -4,10 +4,12 @@
 
 #include <gradsync/compress.h>
 
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <sstream>
+
+#include "flag_numbers.h"
 
 namespace train {
 namespace {
@@ -48,20 +50,26 @@ constexpr const char* kUsage =
   std::exit(2);
 }
 
-double number(const std::string& flag, const std::string& v) {
-  char* end = nullptr;
-  const double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end != '\0' || !std::isfinite(x))
-    usage_error(flag + ": '" + v + "' is not a number");
-  return x;
+// The ranges of the numeric flags: wide enough for any run this trainer can make, narrow
+// enough that what they size (a batch, a layer, a bucket) is never a bad_alloc waiting to
+// happen, nor a count an int cannot hold.
+constexpr long kMaxEpochs = 1000000;
+constexpr long kMaxBatch = 65536;  // the whole training set is 60,000 samples
+constexpr long kMaxWidth = 16384;  // a 16384 x 16384 layer is already 1 GiB of weights
+constexpr std::size_t kMaxHiddenLayers = 64;
+constexpr long kMaxAccumulate = 65536;
+constexpr long kMaxSteps = 1000000000;
+constexpr double kMaxLearningRate = 1000;
+constexpr double kMaxBucketMb = 4096;
+
+// A positive finite number in (0, high].
+double number(const std::string& flag, const std::string& v, double high) {
+  return gradsync::flags::number(flag, v, 0, high, true, usage_error);
 }
 
-long whole(const std::string& flag, const std::string& v, long low) {
-  const double x = number(flag, v);
-  if (x != std::floor(x) || x < static_cast<double>(low)) {
-    usage_error(flag + ": '" + v + "' is not a whole number >= " + std::to_string(low));
-  }
-  return static_cast<long>(x);
+// A whole number in [low, high], read as one (not through a double, which rounds past 2^53).
+long whole(const std::string& flag, const std::string& v, long low, long high = kMaxSteps) {
+  return static_cast<long>(gradsync::flags::integer(flag, v, low, high, usage_error));
 }
 
 // The command line, read left to right: a flag, then the value it takes, if any.
@@ -85,8 +93,9 @@ std::vector<std::size_t> hidden_widths(const std::string& list) {
   std::vector<std::size_t> widths;
   std::stringstream in(list);
   for (std::string w; std::getline(in, w, ',');) {
-    widths.push_back(static_cast<std::size_t>(whole("--hidden", w, 1)));
+    widths.push_back(static_cast<std::size_t>(whole("--hidden", w, 1, kMaxWidth)));
   }
+  if (widths.empty()) usage_error("--hidden: '" + list + "' names no width");
   return widths;
 }
 
@@ -98,12 +107,16 @@ bool read_model_flag(const std::string& flag, Arguments& args, Config& c) {
   } else if (flag == "--hidden") {
     const std::vector<std::size_t> widths = hidden_widths(args.value_of(flag));
     c.hidden.insert(c.hidden.end(), widths.begin(), widths.end());
+    if (c.hidden.size() > kMaxHiddenLayers) {
+      usage_error("--hidden: " + std::to_string(c.hidden.size()) + " layers, more than " +
+                  std::to_string(kMaxHiddenLayers));
+    }
   } else if (flag == "--epochs") {
-    c.epochs = static_cast<int>(whole(flag, args.value_of(flag), 1));
+    c.epochs = static_cast<int>(whole(flag, args.value_of(flag), 1, kMaxEpochs));
   } else if (flag == "--batch") {
-    c.batch = static_cast<std::size_t>(whole(flag, args.value_of(flag), 1));
+    c.batch = static_cast<std::size_t>(whole(flag, args.value_of(flag), 1, kMaxBatch));
   } else if (flag == "--lr") {
-    c.lr = number(flag, args.value_of(flag));
+    c.lr = number(flag, args.value_of(flag), kMaxLearningRate);
   } else if (flag == "--lr-schedule") {
     const std::string v = args.value_of(flag);
     if (v != "constant" && v != "cosine") usage_error("--lr-schedule is constant or cosine");
@@ -112,7 +125,8 @@ bool read_model_flag(const std::string& flag, Arguments& args, Config& c) {
     c.optimizer = args.value_of(flag);
     if (c.optimizer != "sgd" && c.optimizer != "adamw") usage_error("--optimizer is sgd or adamw");
   } else if (flag == "--seed") {
-    c.seed = static_cast<std::uint64_t>(whole(flag, args.value_of(flag), 0));
+    c.seed = static_cast<std::uint64_t>(
+        whole(flag, args.value_of(flag), 0, std::numeric_limits<long>::max()));
   } else {
     return false;
   }
@@ -125,9 +139,9 @@ bool read_communication_flag(const std::string& flag, Arguments& args, Config& c
   if (flag == "--codec") {
     c.codec = args.value_of(flag);
   } else if (flag == "--bucket-mb") {
-    c.bucket_mb = number(flag, args.value_of(flag));
+    c.bucket_mb = number(flag, args.value_of(flag), kMaxBucketMb);
   } else if (flag == "--first-bucket-mb") {
-    c.first_bucket_mb = number(flag, args.value_of(flag));
+    c.first_bucket_mb = number(flag, args.value_of(flag), kMaxBucketMb);
   } else if (flag == "--no-overlap") {
     c.overlap = false;
   } else if (flag == "--step-ahead") {
@@ -135,10 +149,9 @@ bool read_communication_flag(const std::string& flag, Arguments& args, Config& c
     if (v != "0" && v != "1") usage_error("--step-ahead is 0 or 1");
     c.step_ahead = v == "1";
   } else if (flag == "--accumulate") {
-    c.accumulate = static_cast<int>(whole(flag, args.value_of(flag), 1));
+    c.accumulate = static_cast<int>(whole(flag, args.value_of(flag), 1, kMaxAccumulate));
   } else if (flag == "--zero") {
-    c.zero = static_cast<int>(whole(flag, args.value_of(flag), 0));
-    if (c.zero > 2) usage_error("--zero is 0, 1 or 2");
+    c.zero = static_cast<int>(whole(flag, args.value_of(flag), 0, 2));
   } else {
     return false;
   }
@@ -171,8 +184,8 @@ bool read_run_flag(const std::string& flag, Arguments& args, Config& c) {
 
 // The defaults that depend on other flags, and the pairs of flags that cannot go together.
 void complete_and_check(Config& c) {
+  // --lr itself is refused unless positive, so below 0 can only be the default's marker.
   if (c.lr < 0) c.lr = c.optimizer == "adamw" ? 0.001 : 0.05;
-  if (c.bucket_mb <= 0 || c.first_bucket_mb <= 0) usage_error("bucket sizes must be positive");
   if ((c.resume || c.checkpoint_every) && c.checkpoint.empty()) {
     usage_error("--resume and --checkpoint-every need --checkpoint DIR");
   }

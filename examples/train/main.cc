@@ -8,6 +8,7 @@
 // (save and resume), train/report (progress, summary and --json).
 #include <cstdio>
 #include <exception>
+#include <new>
 
 #include "train/flags.h"
 #include "train/training.h"
@@ -16,6 +17,11 @@ int main(int argc, char** argv) {
   const train::Config c = train::parse_flags(argc, argv);
   try {
     return train::run_training(c);
+  } catch (const std::bad_alloc&) {  // the flags' ranges fit a machine, not every machine
+    std::fprintf(stderr,
+                 "gradsync-train: out of memory: lower --batch or --hidden, or run fewer ranks on "
+                 "this host\n");
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gradsync-train: %s\n", e.what());
     return 1;

@@ -4,7 +4,9 @@
 #include "train/report.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 
 #include "json_writer.h"
@@ -125,18 +127,21 @@ void write_config(gradsync::json::Writer& w, const RunReport& r, const Config& c
 }  // namespace
 
 bool write_json_report(const std::string& path, const RunReport& r, const Config& c) {
-  std::ofstream f(path);
-  if (!f) {
-    std::fprintf(stderr, "gradsync-train: cannot write %s\n", path.c_str());
+  const auto cannot_write = [&path] {
+    std::fprintf(stderr, "gradsync-train: cannot write %s: %s\n", path.c_str(),
+                 std::strerror(errno));
     return false;
-  }
+  };
+  std::ofstream f(path);
+  if (!f) return cannot_write();
   gradsync::json::Writer w(f);
   w.begin_object();
   write_metrics(w, r);
   write_curves(w, r.curves);
   write_config(w, r, c);
   w.end_object();
-  return true;
+  f.flush();  // a full disk shows here, not at open
+  return f ? true : cannot_write();
 }
 
 }  // namespace train

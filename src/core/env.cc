@@ -2,10 +2,8 @@
 // into Options.
 #include "core/env.h"
 
-#include <charconv>
-#include <cstdlib>
 #include <fstream>
-#include <limits>
+#include <initializer_list>
 #include <sstream>
 
 #include "core/knobs.h"
@@ -13,27 +11,6 @@
 #include "kernels/kernels.h"
 
 namespace gradsync::env {
-
-std::optional<std::string> get(const char* name) {
-  const char* v = std::getenv(name);
-  if (!v) return std::nullopt;
-  return std::string(v);
-}
-
-std::optional<long long> first_int(const std::vector<const char*>& names) {
-  for (const char* name : names) {
-    auto v = get(name);
-    if (!v) continue;
-    long long n = 0;
-    auto [ptr, ec] = std::from_chars(v->data(), v->data() + v->size(), n);
-    if (ec != std::errc() || ptr != v->data() + v->size()) {
-      throw Error(ErrorKind::kInvalidArgument,
-                  std::string("environment variable ") + name + "='" + *v + "' is not an integer");
-    }
-    return n;
-  }
-  return std::nullopt;
-}
 
 namespace {
 
@@ -45,9 +22,37 @@ void take_text(std::string& field, const char* knob) {
 // A count knob whose field is unset below 0: the explicit field if set, else the variable.
 void take_count(int& field, const char* knob) {
   if (field >= 0) return;
-  if (auto v = knobs::integer(knob, 0, std::numeric_limits<int>::max())) {
-    field = static_cast<int>(*v);
+  if (auto v = knobs::integer(knob)) field = static_cast<int>(*v);
+}
+
+// A launcher's integer, which each launcher names its own way: the first of `names` that is
+// set, and which one that was, for the error if it disagrees with another variable.
+struct Launched {
+  const char* name = nullptr;  // nullptr: the field was given, or nothing set it
+  long long value = 0;
+};
+
+// The explicit field if set (>= 0), else the first of `names` that is set, else `fallback`.
+int take_launched(int explicit_value, std::initializer_list<const char*> names, int fallback,
+                  Launched& source) {
+  if (explicit_value >= 0) return explicit_value;
+  for (const char* name : names) {
+    if (auto v = knobs::integer(name)) {
+      source = {name, *v};
+      return static_cast<int>(*v);  // the registry's range fits an int
+    }
   }
+  return fallback;
+}
+
+// `value` (of the variable `source` names, or of `field`) is not below `bound`.
+Error not_below(const Launched& source, const char* field, int value, const char* bound_name,
+                int bound) {
+  const std::string why = std::string(bound_name) + " is " + std::to_string(bound);
+  if (source.name) return knobs::refusal(source.name, std::to_string(source.value), why);
+  return Error(ErrorKind::kInvalidArgument, std::string(field) + " " + std::to_string(value) +
+                                                " is outside [0, " + std::to_string(bound) +
+                                                "): " + why);
 }
 
 // GRADSYNC_TOPOLOGY: the groups inline, or after '@' the file that holds them.
@@ -68,22 +73,43 @@ std::string topology_from_environment(int rank) {
 
 Options resolve(const Options& in) {
   Options o = in;
-  auto pick = [](int explicit_value, const std::vector<const char*>& names, int fallback) {
-    if (explicit_value >= 0) return explicit_value;
-    auto v = first_int(names);
-    return v ? static_cast<int>(*v) : fallback;
-  };
-  o.rank = pick(o.rank, {"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}, 0);
-  o.size = pick(o.size, {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}, 1);
-  o.local_rank =
-      pick(o.local_rank,
-           {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}, -1);
-  o.local_size = pick(o.local_size,
-                      {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
-                       "SLURM_NTASKS_PER_NODE"},
-                      -1);
-  if (o.master_addr.empty()) o.master_addr = get("MASTER_ADDR").value_or("127.0.0.1");
-  o.master_port = pick(o.master_port, {"MASTER_PORT"}, 29500);
+  Launched rank_from, local_rank_from, unused;
+  o.rank = take_launched(o.rank, {"RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"}, 0,
+                         rank_from);
+  o.size = take_launched(o.size, {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"},
+                         1, unused);
+  o.local_rank = take_launched(
+      o.local_rank,
+      {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}, -1,
+      local_rank_from);
+  o.local_size = take_launched(o.local_size,
+                               {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                                "SLURM_NTASKS_PER_NODE"},
+                               -1, unused);
+  if (o.master_addr.empty()) o.master_addr = knobs::text("MASTER_ADDR").value_or("127.0.0.1");
+  if (o.master_port < 0) {
+    o.master_port = static_cast<int>(knobs::integer("MASTER_PORT").value_or(29500));
+  }
+  // The ranks before anything else: later errors name this rank.
+  if (o.size < 1 || o.size > knobs::kMaxWorldSize) {
+    throw Error(ErrorKind::kInvalidArgument, "world size " + std::to_string(o.size) +
+                                                 " is outside [1, " +
+                                                 std::to_string(knobs::kMaxWorldSize) + "]");
+  }
+  if (o.rank >= o.size) throw not_below(rank_from, "rank", o.rank, "the world size", o.size);
+  if (o.local_size == 0 || o.local_size > knobs::kMaxWorldSize) {
+    throw Error(ErrorKind::kInvalidArgument, "local world size " + std::to_string(o.local_size) +
+                                                 " is outside [1, " +
+                                                 std::to_string(knobs::kMaxWorldSize) + "]");
+  }
+  if (o.local_size > 0 && o.local_rank >= o.local_size) {
+    throw not_below(local_rank_from, "local rank", o.local_rank, "the local world size",
+                    o.local_size);
+  }
+  if (o.master_port < 1 || o.master_port > 65535) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "master port " + std::to_string(o.master_port) + " is outside [1, 65535]", o.rank);
+  }
 
   take_text(o.token, "GRADSYNC_TOKEN");
   const bool transport_from_environment = o.transport.empty();
@@ -97,7 +123,7 @@ Options resolve(const Options& in) {
     }
   }
   if (o.timeout.count() <= 0) {
-    auto t = knobs::integer("GRADSYNC_TIMEOUT", 1, std::numeric_limits<long long>::max());
+    auto t = knobs::integer("GRADSYNC_TIMEOUT");
     o.timeout = t ? std::chrono::milliseconds(*t) : kDefaultTimeout;
   }
   if (o.cost_model.empty()) {
@@ -117,23 +143,10 @@ Options resolve(const Options& in) {
   // where an error is expected, rather than in the first collective.
   kernels::isa_name();
 
-  if (o.size < 1) {
-    throw Error(ErrorKind::kInvalidArgument,
-                "world size must be >= 1, got " + std::to_string(o.size));
-  }
-  if (o.rank < 0 || o.rank >= o.size) {
-    throw Error(
-        ErrorKind::kInvalidArgument,
-        "rank " + std::to_string(o.rank) + " is outside world size " + std::to_string(o.size));
-  }
   if (!o.transport.empty() && o.transport != "shm" && o.transport != "tcp") {
     if (transport_from_environment) throw knobs::refusal("GRADSYNC_TRANSPORT", o.transport);
     throw Error(ErrorKind::kInvalidArgument,
                 "transport '" + o.transport + "' is not one of shm, tcp", o.rank);
-  }
-  if (o.master_port < 0 || o.master_port > 65535) {
-    throw Error(ErrorKind::kInvalidArgument,
-                "MASTER_PORT " + std::to_string(o.master_port) + " is not a TCP port", o.rank);
   }
   return o;
 }

@@ -15,10 +15,15 @@ namespace {
 
 using enum Scope;
 
-// README's knob table shows these rows (name, setter, default); tests/knobs_test.cc keeps
-// the two in step. Keep the rows sorted by name.
+// README's tables show these rows (name, setter, default, accepts): the GRADSYNC_* knobs in
+// one, the launcher's variables in another; tests/knobs_test.cc keeps them in step. Keep the
+// rows sorted by name.
+constexpr long long kMaxRank = kMaxWorldSize - 1;
 constexpr Knob kKnobs[] = {
-    {"GRADSYNC_ALGO", "auto", "one of auto, ring, rd, hd, ps, shm, hier", "Options::algorithm",
+    {"GRADSYNC_ALGO", "auto",
+     "one of auto, ring, rd (or recursive_doubling), hd (or halving_doubling, rabenseifner), ps "
+     "(or parameter_server), shm (or shared_memory), hier (or hierarchical)",
+     "Options::algorithm",
      "The all-reduce algorithm of every call; auto: the cost model's choice per call.", kContext},
     {"GRADSYNC_COST_MODEL", "measured at start-up",
      "a cost model like alpha_us=0.4,bandwidth_gbps=18 (as Context::cost_model() prints it)",
@@ -33,10 +38,11 @@ constexpr Knob kKnobs[] = {
      "scalar: never use the AVX2 kernels.", kProcess},
     {"GRADSYNC_QUIET", "unset", "any value", "none: process-wide (it silences the log itself)",
      "Set: no line on stderr for variables the environment sets.", kProcess},
+    // Spinning longer than a second is never cheaper than sleeping.
     {"GRADSYNC_SHM_SPIN_US", "20, or 100 yielding when ranks share cores",
-     "an integer >= 0 (microseconds)", "Options::shm_spin_us",
+     "an integer in [0, 1000000] (microseconds)", "Options::shm_spin_us",
      "How long an idle shared-memory waiter looks for progress before it sleeps; 0: at once.",
-     kContext},
+     kContext, true, 0, 1000000},
     {"GRADSYNC_SOCKET_ADDR", "the local address that routes to MASTER_ADDR",
      "an address peers can dial", "Options::socket_addr",
      "The address the tcp transport advertises to peers (it listens on all); "
@@ -47,21 +53,27 @@ constexpr Knob kKnobs[] = {
      "The interface whose address every socket binds to and advertises, the store's included "
      "(like NCCL_SOCKET_IFNAME).",
      kContext},
-    {"GRADSYNC_TCP_LIVENESS_S", "15", "an integer >= 0 (seconds)", "Options::tcp_liveness_s",
+    // A day; TCP_USER_TIMEOUT takes it in milliseconds, as an unsigned int.
+    {"GRADSYNC_TCP_LIVENESS_S", "15", "an integer in [0, 86400] (seconds)",
+     "Options::tcp_liveness_s",
      "A peer whose host stops answering is declared lost after about this long; 0: never.",
-     kContext},
-    {"GRADSYNC_TCP_SOCKBUF_BYTES", "0", "an integer >= 0 (bytes)",
+     kContext, true, 0, 86400},
+    // 1 GiB: setsockopt takes an int, which the kernel doubles.
+    {"GRADSYNC_TCP_SOCKBUF_BYTES", "0", "an integer in [0, 1073741824] (bytes)",
      "Options::tcp_socket_buffer_bytes",
-     "SO_SNDBUF and SO_RCVBUF of every connection; 0: the kernel's autotuning.", kContext},
+     "SO_SNDBUF and SO_RCVBUF of every connection; 0: the kernel's autotuning.", kContext, true, 0,
+     1 << 30},
     {"GRADSYNC_TCP_SPIN_US", "50, or 100 yielding when ranks share cores",
-     "an integer >= 0 (microseconds)", "Options::tcp_spin_us",
+     "an integer in [0, 1000000] (microseconds)", "Options::tcp_spin_us",
      "How long a waiting caller polls its sockets before it sleeps in poll(); 0: at once.",
-     kContext},
+     kContext, true, 0, 1000000},
     {"GRADSYNC_TIMELINE", "unset: no timeline", "a file path",
      "none: process-wide; timeline::enable() and timeline::write(ctx, path)",
      "Records a Chrome-trace timeline; timeline::write() writes it to this file.", kProcess},
-    {"GRADSYNC_TIMEOUT", "300000", "an integer >= 1 (milliseconds)", "Options::timeout",
-     "The deadline of every blocking wait, setup included.", kContext},
+    // About 24.8 days: the longest wait poll() takes, and a deadline steady_clock can hold.
+    {"GRADSYNC_TIMEOUT", "300000", "an integer in [1, 2147483647] (milliseconds)",
+     "Options::timeout", "The deadline of every blocking wait, setup included.", kContext, true, 1,
+     2147483647},
     {"GRADSYNC_TOKEN", "unset: no secret", "any text", "Options::token",
      "The job's secret every connection presents (gradsync-run sets one); never logged.", kContext,
      false},
@@ -72,6 +84,60 @@ constexpr Knob kKnobs[] = {
      kContext},
     {"GRADSYNC_TRANSPORT", "shm within a host, tcp across", "one of shm, tcp", "Options::transport",
      "The transport between every two ranks.", kContext},
+    {"LOCAL_RANK", "unset: from host discovery", "an integer in [0, LOCAL_WORLD_SIZE)",
+     "Options::local_rank", "This rank's index on its host (torchrun, gradsync-run).", kLauncher,
+     false, 0, kMaxRank},
+    {"LOCAL_WORLD_SIZE", "unset: from host discovery", "an integer in [1, 1048576]",
+     "Options::local_size", "The ranks on this host (torchrun, gradsync-run).", kLauncher, false, 1,
+     kMaxWorldSize},
+    {"MASTER_ADDR", "127.0.0.1", "a host name or address", "Options::master_addr",
+     "The host of rank 0's rendezvous store.", kLauncher, false},
+    {"MASTER_PORT", "29500", "an integer in [1, 65535]", "Options::master_port",
+     "The port of rank 0's rendezvous store.", kLauncher, false, 1, 65535},
+    {"MPI_LOCALNRANKS", "unset", "an integer in [1, 1048576]", "Options::local_size",
+     "LOCAL_WORLD_SIZE under MPICH's Hydra; read when LOCAL_WORLD_SIZE and "
+     "OMPI_COMM_WORLD_LOCAL_SIZE are unset.",
+     kLauncher, false, 1, kMaxWorldSize},
+    {"MPI_LOCALRANKID", "unset", "an integer in [0, LOCAL_WORLD_SIZE)", "Options::local_rank",
+     "LOCAL_RANK under MPICH's Hydra; read when LOCAL_RANK and OMPI_COMM_WORLD_LOCAL_RANK are "
+     "unset.",
+     kLauncher, false, 0, kMaxRank},
+    {"OMPI_COMM_WORLD_LOCAL_RANK", "unset", "an integer in [0, LOCAL_WORLD_SIZE)",
+     "Options::local_rank", "LOCAL_RANK under Open MPI's mpirun; read when LOCAL_RANK is unset.",
+     kLauncher, false, 0, kMaxRank},
+    {"OMPI_COMM_WORLD_LOCAL_SIZE", "unset", "an integer in [1, 1048576]", "Options::local_size",
+     "LOCAL_WORLD_SIZE under Open MPI's mpirun; read when LOCAL_WORLD_SIZE is unset.", kLauncher,
+     false, 1, kMaxWorldSize},
+    {"OMPI_COMM_WORLD_RANK", "unset", "an integer in [0, WORLD_SIZE)", "Options::rank",
+     "RANK under Open MPI's mpirun; read when RANK is unset.", kLauncher, false, 0, kMaxRank},
+    {"OMPI_COMM_WORLD_SIZE", "unset", "an integer in [1, 1048576]", "Options::size",
+     "WORLD_SIZE under Open MPI's mpirun; read when WORLD_SIZE is unset.", kLauncher, false, 1,
+     kMaxWorldSize},
+    {"PMI_RANK", "unset", "an integer in [0, WORLD_SIZE)", "Options::rank",
+     "RANK under PMI (MPICH, Intel MPI); read when RANK and OMPI_COMM_WORLD_RANK are unset.",
+     kLauncher, false, 0, kMaxRank},
+    {"PMI_SIZE", "unset", "an integer in [1, 1048576]", "Options::size",
+     "WORLD_SIZE under PMI (MPICH, Intel MPI); read when WORLD_SIZE and OMPI_COMM_WORLD_SIZE "
+     "are unset.",
+     kLauncher, false, 1, kMaxWorldSize},
+    {"RANK", "0", "an integer in [0, WORLD_SIZE)", "Options::rank",
+     "This rank's index in the job (torchrun, gradsync-run).", kLauncher, false, 0, kMaxRank},
+    {"SLURM_LOCALID", "unset", "an integer in [0, LOCAL_WORLD_SIZE)", "Options::local_rank",
+     "LOCAL_RANK under srun; read when LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK and "
+     "MPI_LOCALRANKID are unset.",
+     kLauncher, false, 0, kMaxRank},
+    {"SLURM_NTASKS", "unset", "an integer in [1, 1048576]", "Options::size",
+     "WORLD_SIZE under srun; read when WORLD_SIZE, OMPI_COMM_WORLD_SIZE and PMI_SIZE are unset.",
+     kLauncher, false, 1, kMaxWorldSize},
+    {"SLURM_NTASKS_PER_NODE", "unset", "an integer in [1, 1048576]", "Options::local_size",
+     "LOCAL_WORLD_SIZE under srun; read when LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE and "
+     "MPI_LOCALNRANKS are unset.",
+     kLauncher, false, 1, kMaxWorldSize},
+    {"SLURM_PROCID", "unset", "an integer in [0, WORLD_SIZE)", "Options::rank",
+     "RANK under srun; read when RANK, OMPI_COMM_WORLD_RANK and PMI_RANK are unset.", kLauncher,
+     false, 0, kMaxRank},
+    {"WORLD_SIZE", "1", "an integer in [1, 1048576]", "Options::size",
+     "The ranks of the job (torchrun, gradsync-run).", kLauncher, false, 1, kMaxWorldSize},
 };
 
 std::optional<std::string> from_environment(std::string_view name) {
@@ -116,13 +182,18 @@ std::optional<std::string> text(std::string_view name) {
   return value;
 }
 
-std::optional<long long> integer(std::string_view name, long long min, long long max) {
+std::optional<long long> integer(std::string_view name) {
+  const Knob& knob = find(name);
+  if (knob.min >= knob.max) {
+    throw std::logic_error("gradsync: " + std::string(name) + " is no integer knob");
+  }
   auto value = text(name);
   if (!value) return std::nullopt;
   long long n = 0;
   const char* end = value->data() + value->size();
+  // from_chars takes no space and no '+', and says when the digits overflow long long.
   auto [ptr, ec] = std::from_chars(value->data(), end, n);
-  if (ec != std::errc() || ptr != end || n < min || n > max) throw refusal(name, *value);
+  if (ec != std::errc() || ptr != end || n < knob.min || n > knob.max) throw refusal(name, *value);
   return n;
 }
 
