@@ -63,5 +63,17 @@ TEST(TrainerFlags, NumbersAreReadStrictlyAndInRange) {
   }
 }
 
+// A --json path rank 0 cannot write fails the run before its first step, on every rank, not
+// after the whole run (whose report would then be lost).
+TEST(TrainerFlags, AnUnwritableJsonPathFailsBeforeTraining) {
+  const std::string train = testing::build_dir() + "/examples/gradsync-train";
+  const std::string run = testing::build_dir() + "/tools/gradsync-run";
+  auto r = testing::run_shell(run + " -n 2 -- " + train +
+                              " --hidden 16 --max-steps 2 --quiet --json /proc/no/such.json 2>&1");
+  EXPECT_NE(r.exit_code(), 0) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "--json: cannot write /proc/no/such.json")) << r.output;
+  EXPECT_FALSE(testing::contains(r.output, "steps in")) << "it trained first:\n" << r.output;
+}
+
 }  // namespace
 }  // namespace gradsync

@@ -22,6 +22,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "flag_numbers.h"
 #include "train/checkpoint.h"
 #include "train/fashion_mnist.h"
 #include "train/model.h"
@@ -145,6 +146,18 @@ class Trainer {
   void check_checkpoint_dir() {
     if (!c_.checkpoint.empty() && !c_.resume && !c_.overwrite) {
       refuse_existing_checkpoints(*ctx_, c_.checkpoint);
+    }
+  }
+  // Rank 0 writes --json at the end: it tries the path first, so a long run does not learn at
+  // its end that its report is lost, and every rank fails together if it cannot.
+  void check_json_path() {
+    if (c_.json.empty()) return;
+    const std::string why = rank_ == 0 ? gradsync::flags::cannot_write(c_.json) : "";
+    std::int32_t writable = why.empty() ? 1 : 0;
+    ctx_->broadcast(&writable, 1, gradsync::DataType::kInt32, 0);
+    if (!writable) {
+      throw std::runtime_error("--json: cannot write " + c_.json +
+                               (why.empty() ? " (on rank 0)" : ": " + why));
     }
   }
   void announce() const;
@@ -469,6 +482,7 @@ int run_training(const Config& c) {
     options.cost_model.assign(saved.begin(), saved.end());
   }
   Trainer trainer(c, options);
+  trainer.check_json_path();
   trainer.check_checkpoint_dir();
   const Position start = c.resume ? trainer.resume() : Position{};
   trainer.announce();
