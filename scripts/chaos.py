@@ -213,7 +213,7 @@ class Chaos:
         how = self.rng.choice(["flip", "truncate", "latest", "batch", "seed", "codec", "new-run",
                                "model"])
         argv = self.small_train("--checkpoint", d, "--resume")
-        names = tuple(files) + ("LATEST", "checksum", "corrupt")
+        names = (d, "checksum")  # the directory, or a file in it
         after = None
         if how == "flip":
             victim = os.path.join(d, self.rng.choice(files))
