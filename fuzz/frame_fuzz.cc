@@ -25,6 +25,9 @@ void header_round_trip(const std::uint8_t* data, std::uint64_t max_data) {
   if (h.type == frame::Type::kData) check(h.length <= max_data);
   if (h.type == frame::Type::kHello) check(h.length <= frame::kMaxHelloBytes);
   if (h.type == frame::Type::kAbort) check(h.length <= frame::kMaxAbortBytes);
+  if (h.type == frame::Type::kProbe || h.type == frame::Type::kProbeAnswer) {
+    check(h.length <= frame::kMaxProbeBytes);
+  }
 }
 
 void payload_round_trips(std::span<const std::uint8_t> payload) {
@@ -35,6 +38,10 @@ void payload_round_trips(std::span<const std::uint8_t> payload) {
   }
   if (auto abort = frame::parse_abort(payload)) {
     auto again = frame::encode_abort(*abort);
+    check(again.size() == payload.size() && std::equal(again.begin(), again.end(), payload.begin()));
+  }
+  if (auto probe = frame::parse_probe(payload)) {
+    auto again = frame::encode_probe(*probe);
     check(again.size() == payload.size() && std::equal(again.begin(), again.end(), payload.begin()));
   }
 }
