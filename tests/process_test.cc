@@ -257,5 +257,30 @@ TEST(Rendezvous, TheStoreListensWhereRanksDialItAndWarnsWithoutAToken) {
   EXPECT_EQ(count_of(read_file(log), "GRADSYNC_TOKEN is not set"), 1) << read_file(log);
 }
 
+// A second RANK=0 cannot host the store where the first does: it says what probably happened.
+TEST(Rendezvous, ASecondRankZeroSaysWhyItCannotHostTheStore) {
+  testing::TempDir tmp;
+  const int port = free_port();
+  const std::map<std::string, std::string> env = {{"RANK", "0"},
+                                                  {"WORLD_SIZE", "2"},
+                                                  {"MASTER_ADDR", "127.0.0.1"},
+                                                  {"MASTER_PORT", std::to_string(port)},
+                                                  {"GRADSYNC_TOKEN", "twice"},
+                                                  {"GRADSYNC_TIMEOUT", "120000"}};
+  pid_t first = start_by_hand(tmp.path() + "/first.log", env);
+  int status = 0;
+  while (listening_address(port).empty() && ::waitpid(first, &status, WNOHANG) == 0) {
+    std::this_thread::sleep_for(10ms);
+  }
+  pid_t second = start_by_hand(tmp.path() + "/second.log", env);
+  ::waitpid(second, &status, 0);
+  ::kill(first, SIGKILL);
+  int first_status = 0;
+  ::waitpid(first, &first_status, 0);
+  const std::string log = read_file(tmp.path() + "/second.log");
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << log;
+  EXPECT_TRUE(testing::contains(log, "another process of this job started with RANK=0")) << log;
+}
+
 }  // namespace
 }  // namespace gradsync

@@ -469,6 +469,7 @@ TEST(TcpStore, ConnectionsThatAreNoRankAreBoundedWithoutCostingARankItsPlace) {
 TEST(TcpStore, AContradictingHelloFailsTheRanksAlreadyWaiting) {
   TcpStoreServerOptions options;
   options.world_size = 3;
+  options.linger = 0ms;  // rank 2 never comes: nothing to wait for
   auto server = make_tcp_store_server("127.0.0.1", 0, kToken, options);
   const int port = server->port();
   auto rank0 = make_tcp_store("127.0.0.1", port, kToken, 120s, TcpStoreIdentity{0, 3});
@@ -484,6 +485,28 @@ TEST(TcpStore, AContradictingHelloFailsTheRanksAlreadyWaiting) {
   waiting.join();
   e = testing::expect_error(ErrorKind::kInvalidArgument, [&] { rank0->check("anything"); });
   EXPECT_TRUE(contains(e.what(), "WORLD_SIZE=2")) << e.what();
+}
+
+// After the job failed, the server outlives its owner a little for the ranks that have not
+// said hello yet, so that a late rank learns why rather than finding nobody there.
+TEST(TcpStore, AFailedServerWaitsForTheRanksThatHaveNotHeardYet) {
+  TcpStoreServerOptions options;
+  options.world_size = 3;
+  options.linger = 120s;  // ended by rank 1's hello, not by time
+  auto server = make_tcp_store_server("127.0.0.1", 0, kToken, options);
+  const int port = server->port();
+  auto rank0 = make_tcp_store("127.0.0.1", port, kToken, 120s, TcpStoreIdentity{0, 3});
+  testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+    make_tcp_store("127.0.0.1", port, kToken, 120s, TcpStoreIdentity{2, 4});
+  });
+  rank0.reset();
+  std::thread owner_exits([&] { server.reset(); });
+  std::this_thread::sleep_for(100ms);  // lets the owner's reset begin first
+  auto e = testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+    make_tcp_store("127.0.0.1", port, kToken, 120s, TcpStoreIdentity{1, 3});
+  });
+  EXPECT_TRUE(contains(e.what(), "rank 2 (pid ")) << e.what();
+  owner_exits.join();
 }
 
 }  // namespace

@@ -93,7 +93,17 @@ std::unique_ptr<Context> init(const Options& given) {
       if (bind_addr.empty()) bind_addr = "0.0.0.0";
       TcpStoreServerOptions server_options;
       server_options.world_size = o.size;
-      server = make_tcp_store_server(bind_addr, o.master_port, o.token, server_options);
+      try {
+        server = make_tcp_store_server(bind_addr, o.master_port, o.token, server_options);
+      } catch (const Error& e) {
+        // The usual cause is not the OS but the launch: two jobs on one MASTER_PORT, or two
+        // processes of one job started with RANK=0.
+        throw Error(e.kind(),
+                    e.detail() + " (does another job use MASTER_PORT " +
+                        std::to_string(o.master_port) +
+                        ", or was another process of this job started with RANK=0?)",
+                    o.rank, Error::kNoPeer, "init");
+      }
       if (o.token.empty()) warn_without_token(net::join_host_port(bind_addr, server->port()));
     }
     store = make_tcp_store(o.master_addr, o.master_port, o.token, timeout,

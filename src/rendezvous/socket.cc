@@ -198,6 +198,9 @@ Fd connect_tcp(const std::string& host, int port, Clock::time_point deadline,
     if (now >= deadline) break;
     std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+    // An attempt begun with no time left would only report its own timeout in place of
+    // what the attempts before it met.
+    if (Clock::now() >= deadline) break;
   }
   throw Error(ErrorKind::kTimeout, "cannot connect to " + what + " at " + where + " after " +
                                        std::to_string(attempts) + " attempt(s): " + last_error);

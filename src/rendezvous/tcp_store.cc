@@ -115,6 +115,13 @@ class TcpStoreServerImpl final : public TcpStoreServer {
 
   std::size_t authed_count() const { return conns_.size() - pending_.size(); }
 
+  // Whether every rank has heard why the job failed, or will at its next request: each one
+  // said hello (and got the answer, or has a connection open to get it), and none is still
+  // connected.
+  bool everyone_told() const {
+    return authed_count() == 0 && (world_ <= 0 || seen_.size() >= static_cast<std::size_t>(world_));
+  }
+
   void loop() {
     epoll_event events[64];
     // Once the job failed, the server outlives its owner a little so that ranks still
@@ -129,7 +136,7 @@ class TcpStoreServerImpl final : public TcpStoreServer {
       for (int i = 0; i < n; ++i) {
         std::uint64_t id = events[i].data.u64;
         if (id == kWakeId) {
-          if (failure_.empty() || authed_count() == 0) return;
+          if (failure_.empty() || everyone_told()) return;
           std::uint64_t count = 0;
           [[maybe_unused]] ssize_t r = ::read(wake_.get(), &count, sizeof count);
           draining = true;
@@ -151,7 +158,7 @@ class TcpStoreServerImpl final : public TcpStoreServer {
       // New connections only after the readable ones: a connection accepted in one round
       // has its hello read in the next before any accept can evict it.
       if (accept_now) accept_some();
-      if (draining && (authed_count() == 0 || Clock::now() >= linger_until)) return;
+      if (draining && (everyone_told() || Clock::now() >= linger_until)) return;
     }
   }
 
@@ -277,6 +284,7 @@ class TcpStoreServerImpl final : public TcpStoreServer {
     }
     const bool ranked = req.type == sp::RequestType::kHello && req.hello.rank >= 0;
     if (ranked && failure_.empty()) check_claim(req.hello);
+    if (ranked && req.hello.rank < world_) seen_.insert(req.hello.rank);
     if (!failure_.empty()) {
       reply_and_close(id, sp::Status::kJobFailed, failure_);
       return false;
@@ -562,6 +570,7 @@ class TcpStoreServerImpl final : public TcpStoreServer {
   int world_source_ = 0;  // the rank whose world size that is
   std::string failure_;   // why the job cannot go on; empty while it can
   std::map<int, Claim> claims_;
+  std::set<int> seen_;               // ranks below world_ that have said hello, whatever the answer
   std::set<std::uint64_t> pending_;  // unauthenticated connections, oldest (lowest id) first
   std::size_t anonymous_ = 0;
   net::Fd listener_, epoll_, wake_;

@@ -23,7 +23,7 @@ struct TcpStoreServerOptions {
   // Authenticated connections that are not ranks (tools, tests) beyond the world's ranks.
   std::size_t anonymous_slack = 8;
   // After the job failed, how long the server stays up at most so that ranks still
-  // connected or connecting learn why before it goes.
+  // connected, or yet to say hello, learn why before it goes.
   std::chrono::milliseconds linger{5000};
 };
 
