@@ -29,7 +29,8 @@ void round_trips(std::span<const std::uint8_t> body) {
     check(req->keys.size() <= sp::kMaxWaitKeys);
   }
   for (auto type : {sp::RequestType::kAuth, sp::RequestType::kSet, sp::RequestType::kGet,
-                    sp::RequestType::kWait, sp::RequestType::kAdd, sp::RequestType::kCheck}) {
+                    sp::RequestType::kWait, sp::RequestType::kAdd, sp::RequestType::kCheck,
+                    sp::RequestType::kHello}) {
     if (auto resp = sp::parse_response(type, body)) same(sp::encode_response(type, *resp));
   }
 }

@@ -1,6 +1,8 @@
 // Collectives across real processes over shm and tcp: the full check run through the
 // launcher, and kill -9 of a rank mid-collective (every survivor must fail naming the lost
-// peer, and nothing may be left in /dev/shm).
+// peer, and nothing may be left in /dev/shm);
+// and ranks started by hand with mistakes the rendezvous must name on every rank at once
+// (different WORLD_SIZEs, one RANK twice), where rank 0's store listens, its token warning.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -9,9 +11,12 @@
 
 #include <chrono>
 #include <cstdio>
+#include <map>
+#include <sstream>
 #include <thread>
 
 #include "harness.h"
+#include "rendezvous/socket.h"
 
 namespace gradsync {
 namespace {
@@ -130,6 +135,152 @@ TEST_P(KillNine, SurvivorsNameTheLostPeer) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, KillNine, ::testing::Values("shm", "tcp"),
                          [](const auto& p) { return p.param; });
+
+// --- Rendezvous mistakes, with ranks started by hand ---------------------------------------
+
+// A collective_worker started as mpirun or a user would start it, writing to its own log; the
+// test's own GRADSYNC_TOKEN does not leak into it. It dies with this process.
+pid_t start_by_hand(const std::string& log, const std::map<std::string, std::string>& env) {
+  const std::string worker = build_dir() + "/tests/collective_worker";
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    std::freopen(log.c_str(), "w", stdout);
+    std::freopen(log.c_str(), "a", stderr);
+    ::unsetenv("GRADSYNC_TOKEN");
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    ::execl(worker.c_str(), worker.c_str(), "check", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return pid;
+}
+
+int free_port() {
+  net::Fd l = net::listen_tcp("127.0.0.1", 0, false);
+  return net::local_port(l.get());
+}
+
+struct HandRank {
+  int rank, world_size;
+};
+
+// Starts one worker per entry (rank 0 first), waits for all of them, and returns each one's
+// pid and log. No time limit of its own: a rank that never learns of the mistake ends at
+// GRADSYNC_TIMEOUT, and its log then names a timeout rather than the mistake.
+std::vector<std::pair<pid_t, std::string>> run_by_hand(const std::vector<HandRank>& ranks,
+                                                       const testing::TempDir& tmp) {
+  const int port = free_port();
+  std::vector<std::pair<pid_t, std::string>> out;
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    const std::string log = tmp.path() + "/rank" + std::to_string(i) + ".log";
+    pid_t pid = start_by_hand(log, {{"RANK", std::to_string(ranks[i].rank)},
+                                    {"WORLD_SIZE", std::to_string(ranks[i].world_size)},
+                                    {"MASTER_ADDR", "127.0.0.1"},
+                                    {"MASTER_PORT", std::to_string(port)},
+                                    {"GRADSYNC_TOKEN", "handjob"},
+                                    {"GRADSYNC_TIMEOUT", "120000"}});
+    out.emplace_back(pid, log);
+  }
+  for (auto& [pid, log] : out) {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0)
+        << "status " << status << ": " << read_file(log);
+    log = read_file(log);
+  }
+  return out;
+}
+
+// Every rank, the ones that wait for others included, fails naming both sides.
+TEST(Rendezvous, RanksStartedWithDifferentWorldSizesAllNameTheMismatch) {
+  testing::TempDir tmp;
+  auto ranks = run_by_hand({{0, 3}, {1, 3}, {2, 4}}, tmp);
+  const std::string odd = "rank 2 (pid " + std::to_string(ranks[2].first) + " on host ";
+  for (const auto& [pid, log] : ranks) {
+    EXPECT_TRUE(testing::contains(log, odd)) << log;
+    EXPECT_TRUE(
+        testing::contains(log, "was started with WORLD_SIZE=4 but rank 0 with WORLD_SIZE=3"))
+        << log;
+    EXPECT_FALSE(testing::contains(log, "GRADSYNC_TOKEN is not set")) << log;
+  }
+}
+
+TEST(Rendezvous, TwoProcessesClaimingOneRankAreNamedOnEveryRank) {
+  testing::TempDir tmp;
+  auto ranks = run_by_hand({{0, 3}, {1, 3}, {1, 3}}, tmp);
+  for (const auto& [pid, log] : ranks) {
+    EXPECT_TRUE(testing::contains(log, "two processes claim rank 1: pid ")) << log;
+    EXPECT_TRUE(testing::contains(log, "pid " + std::to_string(ranks[1].first) + " on host"))
+        << log;
+    EXPECT_TRUE(testing::contains(log, "pid " + std::to_string(ranks[2].first) + " on host"))
+        << log;
+  }
+}
+
+// The local address of the socket listening on `port`, as /proc/net/tcp writes it (hex), or
+// "" while there is none.
+std::string listening_address(int port) {
+  char want[16];
+  std::snprintf(want, sizeof want, ":%04X ", port);
+  std::istringstream lines(read_file("/proc/net/tcp"));
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream fields(line);
+    std::string slot, local, remote, state;
+    fields >> slot >> local >> remote >> state;
+    if (state == "0A" && (local + " ").find(want) != std::string::npos) {
+      return local.substr(0, local.find(':'));
+    }
+  }
+  return {};
+}
+
+// Rank 0 of a job whose MASTER_ADDR is 127.0.0.1 serves the store there, not on every
+// interface, and says (once) that it runs without a token.
+TEST(Rendezvous, TheStoreListensWhereRanksDialItAndWarnsWithoutAToken) {
+  testing::TempDir tmp;
+  const int port = free_port();
+  const std::string log = tmp.path() + "/rank0.log";
+  pid_t pid = start_by_hand(log, {{"RANK", "0"},
+                                  {"WORLD_SIZE", "2"},
+                                  {"MASTER_ADDR", "127.0.0.1"},
+                                  {"MASTER_PORT", std::to_string(port)},
+                                  {"GRADSYNC_TIMEOUT", "120000"}});
+  std::string address;
+  int status = 0;
+  while ((address = listening_address(port)).empty() && ::waitpid(pid, &status, WNOHANG) == 0) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, &status, 0);
+  EXPECT_EQ(address, "0100007F") << "the store listens on " << address << " (hex), not 127.0.0.1";
+  EXPECT_EQ(count_of(read_file(log), "GRADSYNC_TOKEN is not set"), 1) << read_file(log);
+}
+
+// A second RANK=0 cannot host the store where the first does: it says what probably happened.
+TEST(Rendezvous, ASecondRankZeroSaysWhyItCannotHostTheStore) {
+  testing::TempDir tmp;
+  const int port = free_port();
+  const std::map<std::string, std::string> env = {{"RANK", "0"},
+                                                  {"WORLD_SIZE", "2"},
+                                                  {"MASTER_ADDR", "127.0.0.1"},
+                                                  {"MASTER_PORT", std::to_string(port)},
+                                                  {"GRADSYNC_TOKEN", "twice"},
+                                                  {"GRADSYNC_TIMEOUT", "120000"}};
+  pid_t first = start_by_hand(tmp.path() + "/first.log", env);
+  int status = 0;
+  while (listening_address(port).empty() && ::waitpid(first, &status, WNOHANG) == 0) {
+    std::this_thread::sleep_for(10ms);
+  }
+  pid_t second = start_by_hand(tmp.path() + "/second.log", env);
+  ::waitpid(second, &status, 0);
+  ::kill(first, SIGKILL);
+  int first_status = 0;
+  ::waitpid(first, &first_status, 0);
+  const std::string log = read_file(tmp.path() + "/second.log");
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << log;
+  EXPECT_TRUE(testing::contains(log, "another process of this job started with RANK=0")) << log;
+}
 
 }  // namespace
 }  // namespace gradsync

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 
 #include <atomic>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -16,6 +17,7 @@
 #include "rendezvous/socket.h"
 #include "rendezvous/store_protocol.h"
 #include "rendezvous/store_util.h"
+#include "rendezvous/tcp_store.h"
 
 namespace gradsync {
 namespace {
@@ -346,6 +348,165 @@ TEST(TcpStore, ServerDisappearingIsReportedNotHung) {
     EXPECT_TRUE(contains(e.what(), "127.0.0.1:" + std::to_string(port))) << e.what();
   }
   killer.join();
+}
+
+// Everything a raw connection receives until the server closes it (or `limit` passes),
+// read as the server's answer to a hello: what it says when it drops a connection.
+std::optional<sp::Response> farewell(int fd, std::chrono::milliseconds limit = 120000ms) {
+  sp::MessageReader reader;
+  auto end = std::chrono::steady_clock::now() + limit;
+  std::uint8_t buf[4096];
+  while (std::chrono::steady_clock::now() < end) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 50) <= 0) continue;
+    ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    reader.append(buf, static_cast<std::size_t>(n));
+  }
+  std::span<const std::uint8_t> body;
+  if (reader.next(body) != sp::MessageReader::Result::kMessage) return std::nullopt;
+  return sp::parse_response(sp::RequestType::kHello, body);
+}
+
+std::string describe(const std::optional<sp::Response>& r) {
+  if (!r) return "(closed without a word)";
+  return "status " + std::to_string(static_cast<int>(r->status)) + ": " + r->message;
+}
+
+// Before a connection authenticates the server reads one small hello and no more: a length
+// over the hello's limit is refused at once (not read up to 64 MiB first), and a peer that
+// streams on anyway finds the connection reset rather than buffered.
+TEST(TcpStore, AnUnauthenticatedConnectionIsReadNoFurtherThanAHello) {
+  auto server = make_tcp_store_server("127.0.0.1", 0, kToken);
+  const std::uint32_t claimed = 60u << 20;
+  const std::uint8_t prefix[4] = {
+      static_cast<std::uint8_t>(claimed), static_cast<std::uint8_t>(claimed >> 8),
+      static_cast<std::uint8_t>(claimed >> 16), static_cast<std::uint8_t>(claimed >> 24)};
+
+  net::Fd announces = raw(server->port());
+  net::write_all(announces.get(), prefix, sizeof prefix);
+  auto answer = farewell(announces.get());
+  ASSERT_TRUE(answer && answer->status == sp::Status::kError) << describe(answer);
+  EXPECT_TRUE(contains(answer->message, "a hello is at most")) << answer->message;
+
+  net::Fd streams = raw(server->port());
+  bool sent_all = net::write_all(streams.get(), prefix, sizeof prefix);
+  std::vector<std::uint8_t> chunk(1 << 20, 'x');
+  for (std::uint32_t sent = 0; sent_all && sent + chunk.size() < claimed; sent += chunk.size()) {
+    sent_all = net::write_all(streams.get(), chunk.data(), chunk.size());
+  }
+  EXPECT_FALSE(sent_all) << "the server took 60 MiB from a connection that never said hello";
+
+  auto good = make_tcp_store("127.0.0.1", server->port(), kToken, 5s);
+  good->set("still", to_bytes("here"));
+  EXPECT_EQ(to_string(good->get("still", 1s)), "here");
+}
+
+// Connections that never say hello hold at most a bounded number of slots: each new one
+// evicts the oldest, which is told why, and a real client still gets in.
+TEST(TcpStore, AFloodOfSilentConnectionsEvictsTheOldestAndClientsStillConnect) {
+  auto server = make_tcp_store_server("127.0.0.1", 0, kToken);
+  constexpr int kSilent = 200, kSlots = 64;
+  std::vector<net::Fd> silent;
+  for (int i = 0; i < kSilent; ++i) silent.push_back(raw(server->port()));
+  auto good = make_tcp_store("127.0.0.1", server->port(), kToken, 120s);
+  good->set("in", to_bytes("yes"));
+  EXPECT_EQ(to_string(good->get("in", 1s)), "yes");
+  for (int i = 0; i < kSilent - kSlots; ++i) {
+    auto answer = farewell(silent[static_cast<std::size_t>(i)].get());
+    ASSERT_TRUE(answer && answer->status == sp::Status::kBusy)
+        << "connection " << i << ": " << describe(answer);
+    EXPECT_TRUE(contains(answer->message, "waiting to say hello")) << answer->message;
+  }
+}
+
+// A host name that does not exist fails at once, naming it, rather than being tried for
+// the whole timeout (and reported as one).
+TEST(TcpStore, AnAddressThatDoesNotResolveIsNamedNotRetriedToTheTimeout) {
+  auto e = testing::expect_error(ErrorKind::kInvalidArgument, [] {
+    make_tcp_store("nonexistent.invalid", 29500, kToken, 120s);
+  });
+  EXPECT_TRUE(contains(e.what(), "nonexistent.invalid")) << e.what();
+  EXPECT_TRUE(contains(e.what(), "does not resolve")) << e.what();
+}
+
+TEST(TcpStore, AConnectionThatSaysNothingIsDroppedAtTheHelloDeadline) {
+  TcpStoreServerOptions options;
+  options.hello_timeout = 200ms;
+  auto server = make_tcp_store_server("127.0.0.1", 0, kToken, options);
+  net::Fd silent = raw(server->port());
+  auto answer = farewell(silent.get());
+  ASSERT_TRUE(answer && answer->status == sp::Status::kBusy) << describe(answer);
+  EXPECT_TRUE(contains(answer->message, "no hello within 200 ms")) << answer->message;
+}
+
+// Ranks hold one connection each whatever else connects; connections that announce no rank
+// (tools, tests) get a few slots beyond them.
+TEST(TcpStore, ConnectionsThatAreNoRankAreBoundedWithoutCostingARankItsPlace) {
+  TcpStoreServerOptions options;
+  options.world_size = 2;
+  options.anonymous_slack = 2;
+  auto server = make_tcp_store_server("127.0.0.1", 0, kToken, options);
+  const int port = server->port();
+  auto tool_a = make_tcp_store("127.0.0.1", port, kToken, 120s);
+  auto tool_b = make_tcp_store("127.0.0.1", port, kToken, 120s);
+  auto e = testing::expect_error(ErrorKind::kProtocol,
+                                 [&] { make_tcp_store("127.0.0.1", port, kToken, 120s); });
+  EXPECT_TRUE(contains(e.what(), "store full")) << e.what();
+  auto rank0 = make_tcp_store("127.0.0.1", port, kToken, 120s, TcpStoreIdentity{0, 2});
+  auto rank1 = make_tcp_store("127.0.0.1", port, kToken, 120s, TcpStoreIdentity{1, 2});
+  rank1->set("one", to_bytes("here"));
+  EXPECT_EQ(to_string(rank0->get("one", 1s)), "here");
+  e = testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+    make_tcp_store("127.0.0.1", port, kToken, 120s, TcpStoreIdentity{2, 2});
+  });
+  EXPECT_TRUE(contains(e.what(), "rank 2 (pid ")) << e.what();
+  EXPECT_TRUE(contains(e.what(), "is out of range for WORLD_SIZE=2")) << e.what();
+}
+
+// A rank that contradicts the others fails the job: the ranks already waiting on the store
+// learn why at once, and so does every later request.
+TEST(TcpStore, AContradictingHelloFailsTheRanksAlreadyWaiting) {
+  TcpStoreServerOptions options;
+  options.world_size = 3;
+  options.linger = 0ms;  // rank 2 never comes: nothing to wait for
+  auto server = make_tcp_store_server("127.0.0.1", 0, kToken, options);
+  const int port = server->port();
+  auto rank0 = make_tcp_store("127.0.0.1", port, kToken, 120s, TcpStoreIdentity{0, 3});
+  std::thread waiting([&] {
+    auto e = testing::expect_error(ErrorKind::kInvalidArgument, [&] { rank0->get("never", 120s); });
+    EXPECT_TRUE(contains(e.what(), "was started with WORLD_SIZE=2 but rank 0 with WORLD_SIZE=3"))
+        << e.what();
+  });
+  auto e = testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+    make_tcp_store("127.0.0.1", port, kToken, 120s, TcpStoreIdentity{1, 2});
+  });
+  EXPECT_TRUE(contains(e.what(), "rank 1 (pid ")) << e.what();
+  waiting.join();
+  e = testing::expect_error(ErrorKind::kInvalidArgument, [&] { rank0->check("anything"); });
+  EXPECT_TRUE(contains(e.what(), "WORLD_SIZE=2")) << e.what();
+}
+
+// After the job failed, the server outlives its owner a little for the ranks that have not
+// said hello yet, so that a late rank learns why rather than finding nobody there.
+TEST(TcpStore, AFailedServerWaitsForTheRanksThatHaveNotHeardYet) {
+  TcpStoreServerOptions options;
+  options.world_size = 3;
+  options.linger = 120s;  // ended by rank 1's hello, not by time
+  auto server = make_tcp_store_server("127.0.0.1", 0, kToken, options);
+  const int port = server->port();
+  auto rank0 = make_tcp_store("127.0.0.1", port, kToken, 120s, TcpStoreIdentity{0, 3});
+  testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+    make_tcp_store("127.0.0.1", port, kToken, 120s, TcpStoreIdentity{2, 4});
+  });
+  rank0.reset();
+  std::thread owner_exits([&] { server.reset(); });
+  std::this_thread::sleep_for(100ms);  // lets the owner's reset begin first
+  auto e = testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+    make_tcp_store("127.0.0.1", port, kToken, 120s, TcpStoreIdentity{1, 3});
+  });
+  EXPECT_TRUE(contains(e.what(), "rank 2 (pid ")) << e.what();
+  owner_exits.join();
 }
 
 }  // namespace

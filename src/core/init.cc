@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -11,6 +12,7 @@
 #include "core/env.h"
 #include "rendezvous/socket.h"
 #include "rendezvous/store_util.h"
+#include "rendezvous/tcp_store.h"
 #include "transport/router.h"
 #include "transport/shm.h"
 #include "transport/tcp.h"
@@ -45,6 +47,21 @@ int next_context_generation(int rank) {
   return generation[rank]++;
 }
 
+// Without a token, anyone who can reach the store's port passes its authentication and can
+// join the job, read what ranks publish (addresses, host ids) or forge it. Said once per
+// process, by the rank that hosts the store.
+void warn_without_token(const std::string& where) {
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    std::fprintf(stderr,
+                 "gradsync: warning: GRADSYNC_TOKEN is not set, so any process that can reach "
+                 "the store at %s can join this job and read or forge its rendezvous data; "
+                 "set GRADSYNC_TOKEN to the same secret on every rank (for example `openssl "
+                 "rand -hex 16`), or launch with gradsync-run, which sets one\n",
+                 where.c_str());
+  });
+}
+
 }  // namespace
 
 std::unique_ptr<Context> init(const Options& given) {
@@ -68,10 +85,29 @@ std::unique_ptr<Context> init(const Options& given) {
   }
   if (!store) {
     if (o.rank == 0) {
-      server = make_tcp_store_server(socket_addr.empty() ? "0.0.0.0" : socket_addr, o.master_port,
-                                     o.token);
+      // The store listens where its clients dial it: GRADSYNC_SOCKET_IFNAME's address, or
+      // MASTER_ADDR when that is an address of this host; every interface only when
+      // MASTER_ADDR is not (a name other hosts resolve differently, a forwarded address).
+      std::string bind_addr = socket_addr;
+      if (bind_addr.empty()) bind_addr = net::local_listen_address(o.master_addr);
+      if (bind_addr.empty()) bind_addr = "0.0.0.0";
+      TcpStoreServerOptions server_options;
+      server_options.world_size = o.size;
+      try {
+        server = make_tcp_store_server(bind_addr, o.master_port, o.token, server_options);
+      } catch (const Error& e) {
+        // The usual cause is not the OS but the launch: two jobs on one MASTER_PORT, or two
+        // processes of one job started with RANK=0.
+        throw Error(e.kind(),
+                    e.detail() + " (does another job use MASTER_PORT " +
+                        std::to_string(o.master_port) +
+                        ", or was another process of this job started with RANK=0?)",
+                    o.rank, Error::kNoPeer, "init");
+      }
+      if (o.token.empty()) warn_without_token(net::join_host_port(bind_addr, server->port()));
     }
-    store = make_tcp_store(o.master_addr, o.master_port, o.token, timeout);
+    store = make_tcp_store(o.master_addr, o.master_port, o.token, timeout,
+                           TcpStoreIdentity{o.rank, o.size});
   }
   const std::string prefix = "gradsync/" + std::to_string(next_context_generation(o.rank)) + "/";
 

@@ -35,17 +35,30 @@ struct AddrInfo {
   }
 };
 
-// Resolves host:port; returns the getaddrinfo error text on failure.
-std::string resolve(const std::string& host, int port, bool passive, AddrInfo& out) {
+// Resolves host:port; returns the getaddrinfo error text on failure, and sets `permanent`
+// when the answer is that the name does not exist (rather than that no answer came).
+std::string resolve(const std::string& host, int port, bool passive, AddrInfo& out,
+                    bool* permanent = nullptr) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = passive ? AI_PASSIVE : 0;
   std::string service = std::to_string(port);
   int rc = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &out.list);
+  if (permanent) {
+    *permanent = rc == EAI_NONAME || rc == EAI_FAIL;
+#ifdef EAI_NODATA
+    *permanent = *permanent || rc == EAI_NODATA;
+#endif
+  }
   if (rc != 0) return rc == EAI_SYSTEM ? std::strerror(errno) : ::gai_strerror(rc);
   return {};
 }
+
+// How long a name that does not resolve is tried again before connect_tcp gives up on it:
+// long enough for a name that is being registered as the job starts, far less than a job's
+// timeout, which a mistyped address would otherwise take.
+constexpr auto kUnresolvedGrace = std::chrono::seconds(3);
 
 // One connect attempt bounded by `deadline`; returns the socket or -1 with errno set.
 int connect_once(const addrinfo* ai, Clock::time_point deadline) {
@@ -155,10 +168,17 @@ Fd connect_tcp(const std::string& host, int port, Clock::time_point deadline,
   auto backoff = std::chrono::milliseconds(5);
   std::string last_error = "no attempt made";
   int attempts = 0;
+  const auto start = Clock::now();
   for (;;) {
     ++attempts;
     AddrInfo ai;
-    std::string err = resolve(host, port, false, ai);
+    bool permanent = false;
+    std::string err = resolve(host, port, false, ai, &permanent);
+    if (permanent && Clock::now() - start >= kUnresolvedGrace) {
+      throw Error(ErrorKind::kInvalidArgument, "cannot connect to " + what + " at " + where +
+                                                   ": the name " + host + " does not resolve (" +
+                                                   err + ")");
+    }
     if (err.empty()) {
       for (addrinfo* a = ai.list; a; a = a->ai_next) {
         int fd = connect_once(a, deadline);
@@ -172,12 +192,15 @@ Fd connect_tcp(const std::string& host, int port, Clock::time_point deadline,
         last_error = std::strerror(errno);
       }
     } else {
-      last_error = "cannot resolve: " + err;  // DNS may not be ready yet either: retry
+      last_error = "cannot resolve: " + err;  // DNS may not be ready yet: retry a while
     }
     auto now = Clock::now();
     if (now >= deadline) break;
     std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+    // An attempt begun with no time left would only report its own timeout in place of
+    // what the attempts before it met.
+    if (Clock::now() >= deadline) break;
   }
   throw Error(ErrorKind::kTimeout, "cannot connect to " + what + " at " + where + " after " +
                                        std::to_string(attempts) + " attempt(s): " + last_error);
@@ -218,6 +241,64 @@ std::string local_address_toward(const std::string& host, int port) {
   char buf[INET_ADDRSTRLEN] = {};
   if (!::inet_ntop(AF_INET, &local.sin_addr, buf, sizeof buf)) return {};
   return buf;
+}
+
+namespace {
+
+std::string address_text(const sockaddr* sa) {
+  char buf[INET6_ADDRSTRLEN] = {};
+  const void* addr =
+      sa->sa_family == AF_INET
+          ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(sa)->sin_addr)
+          : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr);
+  if (!::inet_ntop(sa->sa_family, addr, buf, sizeof buf)) return {};
+  return buf;
+}
+
+bool is_loopback(const sockaddr* sa) {
+  if (sa->sa_family == AF_INET) {
+    return (ntohl(reinterpret_cast<const sockaddr_in*>(sa)->sin_addr.s_addr) >> 24) == 127;
+  }
+  return IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(sa)->sin6_addr);
+}
+
+bool is_interface_address(const std::string& text) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return false;
+  bool found = false;
+  for (ifaddrs* i = list; i && !found; i = i->ifa_next) {
+    if (!i->ifa_addr || (i->ifa_addr->sa_family != AF_INET && i->ifa_addr->sa_family != AF_INET6))
+      continue;
+    found = address_text(i->ifa_addr) == text;
+  }
+  ::freeifaddrs(list);
+  return found;
+}
+
+}  // namespace
+
+std::string local_listen_address(const std::string& host) {
+  if (host.empty()) return {};
+  if (host == "localhost") return "127.0.0.1";
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  AddrInfo ai;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &ai.list) != 0) return {};
+  in6_addr v6{};
+  in_addr v4{};
+  const bool numeric =
+      ::inet_pton(AF_INET, host.c_str(), &v4) == 1 || ::inet_pton(AF_INET6, host.c_str(), &v6) == 1;
+  for (addrinfo* a = ai.list; a; a = a->ai_next) {
+    if (a->ai_family != AF_INET && a->ai_family != AF_INET6) continue;
+    const std::string text = address_text(a->ai_addr);
+    if (is_loopback(a->ai_addr)) {
+      if (numeric) return text;
+      continue;
+    }
+    if (is_interface_address(text)) return text;
+  }
+  return {};
 }
 
 std::string interface_address(const std::string& name) {

@@ -46,7 +46,9 @@ int local_port(int fd);
 
 // Connects to host:port, retrying refused/unreachable attempts with exponential backoff
 // (a peer may not be listening yet) until `deadline`; then throws Error(kTimeout) naming
-// host, port and the last OS error. Returns a blocking socket with TCP_NODELAY set.
+// host, port and the last OS error. A host name that does not exist (EAI_NONAME, EAI_FAIL,
+// as against EAI_AGAIN: no answer yet) is retried for a few seconds only, then throws
+// Error(kInvalidArgument) naming it. Returns a blocking socket with TCP_NODELAY set.
 Fd connect_tcp(const std::string& host, int port, std::chrono::steady_clock::time_point deadline,
                const std::string& what);
 
@@ -59,6 +61,13 @@ std::string default_advertise_address(const std::string& bind_addr);
 // interface, that interface's address is the one peers can reach us on too, whatever the
 // host name resolves to. Empty if the host does not resolve or no route leads there.
 std::string local_address_toward(const std::string& host, int port);
+
+// The address a store serving clients that dial `host` should listen on: `host` itself when
+// it is an address of this machine (a numeric one, or "localhost"), or when it is a name that
+// resolves here to an address of an interface other than loopback; else empty (listen on
+// every interface). A name this host resolves to a loopback address (Debian maps its own
+// host name to 127.0.1.1) is not bound: other hosts know that name by another address.
+std::string local_listen_address(const std::string& host);
 
 // The IPv4 address of network interface `name` (as Options::socket_ifname names it). Throws
 // Error(kInvalidArgument) naming the interface and listing those that have one.

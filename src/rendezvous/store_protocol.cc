@@ -26,10 +26,13 @@ class Writer {
     u32(static_cast<std::uint32_t>(n));
     out_.insert(out_.end(), p, p + n);
   }
-  void str(const std::string& s) { bytes(reinterpret_cast<const std::uint8_t*>(s.data()), s.size()); }
+  void str(const std::string& s) {
+    bytes(reinterpret_cast<const std::uint8_t*>(s.data()), s.size());
+  }
   Bytes finish() {
     auto n = static_cast<std::uint32_t>(out_.size() - kLengthPrefixBytes);
-    for (int i = 0; i < 4; ++i) out_[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(n >> (8 * i));
+    for (int i = 0; i < 4; ++i)
+      out_[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>(n >> (8 * i));
     return std::move(out_);
   }
 
@@ -112,12 +115,20 @@ std::optional<T> finish(Reader& r, T value, std::string* why) {
 
 const char* to_string(RequestType t) {
   switch (t) {
-    case RequestType::kAuth: return "auth";
-    case RequestType::kSet: return "set";
-    case RequestType::kGet: return "get";
-    case RequestType::kWait: return "wait";
-    case RequestType::kAdd: return "add";
-    case RequestType::kCheck: return "check";
+    case RequestType::kAuth:
+      return "auth";
+    case RequestType::kSet:
+      return "set";
+    case RequestType::kGet:
+      return "get";
+    case RequestType::kWait:
+      return "wait";
+    case RequestType::kAdd:
+      return "add";
+    case RequestType::kCheck:
+      return "check";
+    case RequestType::kHello:
+      return "hello";
   }
   return "?";
 }
@@ -127,7 +138,9 @@ Bytes encode_request(const Request& r) {
   w.u8(static_cast<std::uint8_t>(r.type));
   switch (r.type) {
     case RequestType::kAuth:
-    case RequestType::kCheck: w.str(r.key); break;
+    case RequestType::kCheck:
+      w.str(r.key);
+      break;
     case RequestType::kSet:
       w.str(r.key);
       w.bytes(r.value.data(), r.value.size());
@@ -145,6 +158,14 @@ Bytes encode_request(const Request& r) {
       w.str(r.key);
       w.u64(static_cast<std::uint64_t>(r.delta));
       break;
+    case RequestType::kHello:
+      w.str(r.key);
+      w.u32(static_cast<std::uint32_t>(r.hello.rank));
+      w.u32(static_cast<std::uint32_t>(r.hello.world_size));
+      w.u32(r.hello.pid);
+      w.str(r.hello.host);
+      w.u64(r.hello.client_id);
+      break;
   }
   return w.finish();
 }
@@ -157,7 +178,9 @@ std::optional<Request> parse_request(std::span<const std::uint8_t> body, std::st
   r.type = static_cast<RequestType>(type);
   switch (r.type) {
     case RequestType::kAuth:
-    case RequestType::kCheck: r.key = in.str(kMaxKeyBytes, "key"); break;
+    case RequestType::kCheck:
+      r.key = in.str(kMaxKeyBytes, "key");
+      break;
     case RequestType::kSet: {
       r.key = in.str(kMaxKeyBytes, "key");
       auto v = in.blob(kMaxValueBytes, "value");
@@ -173,7 +196,8 @@ std::optional<Request> parse_request(std::span<const std::uint8_t> body, std::st
       if (n > kMaxWaitKeys) in.fail("wait for more than " + std::to_string(kMaxWaitKeys) + " keys");
       // Each key costs at least its 4-byte length, so `n` cannot make us loop far past
       // the end of a short message: the reader fails at the first missing length.
-      for (std::uint32_t i = 0; i < n && in.ok(); ++i) r.keys.push_back(in.str(kMaxKeyBytes, "key"));
+      for (std::uint32_t i = 0; i < n && in.ok(); ++i)
+        r.keys.push_back(in.str(kMaxKeyBytes, "key"));
       r.timeout_ms = in.u64("timeout");
       break;
     }
@@ -181,7 +205,17 @@ std::optional<Request> parse_request(std::span<const std::uint8_t> body, std::st
       r.key = in.str(kMaxKeyBytes, "key");
       r.delta = static_cast<std::int64_t>(in.u64("delta"));
       break;
-    default: in.fail("unknown request type " + std::to_string(type)); break;
+    case RequestType::kHello:
+      r.key = in.str(kMaxKeyBytes, "token");
+      r.hello.rank = static_cast<std::int32_t>(in.u32("rank"));
+      r.hello.world_size = static_cast<std::int32_t>(in.u32("world size"));
+      r.hello.pid = in.u32("pid");
+      r.hello.host = in.str(kMaxHostBytes, "host");
+      r.hello.client_id = in.u64("client id");
+      break;
+    default:
+      in.fail("unknown request type " + std::to_string(type));
+      break;
   }
   return finish(in, std::move(r), why);
 }
@@ -194,15 +228,27 @@ Bytes encode_response(RequestType answered, const Response& r) {
       w.u32(static_cast<std::uint32_t>(r.missing.size()));
       for (const auto& k : r.missing) w.str(k);
       break;
-    case Status::kError: w.str(r.message); break;
+    case Status::kError:
+    case Status::kJobFailed:
+    case Status::kBusy:
+      w.str(r.message);
+      break;
     case Status::kOk:
       switch (answered) {
-        case RequestType::kGet: w.bytes(r.value.data(), r.value.size()); break;
-        case RequestType::kAdd: w.u64(static_cast<std::uint64_t>(r.number)); break;
-        case RequestType::kCheck: w.u8(r.exists ? 1 : 0); break;
+        case RequestType::kGet:
+          w.bytes(r.value.data(), r.value.size());
+          break;
+        case RequestType::kAdd:
+          w.u64(static_cast<std::uint64_t>(r.number));
+          break;
+        case RequestType::kCheck:
+          w.u8(r.exists ? 1 : 0);
+          break;
         case RequestType::kAuth:
+        case RequestType::kHello:
         case RequestType::kSet:
-        case RequestType::kWait: break;
+        case RequestType::kWait:
+          break;
       }
       break;
   }
@@ -224,7 +270,9 @@ std::optional<Response> parse_response(RequestType answered, std::span<const std
           r.value.assign(v.begin(), v.end());
           break;
         }
-        case RequestType::kAdd: r.number = static_cast<std::int64_t>(in.u64("number")); break;
+        case RequestType::kAdd:
+          r.number = static_cast<std::int64_t>(in.u64("number"));
+          break;
         case RequestType::kCheck: {
           std::uint8_t b = in.u8("flag");
           if (b > 1) in.fail("check flag is neither 0 nor 1");
@@ -232,23 +280,32 @@ std::optional<Response> parse_response(RequestType answered, std::span<const std
           break;
         }
         case RequestType::kAuth:
+        case RequestType::kHello:
         case RequestType::kSet:
-        case RequestType::kWait: break;
-        default: in.fail("response to an unknown request type"); break;
+        case RequestType::kWait:
+          break;
+        default:
+          in.fail("response to an unknown request type");
+          break;
       }
       break;
     case static_cast<std::uint8_t>(Status::kTimeout): {
       r.status = Status::kTimeout;
       std::uint32_t n = in.u32("key count");
       if (n > kMaxWaitKeys) in.fail("timeout names too many keys");
-      for (std::uint32_t i = 0; i < n && in.ok(); ++i) r.missing.push_back(in.str(kMaxKeyBytes, "key"));
+      for (std::uint32_t i = 0; i < n && in.ok(); ++i)
+        r.missing.push_back(in.str(kMaxKeyBytes, "key"));
       break;
     }
     case static_cast<std::uint8_t>(Status::kError):
-      r.status = Status::kError;
+    case static_cast<std::uint8_t>(Status::kJobFailed):
+    case static_cast<std::uint8_t>(Status::kBusy):
+      r.status = static_cast<Status>(status);
       r.message = in.str(kMaxKeyBytes, "error message");
       break;
-    default: in.fail("unknown response status " + std::to_string(status)); break;
+    default:
+      in.fail("unknown response status " + std::to_string(status));
+      break;
   }
   return finish(in, std::move(r), why);
 }
@@ -267,7 +324,8 @@ MessageReader::Result MessageReader::next(std::span<const std::uint8_t>& body) {
   if (avail < kLengthPrefixBytes) return Result::kNeedMore;
   const std::uint8_t* p = buf_.data() + pos_;
   std::uint32_t n = static_cast<std::uint32_t>(p[0]) | (static_cast<std::uint32_t>(p[1]) << 8) |
-                    (static_cast<std::uint32_t>(p[2]) << 16) | (static_cast<std::uint32_t>(p[3]) << 24);
+                    (static_cast<std::uint32_t>(p[2]) << 16) |
+                    (static_cast<std::uint32_t>(p[3]) << 24);
   if (n > max_body_) return Result::kTooLong;
   if (avail - kLengthPrefixBytes < n) return Result::kNeedMore;
   body = std::span<const std::uint8_t>(p + kLengthPrefixBytes, n);

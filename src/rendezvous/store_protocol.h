@@ -23,6 +23,11 @@ constexpr std::size_t kMaxValueBytes = std::size_t{64} << 20;
 constexpr std::size_t kMaxWaitKeys = 65536;
 constexpr std::size_t kMaxMessageBytes = kMaxValueBytes + 2 * kMaxKeyBytes + 64;
 constexpr std::size_t kLengthPrefixBytes = 4;
+// Before a connection has authenticated, the server reads nothing but one hello of at most
+// this many body bytes: a token (up to kMaxKeyBytes), a host name and a few integers. An
+// unauthenticated peer can thus make it hold only a few KiB, not a whole message.
+constexpr std::size_t kMaxHostBytes = 256;
+constexpr std::size_t kMaxHelloBytes = 1 + 4 + kMaxKeyBytes + 4 + 4 + 4 + 4 + kMaxHostBytes + 8;
 
 enum class RequestType : std::uint8_t {
   kAuth = 1,   // key = token; must be the first request on a connection
@@ -31,12 +36,25 @@ enum class RequestType : std::uint8_t {
   kWait = 4,   // keys, timeout_ms: answered when every key exists or the timeout passes
   kAdd = 5,    // key, delta: answers the new value
   kCheck = 6,  // key: answers whether it exists
+  kHello = 7,  // key = token, hello = who is asking; like kAuth, it must come first
 };
 const char* to_string(RequestType t);
 
+// Who a client is, announced in its kHello so that the server can catch ranks that were
+// started with different world sizes, or twice with the same rank, as soon as they connect.
+struct Hello {
+  std::int32_t rank = -1;        // -1: not a rank (a tool, a test); nothing is checked
+  std::int32_t world_size = -1;  // as this rank was started with
+  std::uint32_t pid = 0;
+  std::string host;             // host name, at most kMaxHostBytes
+  std::uint64_t client_id = 0;  // the same on every reconnect of one client
+  bool operator==(const Hello&) const = default;
+};
+
 struct Request {
   RequestType type = RequestType::kCheck;
-  std::string key;                // kAuth (the token), kSet, kGet, kAdd, kCheck
+  std::string key;                // kAuth and kHello (the token), kSet, kGet, kAdd, kCheck
+  Hello hello;                    // kHello
   std::vector<std::string> keys;  // kWait
   Bytes value;                    // kSet
   std::int64_t delta = 0;         // kAdd
@@ -48,6 +66,12 @@ enum class Status : std::uint8_t {
   kOk = 0,
   kTimeout = 1,  // `missing` lists the keys that never appeared
   kError = 2,    // `message` says why (e.g. add() on a value that is not an integer)
+  // The job cannot go on (`message` says why, e.g. two processes claim one rank): the
+  // answer to every request from then on, parked ones included.
+  kJobFailed = 3,
+  // An answer to a hello only: the server dropped the connection before authenticating it
+  // (too many were pending, or its hello came too late); the client may connect again.
+  kBusy = 4,
 };
 
 struct Response {
@@ -56,7 +80,7 @@ struct Response {
   std::int64_t number = 0;           // kAdd
   bool exists = false;               // kCheck
   std::vector<std::string> missing;  // kTimeout
-  std::string message;               // kError
+  std::string message;               // kError, kJobFailed, kBusy
   bool operator==(const Response&) const = default;
 };
 
@@ -67,7 +91,8 @@ Bytes encode_response(RequestType answered, const Response& r);
 
 // Parse one message body (without its length prefix). On failure returns nullopt and
 // puts the reason in `why` when given.
-std::optional<Request> parse_request(std::span<const std::uint8_t> body, std::string* why = nullptr);
+std::optional<Request> parse_request(std::span<const std::uint8_t> body,
+                                     std::string* why = nullptr);
 std::optional<Response> parse_response(RequestType answered, std::span<const std::uint8_t> body,
                                        std::string* why = nullptr);
 
@@ -82,6 +107,8 @@ class MessageReader {
   // kTooLong: the declared length is over the limit; the stream cannot be trusted further.
   Result next(std::span<const std::uint8_t>& body);
   std::size_t buffered() const { return buf_.size() - pos_; }
+  // The server reads a connection with kMaxHelloBytes until it authenticates, then raises it.
+  void set_max_body(std::size_t max_body) { max_body_ = max_body; }
 
  private:
   std::size_t max_body_;

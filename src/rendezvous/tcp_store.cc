@@ -1,5 +1,7 @@
 // TCP key-value store: a single-threaded epoll server that parks blocking get/wait
 // requests until their keys appear, and a thread-safe client with connect retry.
+#include "rendezvous/tcp_store.h"
+
 #include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -11,6 +13,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <random>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -40,14 +43,17 @@ std::chrono::milliseconds clamp_timeout(std::chrono::milliseconds t) {
 
 class TcpStoreServerImpl final : public TcpStoreServer {
  public:
-  TcpStoreServerImpl(const std::string& bind_addr, int port, std::string token)
-      : token_(std::move(token)) {
+  TcpStoreServerImpl(const std::string& bind_addr, int port, std::string token,
+                     const TcpStoreServerOptions& options)
+      : token_(std::move(token)), options_(options), world_(options.world_size) {
+    options_.max_pending = std::max<std::size_t>(options_.max_pending, 2);
     listener_ = net::listen_tcp(bind_addr, port, /*nonblocking=*/true);
     port_ = net::local_port(listener_.get());
     epoll_ = net::Fd(::epoll_create1(EPOLL_CLOEXEC));
     wake_ = net::Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!epoll_.valid() || !wake_.valid()) {
-      throw Error(ErrorKind::kSystem, std::string("tcp store server setup: ") + std::strerror(errno));
+      throw Error(ErrorKind::kSystem,
+                  std::string("tcp store server setup: ") + std::strerror(errno));
     }
     add_fd(listener_.get(), kListenerId, EPOLLIN);
     add_fd(wake_.get(), kWakeId, EPOLLIN);
@@ -65,29 +71,36 @@ class TcpStoreServerImpl final : public TcpStoreServer {
  private:
   static constexpr std::uint64_t kListenerId = 0;
   static constexpr std::uint64_t kWakeId = 1;
-  // A client that has not authenticated within this time is dropped, so idle or hostile
-  // connections cannot pin file descriptors forever.
-  static constexpr auto kAuthTimeout = std::chrono::seconds(30);
   // Legitimate clients send one request at a time, so more than two maximal messages
   // buffered in either direction means a misbehaving peer.
   static constexpr std::size_t kMaxBuffered = 2 * (sp::kMaxMessageBytes + sp::kLengthPrefixBytes);
-  static constexpr std::size_t kMaxConnections = 65536;
+  // The most bytes an unauthenticated connection may have sent: one whole hello.
+  static constexpr std::size_t kMaxHelloWire = sp::kMaxHelloBytes + sp::kLengthPrefixBytes;
+  // Authenticated connections that are not ranks, where the world size is not known.
+  static constexpr std::size_t kMaxAnonymous = 1024;
 
   struct Conn {
     net::Fd fd;
-    sp::MessageReader reader;
+    sp::MessageReader reader{sp::kMaxHelloBytes};  // raised once authenticated
     sp::Bytes out;
     std::size_t out_pos = 0;
     bool authed = false;
+    bool anonymous = false;  // authenticated without announcing a rank
     bool out_armed = false;
+    int rank = -1;             // the rank it announced
     std::uint64_t waiter = 0;  // id of the parked get/wait, 0 if none
-    Clock::time_point auth_deadline;
+    Clock::time_point hello_deadline;
   };
   struct Waiter {
     std::uint64_t conn = 0;
     sp::Request request;
     std::size_t missing = 0;  // distinct keys not yet present
     Clock::time_point deadline;
+  };
+  // A rank announced by a connection that is still open.
+  struct Claim {
+    std::uint64_t conn = 0;
+    sp::Hello hello;
   };
 
   // All members below are touched by the server thread only (after construction).
@@ -100,17 +113,38 @@ class TcpStoreServerImpl final : public TcpStoreServer {
     }
   }
 
+  std::size_t authed_count() const { return conns_.size() - pending_.size(); }
+
+  // Whether every rank has heard why the job failed, or will at its next request: each one
+  // said hello (and got the answer, or has a connection open to get it), and none is still
+  // connected.
+  bool everyone_told() const {
+    return authed_count() == 0 && (world_ <= 0 || seen_.size() >= static_cast<std::size_t>(world_));
+  }
+
   void loop() {
     epoll_event events[64];
+    // Once the job failed, the server outlives its owner a little so that ranks still
+    // connected (or about to connect) learn why instead of finding nobody there.
+    bool draining = false;
+    Clock::time_point linger_until = Clock::time_point::max();
     for (;;) {
-      int timeout_ms = next_timeout_ms();
+      int timeout_ms = next_timeout_ms(linger_until);
       int n = ::epoll_wait(epoll_.get(), events, 64, timeout_ms);
       if (n < 0 && errno != EINTR) return;  // epoll itself broke: nothing left to serve with
+      bool accept_now = false;
       for (int i = 0; i < n; ++i) {
         std::uint64_t id = events[i].data.u64;
-        if (id == kWakeId) return;
+        if (id == kWakeId) {
+          if (failure_.empty() || everyone_told()) return;
+          std::uint64_t count = 0;
+          [[maybe_unused]] ssize_t r = ::read(wake_.get(), &count, sizeof count);
+          draining = true;
+          linger_until = Clock::now() + options_.linger;
+          continue;
+        }
         if (id == kListenerId) {
-          accept_all();
+          accept_now = true;
           continue;
         }
         auto it = conns_.find(id);
@@ -121,37 +155,56 @@ class TcpStoreServerImpl final : public TcpStoreServer {
       }
       expire(Clock::now());
       drain_ready();
+      // New connections only after the readable ones: a connection accepted in one round
+      // has its hello read in the next before any accept can evict it.
+      if (accept_now) accept_some();
+      if (draining && (everyone_told() || Clock::now() >= linger_until)) return;
     }
   }
 
-  int next_timeout_ms() const {
-    if (deadlines_.empty() && auth_deadlines_.empty()) return -1;
-    Clock::time_point next = Clock::time_point::max();
-    if (!deadlines_.empty()) next = deadlines_.begin()->first;
-    if (!auth_deadlines_.empty()) next = std::min(next, auth_deadlines_.begin()->first);
+  int next_timeout_ms(Clock::time_point linger_until) const {
+    Clock::time_point next = linger_until;
+    if (!deadlines_.empty()) next = std::min(next, deadlines_.begin()->first);
+    if (!hello_deadlines_.empty()) next = std::min(next, hello_deadlines_.begin()->first);
+    if (next == Clock::time_point::max()) return -1;
     auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()).count();
     return static_cast<int>(std::clamp<long long>(ms + 1, 0, 60000));
   }
 
-  void accept_all() {
-    for (;;) {
+  // Accepts at most half the pending slots per round, so that a flood of connections
+  // evicts only connections that have had a round to say hello in.
+  void accept_some() {
+    for (std::size_t i = 0; i < options_.max_pending / 2; ++i) {
       int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) return;  // EAGAIN, or a transient error (EMFILE...): retried on next event
-      if (conns_.size() >= kMaxConnections) {
-        ::close(fd);
-        continue;
+      if (pending_.size() >= options_.max_pending) {
+        reply_and_close(*pending_.begin(), sp::Status::kBusy,
+                        "dropped before authenticating: more than " +
+                            std::to_string(options_.max_pending) +
+                            " connections were waiting to say hello");
       }
       net::set_nodelay(fd);
       std::uint64_t id = next_id_++;
       Conn& c = conns_[id];
       c.fd = net::Fd(fd);
-      c.auth_deadline = Clock::now() + kAuthTimeout;
-      auth_deadlines_.emplace(c.auth_deadline, id);
+      c.hello_deadline = Clock::now() + options_.hello_timeout;
+      hello_deadlines_.emplace(c.hello_deadline, id);
+      pending_.insert(id);
       add_fd(fd, id, EPOLLIN);
     }
   }
 
   void on_readable(std::uint64_t id, Conn& c) {
+    if (!c.authed) {
+      // Before authenticating, nothing beyond one hello is ever read, so an unauthenticated
+      // peer cannot make the server hold more than a few KiB.
+      std::uint8_t buf[kMaxHelloWire + 1];
+      ssize_t n = ::recv(c.fd.get(), buf, kMaxHelloWire + 1 - c.reader.buffered(), 0);
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+      if (n <= 0) return close_conn(id);
+      c.reader.append(buf, static_cast<std::size_t>(n));
+      return process(id);
+    }
     std::uint8_t buf[65536];
     // Bounded per event so one busy client cannot starve the others (level-triggered
     // epoll brings us back for the rest).
@@ -179,22 +232,127 @@ class TcpStoreServerImpl final : public TcpStoreServer {
       if (c.waiter != 0) return;
       std::span<const std::uint8_t> body;
       auto r = c.reader.next(body);
-      if (r == sp::MessageReader::Result::kNeedMore) return;
-      if (r == sp::MessageReader::Result::kTooLong) return close_conn(id);
-      auto req = sp::parse_request(body);
-      if (!req) return close_conn(id);  // garbage: never guess where the next message starts
-      if (req->type == sp::RequestType::kAuth || !c.authed) {
-        if (req->type != sp::RequestType::kAuth || !net::tokens_equal(req->key, token_)) {
-          return close_conn(id);
+      if (r == sp::MessageReader::Result::kNeedMore) {
+        if (!c.authed && c.reader.buffered() > kMaxHelloWire) {
+          return reply_and_close(id, sp::Status::kError, "sent more than a hello");
         }
-        if (!c.authed) {
-          c.authed = true;
-          erase_deadline(auth_deadlines_, c.auth_deadline, id);
-        }
-        respond(id, c, req->type, sp::Response{});
+        return;
+      }
+      if (r == sp::MessageReader::Result::kTooLong) {
+        if (c.authed) return close_conn(id);
+        return reply_and_close(id, sp::Status::kError,
+                               "a hello is at most " + std::to_string(sp::kMaxHelloBytes) +
+                                   " bytes; this connection announced more");
+      }
+      std::string why;
+      auto req = sp::parse_request(body, &why);
+      if (!c.authed) {
+        if (!req) return reply_and_close(id, sp::Status::kError, "malformed hello: " + why);
+        if (!admit(id, c, *req)) return;
+        continue;
+      }
+      // Garbage, or a second hello: never guess where the next message starts.
+      if (!req || req->type == sp::RequestType::kAuth || req->type == sp::RequestType::kHello) {
+        return close_conn(id);
+      }
+      if (!failure_.empty()) {
+        sp::Response resp;
+        resp.status = sp::Status::kJobFailed;
+        resp.message = failure_;
+        respond(id, c, req->type, resp);
         continue;
       }
       handle(id, c, std::move(*req));
+    }
+  }
+
+  // The first request of a connection: a hello (or the older auth) with the job's token.
+  // Checks who it says it is against the ranks seen so far; true if it is now authenticated.
+  bool admit(std::uint64_t id, Conn& c, const sp::Request& req) {
+    if (req.type != sp::RequestType::kAuth && req.type != sp::RequestType::kHello) {
+      reply_and_close(id, sp::Status::kError, "the first request must be a hello");
+      return false;
+    }
+    if (!net::tokens_equal(req.key, token_)) {
+      reply_and_close(id, sp::Status::kError,
+                      "wrong token (GRADSYNC_TOKEN must be the same on every rank)");
+      return false;
+    }
+    if (c.reader.buffered() != 0) {
+      reply_and_close(id, sp::Status::kError, "sent requests before its hello was answered");
+      return false;
+    }
+    const bool ranked = req.type == sp::RequestType::kHello && req.hello.rank >= 0;
+    if (ranked && failure_.empty()) check_claim(req.hello);
+    if (ranked && req.hello.rank < world_) seen_.insert(req.hello.rank);
+    if (!failure_.empty()) {
+      reply_and_close(id, sp::Status::kJobFailed, failure_);
+      return false;
+    }
+    if (ranked) {
+      auto old = claims_.find(req.hello.rank);
+      // check_claim() let it through, so an old claim is this client's own connection from
+      // before a reconnect: it is dead, whether or not its end has reached us yet.
+      if (old != claims_.end() && old->second.conn != id) close_conn(old->second.conn);
+      claims_[req.hello.rank] = Claim{id, req.hello};
+      c.rank = req.hello.rank;
+    } else {
+      const std::size_t limit = options_.world_size > 0 ? options_.anonymous_slack : kMaxAnonymous;
+      if (anonymous_ >= limit) {
+        reply_and_close(id, sp::Status::kError,
+                        "store full: " + std::to_string(limit) +
+                            " connections that announce no rank are open already");
+        return false;
+      }
+      ++anonymous_;
+      c.anonymous = true;
+    }
+    c.authed = true;
+    pending_.erase(id);
+    erase_deadline(hello_deadlines_, c.hello_deadline, id);
+    c.reader.set_max_body(sp::kMaxMessageBytes);
+    respond(id, c, req.type, sp::Response{});
+    return true;
+  }
+
+  static std::string who(const sp::Hello& h) {
+    return "pid " + std::to_string(h.pid) + " on host " + (h.host.empty() ? "?" : h.host);
+  }
+
+  // Fails the job when a rank's hello contradicts what earlier ranks said.
+  void check_claim(const sp::Hello& h) {
+    const std::string rank = "rank " + std::to_string(h.rank);
+    if (world_ <= 0) {
+      world_ = h.world_size;
+      world_source_ = h.rank;
+    }
+    if (h.world_size != world_) {
+      return fail_job(rank + " (" + who(h) + ") was started with WORLD_SIZE=" +
+                      std::to_string(h.world_size) + " but rank " + std::to_string(world_source_) +
+                      " with WORLD_SIZE=" + std::to_string(world_) +
+                      ": every rank must be started with the same WORLD_SIZE");
+    }
+    if (h.rank >= world_) {
+      return fail_job(rank + " (" + who(h) +
+                      ") is out of range for WORLD_SIZE=" + std::to_string(world_));
+    }
+    auto old = claims_.find(h.rank);
+    if (old != claims_.end() && old->second.hello.client_id != h.client_id) {
+      return fail_job("two processes claim " + rank + ": " + who(old->second.hello) + " and " +
+                      who(h) + ": every rank must be started with its own RANK");
+    }
+  }
+
+  // From now on every request is answered with `why`, the parked ones at once: their ranks
+  // wait for keys that will never come.
+  void fail_job(const std::string& why) {
+    if (!failure_.empty()) return;
+    failure_ = why;
+    std::vector<std::uint64_t> ids;
+    for (const auto& [wid, w] : waiters_) ids.push_back(wid);
+    for (std::uint64_t wid : ids) {
+      auto w = waiters_.find(wid);
+      if (w != waiters_.end()) finish_waiter(w, sp::Status::kJobFailed);
     }
   }
 
@@ -219,7 +377,9 @@ class TcpStoreServerImpl final : public TcpStoreServer {
         key_appeared(req.key);
         break;
       }
-      case sp::RequestType::kCheck: resp.exists = data_.count(req.key) != 0; break;
+      case sp::RequestType::kCheck:
+        resp.exists = data_.count(req.key) != 0;
+        break;
       case sp::RequestType::kGet:
       case sp::RequestType::kWait: {
         if (req.type == sp::RequestType::kGet) req.keys = {req.key};
@@ -241,15 +401,18 @@ class TcpStoreServerImpl final : public TcpStoreServer {
         Waiter& w = waiters_[wid];
         w.conn = id;
         w.missing = missing.size();
-        w.deadline = Clock::now() + clamp_timeout(std::chrono::milliseconds(
-                                        std::min(req.timeout_ms, static_cast<std::uint64_t>(kMaxTimeout.count()))));
+        w.deadline =
+            Clock::now() + clamp_timeout(std::chrono::milliseconds(std::min(
+                               req.timeout_ms, static_cast<std::uint64_t>(kMaxTimeout.count()))));
         w.request = std::move(req);
         for (const auto& k : missing) key_waiters_[k].push_back(wid);
         deadlines_.emplace(w.deadline, wid);
         c.waiter = wid;
         return;
       }
-      case sp::RequestType::kAuth: break;  // handled in process()
+      case sp::RequestType::kAuth:
+      case sp::RequestType::kHello:
+        break;  // handled in admit()
     }
     respond(id, c, req.type, resp);
   }
@@ -277,7 +440,9 @@ class TcpStoreServerImpl final : public TcpStoreServer {
     sp::Response resp;
     resp.status = status;
     const sp::Request& req = waiter.request;
-    if (status == sp::Status::kTimeout) {
+    if (status == sp::Status::kJobFailed) {
+      resp.message = failure_;
+    } else if (status == sp::Status::kTimeout) {
       std::set<std::string> missing;
       for (const auto& k : req.keys) {
         if (!data_.count(k)) missing.insert(k);
@@ -301,10 +466,13 @@ class TcpStoreServerImpl final : public TcpStoreServer {
       }
       finish_waiter(w, sp::Status::kTimeout);
     }
-    while (!auth_deadlines_.empty() && auth_deadlines_.begin()->first <= now) {
-      std::uint64_t id = auth_deadlines_.begin()->second;
-      auth_deadlines_.erase(auth_deadlines_.begin());
-      close_conn(id);
+    while (!hello_deadlines_.empty() && hello_deadlines_.begin()->first <= now) {
+      std::uint64_t id = hello_deadlines_.begin()->second;
+      hello_deadlines_.erase(hello_deadlines_.begin());
+      // Busy, not refused: a real client that was only slow to say hello tries again.
+      reply_and_close(id, sp::Status::kBusy,
+                      "no hello within " + std::to_string(options_.hello_timeout.count()) +
+                          " ms of connecting");
     }
   }
 
@@ -360,8 +528,29 @@ class TcpStoreServerImpl final : public TcpStoreServer {
         waiters_.erase(w);
       }
     }
-    if (!c.authed) erase_deadline(auth_deadlines_, c.auth_deadline, id);
+    if (!c.authed) {
+      erase_deadline(hello_deadlines_, c.hello_deadline, id);
+      pending_.erase(id);
+    }
+    if (c.anonymous) --anonymous_;
+    auto claim = claims_.find(c.rank);
+    if (claim != claims_.end() && claim->second.conn == id) claims_.erase(claim);
     conns_.erase(it);  // closing the fd also removes it from the epoll set
+  }
+
+  // Tells a connection that has not authenticated why it is dropped, then drops it. The
+  // answer is small and nothing was sent on the connection before, so one non-blocking
+  // send either takes it whole or the peer is gone anyway.
+  void reply_and_close(std::uint64_t id, sp::Status status, const std::string& why) {
+    auto it = conns_.find(id);
+    if (it == conns_.end()) return;
+    sp::Response resp;
+    resp.status = status;
+    resp.message = why;
+    sp::Bytes msg = sp::encode_response(sp::RequestType::kHello, resp);
+    [[maybe_unused]] ssize_t n =
+        ::send(it->second.fd.get(), msg.data(), msg.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    close_conn(id);
   }
 
   static void erase_deadline(std::multimap<Clock::time_point, std::uint64_t>& m,
@@ -376,6 +565,14 @@ class TcpStoreServerImpl final : public TcpStoreServer {
   }
 
   std::string token_;
+  TcpStoreServerOptions options_;
+  int world_ = 0;         // the world size every rank must announce; 0 until known
+  int world_source_ = 0;  // the rank whose world size that is
+  std::string failure_;   // why the job cannot go on; empty while it can
+  std::map<int, Claim> claims_;
+  std::set<int> seen_;               // ranks below world_ that have said hello, whatever the answer
+  std::set<std::uint64_t> pending_;  // unauthenticated connections, oldest (lowest id) first
+  std::size_t anonymous_ = 0;
   net::Fd listener_, epoll_, wake_;
   int port_ = 0;
   std::thread thread_;
@@ -384,8 +581,8 @@ class TcpStoreServerImpl final : public TcpStoreServer {
   std::unordered_map<std::string, sp::Bytes> data_;
   std::map<std::uint64_t, Waiter> waiters_;
   std::unordered_map<std::string, std::vector<std::uint64_t>> key_waiters_;
-  std::multimap<Clock::time_point, std::uint64_t> deadlines_;       // waiter deadlines
-  std::multimap<Clock::time_point, std::uint64_t> auth_deadlines_;  // unauthenticated conns
+  std::multimap<Clock::time_point, std::uint64_t> deadlines_;        // waiter deadlines
+  std::multimap<Clock::time_point, std::uint64_t> hello_deadlines_;  // unauthenticated conns
   std::vector<std::uint64_t> ready_;
 };
 
@@ -394,12 +591,14 @@ class TcpStoreServerImpl final : public TcpStoreServer {
 
 class TcpStoreClient final : public Store {
  public:
-  TcpStoreClient(std::string host, int port, std::string token, std::chrono::milliseconds connect_timeout)
+  TcpStoreClient(std::string host, int port, std::string token,
+                 std::chrono::milliseconds connect_timeout, const TcpStoreIdentity& identity)
       : host_(std::move(host)),
         port_(port),
         token_(std::move(token)),
         connect_timeout_(clamp_timeout(connect_timeout)),
-        name_("tcp store " + net::join_host_port(host_, port_)) {
+        name_("tcp store " + net::join_host_port(host_, port_)),
+        hello_(make_hello(identity)) {
     std::lock_guard lock(mu_);
     connect_locked();  // fail at creation, where the error is easiest to place
   }
@@ -407,8 +606,9 @@ class TcpStoreClient final : public Store {
   void set(const std::string& key, const Bytes& value) override {
     check_key(key);
     if (value.size() > sp::kMaxValueBytes) {
-      throw Error(ErrorKind::kInvalidArgument, "value of key '" + key + "' is over the " +
-                                                   std::to_string(sp::kMaxValueBytes) + "-byte limit",
+      throw Error(ErrorKind::kInvalidArgument,
+                  "value of key '" + key + "' is over the " + std::to_string(sp::kMaxValueBytes) +
+                      "-byte limit",
                   Error::kUnknownRank, Error::kNoPeer, name_, value.size());
     }
     sp::Request r;
@@ -428,7 +628,8 @@ class TcpStoreClient final : public Store {
 
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
     if (keys.size() > sp::kMaxWaitKeys) {
-      throw Error(ErrorKind::kInvalidArgument, "wait on more than " + std::to_string(sp::kMaxWaitKeys) + " keys",
+      throw Error(ErrorKind::kInvalidArgument,
+                  "wait on more than " + std::to_string(sp::kMaxWaitKeys) + " keys",
                   Error::kUnknownRank, Error::kNoPeer, name_);
     }
     for (const auto& k : keys) check_key(k);
@@ -464,26 +665,82 @@ class TcpStoreClient final : public Store {
 
   void check_key(const std::string& key) const {
     if (key.size() > sp::kMaxKeyBytes) {
-      throw Error(ErrorKind::kInvalidArgument, "key longer than " + std::to_string(sp::kMaxKeyBytes) + " bytes",
+      throw Error(ErrorKind::kInvalidArgument,
+                  "key longer than " + std::to_string(sp::kMaxKeyBytes) + " bytes",
                   Error::kUnknownRank, Error::kNoPeer, name_, key.size());
     }
   }
 
-  // Caller holds mu_.
+  static sp::Hello make_hello(const TcpStoreIdentity& identity) {
+    sp::Hello h;
+    h.rank = identity.rank;
+    h.world_size = identity.world_size;
+    h.pid = static_cast<std::uint32_t>(::getpid());
+    char name[256] = {};
+    ::gethostname(name, sizeof name - 1);
+    h.host = std::string(name).substr(0, sp::kMaxHostBytes);
+    // Tells this client's reconnects apart from another process announcing the same rank.
+    std::random_device rd;
+    h.client_id = (static_cast<std::uint64_t>(rd()) << 32) ^ rd() ^ h.pid;
+    return h;
+  }
+
+  // Connects and says hello. The server may drop a connection before reading its hello
+  // when it is flooded with others: that connection is tried again until the timeout. A
+  // hello it answers with a refusal fails at once, naming why. Caller holds mu_.
   void connect_locked() {
-    fd_ = net::connect_tcp(host_, port_, Clock::now() + connect_timeout_, "tcp store");
-    reader_ = sp::MessageReader();
-    sp::Request auth;
-    auth.type = sp::RequestType::kAuth;
-    auth.key = token_;
-    try {
-      exchange_locked(auth, Clock::now() + connect_timeout_ + kReplyGrace);
-    } catch (const Error& e) {
+    const auto deadline = Clock::now() + connect_timeout_;
+    auto backoff = std::chrono::milliseconds(5);
+    for (;;) {
+      fd_ = net::connect_tcp(host_, port_, deadline, "tcp store");
+      reader_ = sp::MessageReader();
+      sp::Request hello;
+      hello.type = sp::RequestType::kHello;
+      hello.key = token_;
+      hello.hello = hello_;
+      sp::Response resp;
+      try {
+        resp = exchange_locked(hello, deadline + kReplyGrace);
+      } catch (const Error& e) {
+        fd_.reset();
+        if (e.kind() != ErrorKind::kPeerLost) {
+          throw Error(ErrorKind::kProtocol, "no valid answer to this client's hello: " + e.detail(),
+                      hello_.rank, Error::kNoPeer, name_);
+        }
+        resp.status = sp::Status::kBusy;
+        resp.message = e.detail();
+      }
+      switch (resp.status) {
+        case sp::Status::kOk:
+          return;
+        case sp::Status::kJobFailed:
+          job_failed(resp.message);
+        case sp::Status::kBusy:
+          break;
+        case sp::Status::kError:
+        case sp::Status::kTimeout:
+          fd_.reset();
+          throw Error(ErrorKind::kProtocol, "server refused the connection: " + resp.message,
+                      hello_.rank, Error::kNoPeer, name_);
+      }
       fd_.reset();
-      throw Error(ErrorKind::kProtocol,
-                  "server refused the connection (wrong token?): " + e.detail(),
-                  Error::kUnknownRank, Error::kNoPeer, name_);
+      const auto now = Clock::now();
+      if (now >= deadline) {
+        throw Error(ErrorKind::kTimeout,
+                    "the server dropped every connection before authenticating it, the last "
+                    "one: " +
+                        resp.message,
+                    hello_.rank, Error::kNoPeer, name_);
+      }
+      std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
     }
+  }
+
+  [[noreturn]] void job_failed(const std::string& why) {
+    fd_.reset();
+    // The ranks were started inconsistently: the caller's mistake, not a broken peer.
+    throw Error(ErrorKind::kInvalidArgument, why, hello_.rank, Error::kNoPeer, name_);
   }
 
   sp::Response call(const sp::Request& r, std::chrono::milliseconds timeout, bool idempotent) {
@@ -499,18 +756,25 @@ class TcpStoreClient final : public Store {
       } catch (const Error& e) {
         fd_.reset();  // the stream may hold half a reply: never reuse it
         if (e.kind() == ErrorKind::kPeerLost && idempotent && attempt == 0) continue;
-        if (e.kind() == ErrorKind::kTimeout && !req.keys.empty()) throw_store_timeout(name_, req.keys, timeout);
+        if (e.kind() == ErrorKind::kTimeout && !req.keys.empty())
+          throw_store_timeout(name_, req.keys, timeout);
         if (e.kind() == ErrorKind::kTimeout && req.type == sp::RequestType::kGet) {
           throw_store_timeout(name_, {req.key}, timeout);
         }
         throw;
       }
       switch (resp.status) {
-        case sp::Status::kOk: return resp;
-        case sp::Status::kTimeout: throw_store_timeout(name_, resp.missing, timeout);
+        case sp::Status::kOk:
+          return resp;
+        case sp::Status::kTimeout:
+          throw_store_timeout(name_, resp.missing, timeout);
+        case sp::Status::kJobFailed:
+          job_failed(resp.message);
+        case sp::Status::kBusy:
         case sp::Status::kError:
-          throw Error(ErrorKind::kProtocol, std::string(sp::to_string(req.type)) + " '" + req.key +
-                                                "' failed on the server: " + resp.message,
+          throw Error(ErrorKind::kProtocol,
+                      std::string(sp::to_string(req.type)) + " '" + req.key +
+                          "' failed on the server: " + resp.message,
                       Error::kUnknownRank, Error::kNoPeer, name_);
       }
       return resp;
@@ -526,14 +790,16 @@ class TcpStoreClient final : public Store {
     for (;;) {
       std::span<const std::uint8_t> body;
       auto r = reader_.next(body);
-      if (r == sp::MessageReader::Result::kTooLong) protocol("reply longer than the protocol allows");
+      if (r == sp::MessageReader::Result::kTooLong)
+        protocol("reply longer than the protocol allows");
       if (r == sp::MessageReader::Result::kMessage) {
         std::string why;
         auto resp = sp::parse_response(req.type, body, &why);
         if (!resp) protocol("malformed reply: " + why);
         return *resp;
       }
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
       if (left <= 0) {
         throw Error(ErrorKind::kTimeout, "no reply to " + std::string(sp::to_string(req.type)),
                     Error::kUnknownRank, Error::kNoPeer, name_);
@@ -553,7 +819,8 @@ class TcpStoreClient final : public Store {
   }
 
   [[noreturn]] void lost(const std::string& why) const {
-    throw Error(ErrorKind::kPeerLost, "connection lost: " + why, Error::kUnknownRank, Error::kNoPeer, name_);
+    throw Error(ErrorKind::kPeerLost, "connection lost: " + why, Error::kUnknownRank,
+                Error::kNoPeer, name_);
   }
   [[noreturn]] void protocol(const std::string& why) const {
     throw Error(ErrorKind::kProtocol, why, Error::kUnknownRank, Error::kNoPeer, name_);
@@ -564,6 +831,7 @@ class TcpStoreClient final : public Store {
   const std::string token_;
   const std::chrono::milliseconds connect_timeout_;
   const std::string name_;
+  const sp::Hello hello_;
   std::mutex mu_;  // serialises requests: the protocol has one outstanding request per connection
   net::Fd fd_;     // guarded by mu_
   sp::MessageReader reader_;  // guarded by mu_
@@ -572,13 +840,25 @@ class TcpStoreClient final : public Store {
 }  // namespace
 
 std::unique_ptr<TcpStoreServer> make_tcp_store_server(const std::string& bind_addr, int port,
+                                                      const std::string& token,
+                                                      const TcpStoreServerOptions& options) {
+  return std::make_unique<TcpStoreServerImpl>(bind_addr, port, token, options);
+}
+
+std::unique_ptr<TcpStoreServer> make_tcp_store_server(const std::string& bind_addr, int port,
                                                       const std::string& token) {
-  return std::make_unique<TcpStoreServerImpl>(bind_addr, port, token);
+  return make_tcp_store_server(bind_addr, port, token, TcpStoreServerOptions{});
+}
+
+std::shared_ptr<Store> make_tcp_store(const std::string& host, int port, const std::string& token,
+                                      std::chrono::milliseconds connect_timeout,
+                                      const TcpStoreIdentity& identity) {
+  return std::make_shared<TcpStoreClient>(host, port, token, connect_timeout, identity);
 }
 
 std::shared_ptr<Store> make_tcp_store(const std::string& host, int port, const std::string& token,
                                       std::chrono::milliseconds connect_timeout) {
-  return std::make_shared<TcpStoreClient>(host, port, token, connect_timeout);
+  return make_tcp_store(host, port, token, connect_timeout, TcpStoreIdentity{});
 }
 
 }  // namespace gradsync
