@@ -4,6 +4,7 @@
 #include "core/env.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -150,6 +151,12 @@ TEST(Env, GarbageIsNamed) {
   expect_error({{"MASTER_PORT", "0"}}, "MASTER_PORT='0' is not an integer in [1, 65535]");
   expect_error({{"GRADSYNC_TOPOLOGY", "@/nonexistent/topology"}},
                "GRADSYNC_TOPOLOGY='@/nonexistent/topology' is not groups like");
+  // Not a regular file: a FIFO would block init() forever, /dev/zero fill memory.
+  const std::string fifo = ::testing::TempDir() + "/gradsync-fifo-" + std::to_string(::getpid());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_error({{"GRADSYNC_TOPOLOGY", ("@" + fifo).c_str()}}, "is not a regular file");
+  ::unlink(fifo.c_str());
+  expect_error({{"GRADSYNC_TOPOLOGY", "@/dev/zero"}}, "the file /dev/zero is not a regular file");
 }
 
 // GRADSYNC_TOPOLOGY gives the groups inline, or in a file after '@' (one line per group);

@@ -2,6 +2,10 @@
 // into Options.
 #include "core/env.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <initializer_list>
 #include <sstream>
@@ -55,17 +59,32 @@ Error not_below(const Launched& source, const char* field, int value, const char
                                                 "): " + why);
 }
 
+// A topology file names each rank once: a million ranks fit in a few MiB.
+constexpr off_t kMaxTopologyFileBytes = off_t{16} << 20;
+
 // GRADSYNC_TOPOLOGY: the groups inline, or after '@' the file that holds them.
 std::string topology_from_environment(int rank) {
   auto spec = knobs::text("GRADSYNC_TOPOLOGY");
   if (!spec || !spec->starts_with('@')) return spec.value_or("");
-  std::ifstream file(spec->substr(1));
+  const std::string path = spec->substr(1);
+  auto refuse = [&](const std::string& why) {
+    Error e = knobs::refusal("GRADSYNC_TOPOLOGY", *spec, "the file " + path + " " + why);
+    return Error(e.kind(), e.detail(), rank);
+  };
+  // A regular file of a sane size only: reading a FIFO would block init() forever, a device
+  // like /dev/zero until memory runs out.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0)
+    throw refuse(std::string("cannot be read: ") + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) throw refuse("is not a regular file");
+  if (st.st_size > kMaxTopologyFileBytes) {
+    throw refuse("holds " + std::to_string(st.st_size) + " bytes, more than a topology's " +
+                 std::to_string(kMaxTopologyFileBytes));
+  }
+  std::ifstream file(path);
   std::stringstream text;
   text << file.rdbuf();
-  if (!file || text.str().empty()) {
-    Error e = knobs::refusal("GRADSYNC_TOPOLOGY", *spec, "cannot read the file " + spec->substr(1));
-    throw Error(e.kind(), e.detail(), rank);
-  }
+  if (!file || text.str().empty()) throw refuse("cannot be read or is empty");
   return text.str();
 }
 
