@@ -337,7 +337,7 @@ TEST(Knobs, GarbageIsRefusedNamingTheVariableAndWhatItAccepts) {
   const std::string missing =
       refused_by_resolve({{"GRADSYNC_TOPOLOGY", "@/nonexistent/topology"}}).what();
   EXPECT_TRUE(contains(missing, "GRADSYNC_TOPOLOGY='@/nonexistent/topology' is not groups") &&
-              contains(missing, "cannot read the file /nonexistent/topology"))
+              contains(missing, "the file /nonexistent/topology cannot be read"))
       << missing;
 
   // An explicit field means the variable is not even read.

@@ -257,6 +257,27 @@ TEST(Rendezvous, TheStoreListensWhereRanksDialItAndWarnsWithoutAToken) {
   EXPECT_EQ(count_of(read_file(log), "GRADSYNC_TOKEN is not set"), 1) << read_file(log);
 }
 
+// GRADSYNC_STORE_BIND tells the store where to listen instead: here every interface.
+TEST(Rendezvous, TheStoreListensWhereGradsyncStoreBindSays) {
+  testing::TempDir tmp;
+  const int port = free_port();
+  pid_t pid = start_by_hand(tmp.path() + "/rank0.log", {{"RANK", "0"},
+                                                        {"WORLD_SIZE", "2"},
+                                                        {"MASTER_ADDR", "127.0.0.1"},
+                                                        {"MASTER_PORT", std::to_string(port)},
+                                                        {"GRADSYNC_STORE_BIND", "0.0.0.0"},
+                                                        {"GRADSYNC_TOKEN", "bind"},
+                                                        {"GRADSYNC_TIMEOUT", "120000"}});
+  std::string address;
+  int status = 0;
+  while ((address = listening_address(port)).empty() && ::waitpid(pid, &status, WNOHANG) == 0) {
+    std::this_thread::sleep_for(10ms);
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, &status, 0);
+  EXPECT_EQ(address, "00000000") << "the store listens on " << address << " (hex), not 0.0.0.0";
+}
+
 // A second RANK=0 cannot host the store where the first does: it says what probably happened.
 TEST(Rendezvous, ASecondRankZeroSaysWhyItCannotHostTheStore) {
   testing::TempDir tmp;

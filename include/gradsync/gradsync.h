@@ -59,6 +59,11 @@ struct Options {
   // GRADSYNC_SOCKET_ADDR: the address the tcp transport advertises to peers. Default: this
   // host's address on the route to master_addr.
   std::string socket_addr{};
+  // GRADSYNC_STORE_BIND: the address the store rank 0 hosts listens on ("0.0.0.0": every
+  // interface). Default: socket_ifname's address, else master_addr where it is an address of
+  // this host (so a store for 127.0.0.1 is not reachable from the network), else every
+  // interface.
+  std::string store_bind{};
   // GRADSYNC_TCP_LIVENESS_S: a peer whose host stops answering (no FIN or RST ever comes) is
   // declared lost after about this many seconds; 0: never (then only the timeout ends such a
   // wait). Default 15.

@@ -154,6 +154,7 @@ Options resolve(const Options& in) {
   take_text(o.host_id, "GRADSYNC_HOST_ID");
   take_text(o.socket_ifname, "GRADSYNC_SOCKET_IFNAME");
   take_text(o.socket_addr, "GRADSYNC_SOCKET_ADDR");
+  take_text(o.store_bind, "GRADSYNC_STORE_BIND");
   take_count(o.tcp_liveness_s, "GRADSYNC_TCP_LIVENESS_S");
   take_count(o.tcp_socket_buffer_bytes, "GRADSYNC_TCP_SOCKBUF_BYTES");
   take_count(o.tcp_spin_us, "GRADSYNC_TCP_SPIN_US");

@@ -85,10 +85,11 @@ std::unique_ptr<Context> init(const Options& given) {
   }
   if (!store) {
     if (o.rank == 0) {
-      // The store listens where its clients dial it: GRADSYNC_SOCKET_IFNAME's address, or
-      // MASTER_ADDR when that is an address of this host; every interface only when
-      // MASTER_ADDR is not (a name other hosts resolve differently, a forwarded address).
-      std::string bind_addr = socket_addr;
+      // The store listens where it is told (GRADSYNC_STORE_BIND), else where its clients dial
+      // it: GRADSYNC_SOCKET_IFNAME's address, or MASTER_ADDR when that is an address of this
+      // host; every interface only when MASTER_ADDR is not (a name other hosts resolve
+      // differently, a forwarded address).
+      std::string bind_addr = o.store_bind.empty() ? socket_addr : o.store_bind;
       if (bind_addr.empty()) bind_addr = net::local_listen_address(o.master_addr);
       if (bind_addr.empty()) bind_addr = "0.0.0.0";
       TcpStoreServerOptions server_options;

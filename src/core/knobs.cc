@@ -54,6 +54,11 @@ constexpr Knob kKnobs[] = {
      "(like NCCL_SOCKET_IFNAME).",
      kContext},
     // A day; TCP_USER_TIMEOUT takes it in milliseconds, as an unsigned int.
+    {"GRADSYNC_STORE_BIND", "GRADSYNC_SOCKET_IFNAME's address, else MASTER_ADDR if local, else all",
+     "an address of this host, or 0.0.0.0 for every interface", "Options::store_bind",
+     "Where the store rank 0 hosts listens; the default keeps a store for 127.0.0.1 off the "
+     "network.",
+     kContext},
     {"GRADSYNC_TCP_LIVENESS_S", "15", "an integer in [0, 86400] (seconds)",
      "Options::tcp_liveness_s",
      "A peer whose host stops answering is declared lost after about this long; 0: never.",
