@@ -35,6 +35,34 @@ GARBAGE = ["abc", "-1", "1.5", "4294967296", "99999999999999999999999", " 7", "7
            "+-3", "1e3", "\u0661", "7;rm -rf /", "-0"]
 
 
+# What each numeric flag accepts: integer or number, lowest, highest (None: no limit that
+# the cases reach). A value inside may pass; any other must be refused naming the flag.
+FLAG_RANGES = {
+    "--min-bytes": ("int", 0, 1 << 30), "--max-bytes": ("int", 1, 1 << 30),
+    "--factor": ("int", 2, 1 << 20), "--iters": ("int", 1, 10**6), "--warmup": ("int", 0, 10**6),
+    "--root": ("int", 0, 0),  # one rank
+    "--epochs": ("int", 1, 10**6), "--batch": ("int", 1, 65536), "--hidden": ("int", 1, 16384),
+    "--accumulate": ("int", 1, 65536), "--zero": ("int", 0, 2), "--max-steps": ("int", 1, 10**9),
+    "--seed": ("int", 0, 2**63 - 1), "--lr": ("number", 1e-300, 1000),
+    "--bucket-mb": ("number", 1e-300, 4096), "--first-bucket-mb": ("number", 1e-300, 4096),
+    "-n": ("int", 1, 4096), "--nnodes": ("int", 1, 1 << 20), "--node-rank": ("int", 0, 0),
+    "--master-port": ("int", 1, 65535), "--timeout-s": ("number", 0, 1e8),
+    "--grace-s": ("number", 0, 1e8),
+}
+
+
+def accepts(rule, value):
+    """Whether `value`, read strictly (no spaces, signs only on numbers, no hex), is in range."""
+    kind, low, high = rule
+    if value != value.strip() or not value:
+        return False
+    try:
+        x = int(value, 10) if kind == "int" else float(value)
+    except ValueError:
+        return False
+    return x == x and low <= x <= high
+
+
 class Case:
     """One mistake: the command, its environment, what must happen."""
 
@@ -150,11 +178,8 @@ class Chaos:
                         base(flag, words[flag]), must_name=(flag, words[flag]))
         flag = self.rng.choice(numeric)
         value = self.rng.choice(GARBAGE[:6] + huge + [""] + (["65536"] if flag == "--master-port" else []))
-        may_pass = value in ("0", "-0", "1e3", "1.5") and flag in (
-            "--seed", "--warmup", "--root", "--zero", "--node-rank", "--bucket-mb",
-            "--first-bucket-mb", "--grace-s", "--timeout-s", "--lr")
         return Case("flag", "%s %s %r" % (tool, flag, value), base(flag, value),
-                    must_name=(flag,), may_pass=may_pass)
+                    must_name=(flag,), may_pass=accepts(FLAG_RANGES[flag], value))
 
     # --- files ----------------------------------------------------------------------------
     def data_case(self):
