@@ -5,7 +5,7 @@ that hung, crashed, exited 0 although it could not do what was asked, failed wit
 what was wrong, or failed only by running into its timeout.
 
 usage: scripts/chaos.py [--build DIR] [--cases N] [--seed S] [--hang-s S] [--keep]
-                        [--only env|flag|data|output|checkpoint|connection]...
+                        [--only env|flag|data|output|checkpoint|connection|launch]...
 Exit status: 0 when every case behaved, 1 otherwise. Standard library only.
 """
 import argparse
@@ -67,8 +67,10 @@ class Case:
     """One mistake: the command, its environment, what must happen."""
 
     def __init__(self, kind, what, argv, env=None, must_name=(), may_pass=False,
-                 must_pass=False, after=None, during=None):
+                 must_pass=False, after=None, during=None, ranks=None, may_time_out=False):
         self.kind, self.what, self.argv = kind, what, argv
+        self.may_time_out = may_time_out  # a timeout is the designed answer (it must name why)
+        self.ranks = ranks            # processes started by hand: (argv, env) each, judged each
         self.env = env or {}
         self.must_name = must_name    # one of these must appear in the output of a failure
         self.may_pass = may_pass      # the input may be acceptable after all
@@ -281,6 +283,45 @@ class Chaos:
         return Case("connection", "%s junk at the store and ranks (%s)" % (junk, transport),
                     argv, {"GRADSYNC_TRANSPORT": transport}, must_pass=True, during=during)
 
+    # --- ranks that disagree ---------------------------------------------------------------
+    def launch_case(self):
+        """Ranks started by hand that disagree: each must fail naming the disagreement, at
+        once, not by the timeout."""
+        port = str(free_port())
+        how = self.rng.choice(["world-size", "same-rank", "token", "count", "algo", "dtype"])
+        n = self.rng.choice([2, 3])
+        ranks = []
+        for r in range(n):
+            env = {"RANK": str(r), "WORLD_SIZE": str(n), "MASTER_PORT": port,
+                   "GRADSYNC_TOKEN": "chaos"}
+            argv = self.small_bench()
+            odd = r == n - 1  # the last rank is the one that differs
+            if how == "world-size" and odd:
+                env["WORLD_SIZE"] = str(n + 1)
+            elif how == "same-rank" and odd:
+                env["RANK"] = str(n - 2)
+            elif how == "token":
+                env["GRADSYNC_TIMEOUT"] = "5000"  # the others wait for it this long
+                if odd:
+                    env["GRADSYNC_TOKEN"] = "another"
+            elif how == "count" and odd:
+                argv = [self.bench, "allreduce", "--min-bytes", "8K", "--max-bytes", "8K",
+                        "--iters", "3", "--warmup", "1", "--check"]
+            elif how == "algo":
+                env["GRADSYNC_ALGO"] = "rd" if odd else "ring"
+            elif how == "dtype" and odd:
+                argv = argv + ["--dtype", "float64"]
+            ranks.append((argv, env))
+        names = {"world-size": ("WORLD_SIZE",), "same-rank": ("claim rank",),
+                 "token": ("token", "GRADSYNC_TOKEN"),
+                 "count": ("mismatch", "aborted", "peer lost"),
+                 "algo": ("mismatch", "aborted", "peer lost"),
+                 "dtype": ("mismatch", "aborted", "peer lost")}[how]
+        # A connection with a wrong token cannot end the job (a stranger's could then end any
+        # job): the others wait until their timeout, which names the refused rank.
+        return Case("launch", "%d ranks, %s differs" % (n, how), ranks[0][0], must_name=names,
+                    ranks=ranks, may_time_out=how == "token")
+
     def environment(self, extra):
         env = dict(os.environ)
         for k in list(env):
@@ -296,7 +337,7 @@ class Chaos:
     def make(self, only):
         makers = {"env": self.env_case, "flag": self.flag_case, "data": self.data_case,
                   "output": self.output_case, "checkpoint": self.checkpoint_case,
-                  "connection": self.connection_case}
+                  "connection": self.connection_case, "launch": self.launch_case}
         if only:
             return makers[self.rng.choice(only)]()
         roll = self.rng.random()
@@ -308,8 +349,10 @@ class Chaos:
             return self.data_case()
         if roll < 0.78:
             return self.output_case()
-        if roll < 0.88:
+        if roll < 0.86:
             return self.checkpoint_case()
+        if roll < 0.93:
+            return self.launch_case()
         return self.connection_case()
 
 
@@ -385,14 +428,42 @@ def verdict(case, rc, out, seconds, hang_s):
         return None
     if rc == 0:
         return None if case.may_pass else "exit 0 although it could not do what was asked"
-    if TIMED_OUT.search(out):
+    if TIMED_OUT.search(out) and not case.may_time_out:
         return "failed only by running into its timeout (%.0f s)" % seconds
     if case.must_name and not any(n and n in out for n in case.must_name):
         return "the error names none of %s" % (list(case.must_name),)
     return None
 
 
+def run_ranks(case, chaos, hang_s):
+    """A case of processes started by hand: each is judged; the first problem counts."""
+    start = time.monotonic()
+    procs = [subprocess.Popen(argv, env=chaos.environment(env), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True) for argv, env in case.ranks]
+    results = []
+    for proc in procs:
+        left = max(1.0, hang_s - (time.monotonic() - start))
+        try:
+            out, _ = proc.communicate(timeout=left)
+            results.append((proc.returncode, out.decode(errors="replace")))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            results.append((None, out.decode(errors="replace")))
+    seconds = time.monotonic() - start
+    problem, text = None, ""
+    for r, (rc, out) in enumerate(results):
+        text += "".join("[rank %d] %s\n" % (r, line) for line in out.strip().splitlines()[-2:])
+        found = verdict(case, rc, out, seconds, hang_s)
+        if found and not problem:
+            problem = "rank %d: %s" % (r, found)
+    return problem, max((rc if rc is not None else 999) for rc, _ in results), text, seconds
+
+
 def run_case(case, chaos, hang_s):
+    if case.ranks:
+        return run_ranks(case, chaos, hang_s)
     env = chaos.environment(case.env)
     stop = threading.Event()
     helper = None
@@ -429,7 +500,7 @@ def main():
     p.add_argument("--hang-s", type=int, default=60)
     p.add_argument("--keep", action="store_true", help="keep the temporary files")
     p.add_argument("--only", action="append", default=[],
-                   choices=["env", "flag", "data", "output", "checkpoint", "connection"],
+                   choices=["env", "flag", "data", "output", "checkpoint", "connection", "launch"],
                    help="only this kind of mistake (repeatable)")
     args = p.parse_args()
     rng = random.Random(args.seed)

@@ -162,6 +162,8 @@ int free_port() {
 
 struct HandRank {
   int rank, world_size;
+  std::string token = "handjob";
+  std::string timeout_ms = "120000";
 };
 
 // Starts one worker per entry (rank 0 first), waits for all of them, and returns each one's
@@ -177,8 +179,8 @@ std::vector<std::pair<pid_t, std::string>> run_by_hand(const std::vector<HandRan
                                     {"WORLD_SIZE", std::to_string(ranks[i].world_size)},
                                     {"MASTER_ADDR", "127.0.0.1"},
                                     {"MASTER_PORT", std::to_string(port)},
-                                    {"GRADSYNC_TOKEN", "handjob"},
-                                    {"GRADSYNC_TIMEOUT", "120000"}});
+                                    {"GRADSYNC_TOKEN", ranks[i].token},
+                                    {"GRADSYNC_TIMEOUT", ranks[i].timeout_ms}});
     out.emplace_back(pid, log);
   }
   for (auto& [pid, log] : out) {
@@ -215,6 +217,20 @@ TEST(Rendezvous, TwoProcessesClaimingOneRankAreNamedOnEveryRank) {
     EXPECT_TRUE(testing::contains(log, "pid " + std::to_string(ranks[2].first) + " on host"))
         << log;
   }
+}
+
+// A rank started with another GRADSYNC_TOKEN is refused at once; it cannot end the job (a
+// stranger at the port could then end any job), so the others wait for it until their timeout,
+// whose error then says why it never came.
+TEST(Rendezvous, ARankWithAnotherTokenIsNamedInTheTimeoutOfTheOthers) {
+  testing::TempDir tmp;
+  auto ranks = run_by_hand({{0, 2, "handjob", "3000"}, {1, 2, "another", "3000"}}, tmp);
+  EXPECT_TRUE(testing::contains(ranks[1].second, "wrong token")) << ranks[1].second;
+  EXPECT_TRUE(testing::contains(ranks[0].second,
+                                "rank 1 (pid " + std::to_string(ranks[1].first) + " on host"))
+      << ranks[0].second;
+  EXPECT_TRUE(testing::contains(ranks[0].second, "its GRADSYNC_TOKEN differs from this job's"))
+      << ranks[0].second;
 }
 
 // The local address of the socket listening on `port`, as /proc/net/tcp writes it (hex), or

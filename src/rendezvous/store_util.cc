@@ -30,12 +30,12 @@ std::string to_string(const Bytes& b) {
 }
 
 void throw_store_timeout(const std::string& store, const std::vector<std::string>& missing,
-                         std::chrono::milliseconds timeout) {
+                         std::chrono::milliseconds timeout, const std::string& why) {
   std::string keys;
   for (const auto& k : missing) keys += (keys.empty() ? "" : ", ") + k;
   throw Error(ErrorKind::kTimeout,
               "waited " + std::to_string(timeout.count()) + " ms for key(s) [" + keys +
-                  "] that never appeared",
+                  "] that never appeared" + (why.empty() ? "" : "; " + why),
               Error::kUnknownRank, Error::kNoPeer, store);
 }
 

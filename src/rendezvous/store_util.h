@@ -16,8 +16,10 @@ std::int64_t decode_int(const Bytes& b);  // empty -> 0; throws kProtocol on gar
 Bytes to_bytes(const std::string& s);
 std::string to_string(const Bytes& b);
 
+// `why`: what the store knows of why the keys never appeared (may be empty).
 [[noreturn]] void throw_store_timeout(const std::string& store,
                                       const std::vector<std::string>& missing,
-                                      std::chrono::milliseconds timeout);
+                                      std::chrono::milliseconds timeout,
+                                      const std::string& why = "");
 
 }  // namespace gradsync

@@ -38,6 +38,11 @@ std::chrono::milliseconds clamp_timeout(std::chrono::milliseconds t) {
   return std::clamp(t, std::chrono::milliseconds(0), kMaxTimeout);
 }
 
+// Where the server notes ranks it refused for a wrong token. Such a connection cannot end the
+// job (anyone who reaches the port could then end it), so the other ranks wait for it until
+// their timeout; this note lets their timeout error say why the rank never came.
+constexpr const char* kRefusedKey = "gradsync-store/refused";
+
 // ---------------------------------------------------------------------------------------
 // Server
 
@@ -266,6 +271,22 @@ class TcpStoreServerImpl final : public TcpStoreServer {
     }
   }
 
+  // A hello with a wrong token that claims a rank not yet seen: noted under kRefusedKey (one
+  // line per rank of the world at most, so a stranger cannot grow it).
+  void note_refused(const sp::Request& req) {
+    if (req.type != sp::RequestType::kHello || req.hello.rank < 0 || req.hello.rank >= world_ ||
+        seen_.count(req.hello.rank) || !refused_.insert(req.hello.rank).second) {
+      return;
+    }
+    const std::string line = "rank " + std::to_string(req.hello.rank) + " (pid " +
+                             std::to_string(req.hello.pid) + " on host " + req.hello.host +
+                             ") was refused: its GRADSYNC_TOKEN differs from this job's";
+    sp::Bytes& note = data_[kRefusedKey];
+    if (!note.empty()) note.push_back(';');
+    if (!note.empty()) note.push_back(' ');
+    note.insert(note.end(), line.begin(), line.end());
+  }
+
   // The first request of a connection: a hello (or the older auth) with the job's token.
   // Checks who it says it is against the ranks seen so far; true if it is now authenticated.
   bool admit(std::uint64_t id, Conn& c, const sp::Request& req) {
@@ -274,6 +295,7 @@ class TcpStoreServerImpl final : public TcpStoreServer {
       return false;
     }
     if (!net::tokens_equal(req.key, token_)) {
+      note_refused(req);
       reply_and_close(id, sp::Status::kError,
                       "wrong token (GRADSYNC_TOKEN must be the same on every rank)");
       return false;
@@ -566,9 +588,10 @@ class TcpStoreServerImpl final : public TcpStoreServer {
 
   std::string token_;
   TcpStoreServerOptions options_;
-  int world_ = 0;         // the world size every rank must announce; 0 until known
-  int world_source_ = 0;  // the rank whose world size that is
-  std::string failure_;   // why the job cannot go on; empty while it can
+  int world_ = 0;          // the world size every rank must announce; 0 until known
+  int world_source_ = 0;   // the rank whose world size that is
+  std::string failure_;    // why the job cannot go on; empty while it can
+  std::set<int> refused_;  // ranks noted under kRefusedKey
   std::map<int, Claim> claims_;
   std::set<int> seen_;               // ranks below world_ that have said hello, whatever the answer
   std::set<std::uint64_t> pending_;  // unauthenticated connections, oldest (lowest id) first
@@ -767,7 +790,7 @@ class TcpStoreClient final : public Store {
         case sp::Status::kOk:
           return resp;
         case sp::Status::kTimeout:
-          throw_store_timeout(name_, resp.missing, timeout);
+          throw_store_timeout(name_, resp.missing, timeout, refused_locked());
         case sp::Status::kJobFailed:
           job_failed(resp.message);
         case sp::Status::kBusy:
@@ -778,6 +801,23 @@ class TcpStoreClient final : public Store {
                       Error::kUnknownRank, Error::kNoPeer, name_);
       }
       return resp;
+    }
+  }
+
+  // The server's note of ranks it refused for a wrong token ("" when none, or when it cannot
+  // be read): why a rank this one waited for never came.
+  std::string refused_locked() {
+    if (!fd_.valid()) return "";
+    sp::Request note;
+    note.type = sp::RequestType::kGet;
+    note.key = kRefusedKey;
+    note.timeout_ms = 0;
+    try {
+      const sp::Response resp = exchange_locked(note, Clock::now() + std::chrono::seconds(2));
+      return resp.status == sp::Status::kOk ? to_string(resp.value) : "";
+    } catch (const Error&) {
+      fd_.reset();
+      return "";
     }
   }
 
