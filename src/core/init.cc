@@ -62,6 +62,20 @@ void warn_without_token(const std::string& where) {
   });
 }
 
+// Presents this process as rank 0 to the store already on MASTER_PORT. Where that store is
+// this job's and hosted by another rank 0, it fails the job naming both processes, and this
+// throws that error; otherwise (another job's store, a wrong token, nothing there) it returns.
+void announce_second_rank_zero(const Options& o) {
+  std::shared_ptr<Store> other;
+  try {
+    other = make_tcp_store(o.master_addr, o.master_port, o.token, std::chrono::seconds(2),
+                           TcpStoreIdentity{o.rank, o.size});
+    other->check("gradsync/second-rank-zero");
+  } catch (const Error& e) {
+    if (e.kind() == ErrorKind::kInvalidArgument) throw;  // the store's verdict on the job
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<Context> init(const Options& given) {
@@ -98,7 +112,10 @@ std::unique_ptr<Context> init(const Options& given) {
         server = make_tcp_store_server(bind_addr, o.master_port, o.token, server_options);
       } catch (const Error& e) {
         // The usual cause is not the OS but the launch: two jobs on one MASTER_PORT, or two
-        // processes of one job started with RANK=0.
+        // processes of one job started with RANK=0. In the second case the store there is
+        // this job's: announcing this process to it as rank 0 makes it fail every rank,
+        // naming both processes (the first would otherwise wait for the whole timeout).
+        announce_second_rank_zero(o);
         throw Error(e.kind(),
                     e.detail() + " (does another job use MASTER_PORT " +
                         std::to_string(o.master_port) +

@@ -227,6 +227,7 @@ Bytes encode_response(RequestType answered, const Response& r) {
     case Status::kTimeout:
       w.u32(static_cast<std::uint32_t>(r.missing.size()));
       for (const auto& k : r.missing) w.str(k);
+      w.str(r.message);
       break;
     case Status::kError:
     case Status::kJobFailed:
@@ -295,6 +296,7 @@ std::optional<Response> parse_response(RequestType answered, std::span<const std
       if (n > kMaxWaitKeys) in.fail("timeout names too many keys");
       for (std::uint32_t i = 0; i < n && in.ok(); ++i)
         r.missing.push_back(in.str(kMaxKeyBytes, "key"));
+      r.message = in.str(kMaxKeyBytes, "timeout note");
       break;
     }
     case static_cast<std::uint8_t>(Status::kError):

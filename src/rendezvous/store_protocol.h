@@ -64,7 +64,8 @@ struct Request {
 
 enum class Status : std::uint8_t {
   kOk = 0,
-  kTimeout = 1,  // `missing` lists the keys that never appeared
+  kTimeout = 1,  // `missing` lists the keys that never appeared, `message` what the server
+                 // knows of why (e.g. a rank it refused for a wrong token), or ""
   kError = 2,    // `message` says why (e.g. add() on a value that is not an integer)
   // The job cannot go on (`message` says why, e.g. two processes claim one rank): the
   // answer to every request from then on, parked ones included.
@@ -80,7 +81,7 @@ struct Response {
   std::int64_t number = 0;           // kAdd
   bool exists = false;               // kCheck
   std::vector<std::string> missing;  // kTimeout
-  std::string message;               // kError, kJobFailed, kBusy
+  std::string message;               // kError, kJobFailed, kBusy, kTimeout
   bool operator==(const Response&) const = default;
 };
 

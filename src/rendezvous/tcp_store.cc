@@ -42,6 +42,8 @@ std::chrono::milliseconds clamp_timeout(std::chrono::milliseconds t) {
 // job (anyone who reaches the port could then end it), so the other ranks wait for it until
 // their timeout; this note lets their timeout error say why the rank never came.
 constexpr const char* kRefusedKey = "gradsync-store/refused";
+// It travels in timeout replies, whose notes the protocol bounds.
+constexpr std::size_t kMaxRefusedNoteBytes = std::min<std::size_t>(2048, sp::kMaxKeyBytes);
 
 // ---------------------------------------------------------------------------------------
 // Server
@@ -282,6 +284,7 @@ class TcpStoreServerImpl final : public TcpStoreServer {
                              std::to_string(req.hello.pid) + " on host " + req.hello.host +
                              ") was refused: its GRADSYNC_TOKEN differs from this job's";
     sp::Bytes& note = data_[kRefusedKey];
+    if (note.size() + line.size() + 2 > kMaxRefusedNoteBytes) return;
     if (!note.empty()) note.push_back(';');
     if (!note.empty()) note.push_back(' ');
     note.insert(note.end(), line.begin(), line.end());
@@ -470,6 +473,9 @@ class TcpStoreServerImpl final : public TcpStoreServer {
         if (!data_.count(k)) missing.insert(k);
       }
       resp.missing.assign(missing.begin(), missing.end());
+      if (auto note = data_.find(kRefusedKey); note != data_.end()) {
+        resp.message = to_string(note->second);
+      }
     } else if (req.type == sp::RequestType::kGet) {
       resp.value = data_[req.key];
     }
@@ -790,7 +796,7 @@ class TcpStoreClient final : public Store {
         case sp::Status::kOk:
           return resp;
         case sp::Status::kTimeout:
-          throw_store_timeout(name_, resp.missing, timeout, refused_locked());
+          throw_store_timeout(name_, resp.missing, timeout, resp.message);
         case sp::Status::kJobFailed:
           job_failed(resp.message);
         case sp::Status::kBusy:
@@ -801,23 +807,6 @@ class TcpStoreClient final : public Store {
                       Error::kUnknownRank, Error::kNoPeer, name_);
       }
       return resp;
-    }
-  }
-
-  // The server's note of ranks it refused for a wrong token ("" when none, or when it cannot
-  // be read): why a rank this one waited for never came.
-  std::string refused_locked() {
-    if (!fd_.valid()) return "";
-    sp::Request note;
-    note.type = sp::RequestType::kGet;
-    note.key = kRefusedKey;
-    note.timeout_ms = 0;
-    try {
-      const sp::Response resp = exchange_locked(note, Clock::now() + std::chrono::seconds(2));
-      return resp.status == sp::Status::kOk ? to_string(resp.value) : "";
-    } catch (const Error&) {
-      fd_.reset();
-      return "";
     }
   }
 
