@@ -35,7 +35,10 @@ std::shared_ptr<Store> make_inproc_store();
 std::shared_ptr<Store> make_file_store(const std::string& directory);
 
 // A TCP store server: serves the store protocol on `port` (0 = pick a free one) until
-// destroyed. Rank 0 or the launcher hosts it. Clients must present `token`.
+// destroyed. Rank 0 or the launcher hosts it. Clients must present `token` in their first
+// message, a bounded hello; nothing more is read from a connection before that, and waiting
+// unauthenticated connections are bounded (the oldest is dropped first). `bind_addr`
+// "0.0.0.0" listens on every interface; init() binds where MASTER_ADDR points when local.
 class TcpStoreServer {
  public:
   virtual ~TcpStoreServer() = default;

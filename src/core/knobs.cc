@@ -77,8 +77,10 @@ constexpr Knob kKnobs[] = {
      "Records a Chrome-trace timeline; timeline::write() writes it to this file.", kProcess},
     // About 24.8 days: the longest wait poll() takes, and a deadline steady_clock can hold.
     {"GRADSYNC_TIMEOUT", "300000", "an integer in [1, 2147483647] (milliseconds)",
-     "Options::timeout", "The deadline of every blocking wait, setup included.", kContext, true, 1,
-     2147483647},
+     "Options::timeout",
+     "The deadline of every blocking wait, setup included; a wait past it then spends up to 2 s "
+     "finding the rank the job waits for.",
+     kContext, true, 1, 2147483647},
     {"GRADSYNC_TOKEN", "unset: no secret", "any text", "Options::token",
      "The job's secret every connection presents (gradsync-run sets one); never logged.", kContext,
      false},
