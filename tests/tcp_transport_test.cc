@@ -89,6 +89,30 @@ std::vector<std::uint8_t> hello_frame(const std::string& token, std::uint32_t ra
   return frame::encode_frame(frame::Type::kHello, Tag{}, payload);
 }
 
+// Every rank of the 3-rank group `ts` sends each other rank 100000 bytes of its own pattern,
+// and every byte arrives: the group formed whole, whatever else reached its listeners.
+void expect_every_pair_exchanges(std::vector<std::unique_ptr<Transport>>& ts) {
+  testing::run_threads(3, [&](int r) {
+    Transport& t = *ts[static_cast<std::size_t>(r)];
+    std::vector<RequestPtr> reqs;
+    std::vector<std::vector<unsigned char>> in(3), out(3);
+    for (int p = 0; p < 3; ++p) {
+      if (p == r) continue;
+      in[static_cast<std::size_t>(p)].resize(100000);
+      out[static_cast<std::size_t>(p)] = pattern(static_cast<std::uint64_t>(r * 3 + p), 100000);
+      reqs.push_back(t.irecv(p, tag_of(1), in[static_cast<std::size_t>(p)].data(), 100000));
+      reqs.push_back(t.isend(p, tag_of(1), out[static_cast<std::size_t>(p)].data(), 100000));
+    }
+    for (auto& q : reqs) q->wait(soon());
+    for (int p = 0; p < 3; ++p) {
+      if (p == r) continue;
+      EXPECT_EQ(first_pattern_error(in[static_cast<std::size_t>(p)],
+                                    static_cast<std::uint64_t>(p * 3 + r)),
+                100000u);
+    }
+  });
+}
+
 TEST(TcpTransport, StraysWithWrongTokenOrGarbageAreRefusedWithoutDisturbingTheJob) {
   // Rank 2 only accepts (lower ranks dial higher). Strays hit its port first; the real
   // ranks 0 and 1 start dialing only after every stray has been refused or parked.
@@ -143,25 +167,7 @@ TEST(TcpTransport, StraysWithWrongTokenOrGarbageAreRefusedWithoutDisturbingTheJo
   });
   store->set(prefix + "/formed", {});
   stray.join();
-  testing::run_threads(3, [&](int r) {
-    Transport& t = *ts[static_cast<std::size_t>(r)];
-    std::vector<RequestPtr> reqs;
-    std::vector<std::vector<unsigned char>> in(3), out(3);
-    for (int p = 0; p < 3; ++p) {
-      if (p == r) continue;
-      in[static_cast<std::size_t>(p)].resize(100000);
-      out[static_cast<std::size_t>(p)] = pattern(static_cast<std::uint64_t>(r * 3 + p), 100000);
-      reqs.push_back(t.irecv(p, tag_of(1), in[static_cast<std::size_t>(p)].data(), 100000));
-      reqs.push_back(t.isend(p, tag_of(1), out[static_cast<std::size_t>(p)].data(), 100000));
-    }
-    for (auto& q : reqs) q->wait(soon());
-    for (int p = 0; p < 3; ++p) {
-      if (p == r) continue;
-      EXPECT_EQ(first_pattern_error(in[static_cast<std::size_t>(p)],
-                                    static_cast<std::uint64_t>(p * 3 + r)),
-                100000u);
-    }
-  });
+  expect_every_pair_exchanges(ts);
 }
 
 // Hundreds of junk connections reach rank 2's listener before any real peer dials: silent
@@ -219,25 +225,7 @@ TEST(TcpTransport, FloodOfJunkConnectionsNeverCostsARealPeerItsPlace) {
   store->set(prefix + "/formed", {});
   flood.join();
   ASSERT_EQ(setup_error, "");
-  testing::run_threads(3, [&](int r) {
-    Transport& t = *ts[static_cast<std::size_t>(r)];
-    std::vector<RequestPtr> reqs;
-    std::vector<std::vector<unsigned char>> in(3), out(3);
-    for (int p = 0; p < 3; ++p) {
-      if (p == r) continue;
-      in[static_cast<std::size_t>(p)].resize(100000);
-      out[static_cast<std::size_t>(p)] = pattern(static_cast<std::uint64_t>(r * 3 + p), 100000);
-      reqs.push_back(t.irecv(p, tag_of(1), in[static_cast<std::size_t>(p)].data(), 100000));
-      reqs.push_back(t.isend(p, tag_of(1), out[static_cast<std::size_t>(p)].data(), 100000));
-    }
-    for (auto& q : reqs) q->wait(soon());
-    for (int p = 0; p < 3; ++p) {
-      if (p == r) continue;
-      EXPECT_EQ(first_pattern_error(in[static_cast<std::size_t>(p)],
-                                    static_cast<std::uint64_t>(p * 3 + r)),
-                100000u);
-    }
-  });
+  expect_every_pair_exchanges(ts);
   ts.clear();
   const std::string log = ::testing::internal::GetCapturedStderr();
   // Every junk connection refused exactly once: none of them became a peer.
