@@ -12,6 +12,7 @@
 #include <fstream>
 #include <limits>
 
+#include "gradsync/optim.h"
 #include "harness.h"
 #include "train/checkpoint.h"
 
@@ -283,4 +284,32 @@ TEST(TrainerCheckpointSave, AFailedWriteOnOneRankKeepsTheLastCompleteSet) {
 }
 
 }  // namespace
+// A run whose weights went NaN or infinite saves nothing: the last good set stays named and
+// whole, and the error names the tensor (a resume would refuse such weights anyway).
+TEST(TrainerCheckpointSave, NonFiniteWeightsDoNotReplaceTheLastGoodSet) {
+  testing::TempDir tmp;
+  const std::string dir = tmp.path() + "/ckpt";
+  gradsync::Options options;
+  options.size = 1;
+  options.rank = 0;
+  auto ctx = gradsync::init(options);
+  auto model = train::make_model("mlp", 1, {8});
+  auto optimizer = gradsync::optim::make_sgd(model->values().size());
+  const train::RankState state{*ctx, *model, optimizer.get(), nullptr, nullptr};
+  const train::Identity identity = {{"--model", "mlp"}};
+  train::save_checkpoint(dir, state, identity, {1, 0, 1}, 1);
+  const std::string latest = testing::read_file(dir + "/LATEST");
+  model->values()[model->values().size() - 2] = std::numeric_limits<float>::quiet_NaN();
+  try {
+    train::save_checkpoint(dir, state, identity, {2, 0, 2}, 2);
+    ADD_FAILURE() << "NaN weights were saved";
+  } catch (const std::runtime_error& e) {
+    EXPECT_TRUE(contains(e.what(), "holds NaN at element")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "LATEST still names the previous one")) << e.what();
+  }
+  EXPECT_EQ(testing::read_file(dir + "/LATEST"), latest);
+  EXPECT_TRUE(std::filesystem::exists(dir + "/step-1.rank-0.ckpt"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/step-2.rank-0.ckpt"));
+}
+
 }  // namespace gradsync

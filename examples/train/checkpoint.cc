@@ -434,6 +434,8 @@ void save_checkpoint(const std::string& dir, const RankState& state, const Ident
   mine.step = static_cast<std::int64_t>(at.step);
   try {
     std::filesystem::create_directories(dir);
+    // A run that diverged must not replace the last good set with weights no resume takes.
+    check_finite(state.model.values(), state.model);
     const char* crash = std::getenv("GRADSYNC_TRAIN_CRASH_AT_SAVE");  // tests only
     const bool crash_now = crash && rank == 0 && std::atoi(crash) == saves;
     write_atomically(rank_file(dir, at.steps_done, rank),
