@@ -1,6 +1,7 @@
 // Shared pieces of the Store implementations.
 #include "rendezvous/store_util.h"
 
+#include <algorithm>
 #include <charconv>
 
 #include "gradsync/error.h"
@@ -27,6 +28,10 @@ Bytes to_bytes(const std::string& s) {
 }
 std::string to_string(const Bytes& b) {
   return std::string(b.begin(), b.end());
+}
+
+std::chrono::milliseconds clamp_timeout(std::chrono::milliseconds t) {
+  return std::clamp(t, std::chrono::milliseconds(0), kMaxTimeout);
 }
 
 void throw_store_timeout(const std::string& store, const std::vector<std::string>& missing,
