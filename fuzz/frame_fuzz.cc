@@ -33,16 +33,19 @@ void header_round_trip(const std::uint8_t* data, std::uint64_t max_data) {
 void payload_round_trips(std::span<const std::uint8_t> payload) {
   if (auto hello = frame::parse_hello(payload)) {
     auto again = frame::encode_hello(*hello);
-    check(again.size() == payload.size() && std::equal(again.begin(), again.end(), payload.begin()));
+    check(again.size() == payload.size() &&
+          std::equal(again.begin(), again.end(), payload.begin()));
     check(frame::parse_hello(again) == hello);
   }
   if (auto abort = frame::parse_abort(payload)) {
     auto again = frame::encode_abort(*abort);
-    check(again.size() == payload.size() && std::equal(again.begin(), again.end(), payload.begin()));
+    check(again.size() == payload.size() &&
+          std::equal(again.begin(), again.end(), payload.begin()));
   }
   if (auto probe = frame::parse_probe(payload)) {
     auto again = frame::encode_probe(*probe);
-    check(again.size() == payload.size() && std::equal(again.begin(), again.end(), payload.begin()));
+    check(again.size() == payload.size() &&
+          std::equal(again.begin(), again.end(), payload.begin()));
   }
 }
 
@@ -59,7 +62,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     header_round_trip(data + pos, frame::kDefaultMaxDataBytes);
     header_round_trip(data + pos, 1000);  // a small configured limit too
     frame::Header h;
-    if (frame::parse_header(data + pos, frame::kDefaultMaxDataBytes, h) != frame::ParseStatus::kOk) break;
+    if (frame::parse_header(data + pos, frame::kDefaultMaxDataBytes, h) != frame::ParseStatus::kOk)
+      break;
     pos += frame::kHeaderBytes;
     if (h.length > size - pos) break;  // truncated: the reader would wait for more bytes
     payload_round_trips(in.subspan(pos, static_cast<std::size_t>(h.length)));

@@ -77,7 +77,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::size_t max_body = knob & 1 ? 64 : sp::kMaxMessageBytes;
   bool too_long_whole = false, too_long_chunked = false;
   Split whole = split(stream, {stream.size() + 1}, max_body, too_long_whole);
-  Split chunked = split(stream, {1 + (knob >> 1) % 7, 1, 3 + (knob >> 4)}, max_body, too_long_chunked);
+  Split chunked =
+      split(stream, {1 + (knob >> 1) % 7, 1, 3 + (knob >> 4)}, max_body, too_long_chunked);
   check(whole == chunked);
   check(too_long_whole == too_long_chunked);
   for (const auto& body : whole) round_trips(body);

@@ -55,12 +55,18 @@ bool get_string(std::span<const std::uint8_t> payload, std::size_t& pos, std::si
 
 const char* to_string(ParseStatus s) {
   switch (s) {
-    case ParseStatus::kOk: return "ok";
-    case ParseStatus::kBadMagic: return "bad magic (not a gradsync peer)";
-    case ParseStatus::kBadVersion: return "unsupported protocol version";
-    case ParseStatus::kBadType: return "unknown frame type";
-    case ParseStatus::kBadFlags: return "reserved flags set";
-    case ParseStatus::kTooLong: return "declared payload length over the limit";
+    case ParseStatus::kOk:
+      return "ok";
+    case ParseStatus::kBadMagic:
+      return "bad magic (not a gradsync peer)";
+    case ParseStatus::kBadVersion:
+      return "unsupported protocol version";
+    case ParseStatus::kBadType:
+      return "unknown frame type";
+    case ParseStatus::kBadFlags:
+      return "reserved flags set";
+    case ParseStatus::kTooLong:
+      return "declared payload length over the limit";
   }
   return "?";
 }
@@ -82,12 +88,23 @@ ParseStatus parse_header(const std::uint8_t in[kHeaderBytes], std::uint64_t max_
   std::uint64_t length = get_u64(in + 40);
   std::uint64_t limit = 0;
   switch (in[6]) {
-    case static_cast<std::uint8_t>(Type::kHello): limit = kMaxHelloBytes; break;
-    case static_cast<std::uint8_t>(Type::kData): limit = max_data_bytes; break;
-    case static_cast<std::uint8_t>(Type::kAbort): limit = kMaxAbortBytes; break;
-    case static_cast<std::uint8_t>(Type::kProbe): limit = kMaxProbeBytes; break;
-    case static_cast<std::uint8_t>(Type::kProbeAnswer): limit = kMaxProbeBytes; break;
-    default: return ParseStatus::kBadType;
+    case static_cast<std::uint8_t>(Type::kHello):
+      limit = kMaxHelloBytes;
+      break;
+    case static_cast<std::uint8_t>(Type::kData):
+      limit = max_data_bytes;
+      break;
+    case static_cast<std::uint8_t>(Type::kAbort):
+      limit = kMaxAbortBytes;
+      break;
+    case static_cast<std::uint8_t>(Type::kProbe):
+      limit = kMaxProbeBytes;
+      break;
+    case static_cast<std::uint8_t>(Type::kProbeAnswer):
+      limit = kMaxProbeBytes;
+      break;
+    default:
+      return ParseStatus::kBadType;
   }
   if (length > limit) return ParseStatus::kTooLong;
   out.type = static_cast<Type>(in[6]);
