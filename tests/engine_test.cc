@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <numeric>
 #include <vector>
 
@@ -135,6 +137,48 @@ TEST(Work, KeepsTheCallsErrorForEveryWait) {
     Work fine = compress::compressed_allreduce_async(ctx, clean, *codec, "grad");
     EXPECT_FALSE(fine.skipped());
     EXPECT_EQ(clean[0], 2.0f);
+  });
+}
+
+// on_done: a callback given while the call runs fires once it is done, after the result is
+// in place; one given later fires at once; a callback may issue the next async call (what a
+// torch future's continuation does).
+TEST(Work, OnDoneRunsOnceTheCallIsDoneAndMayIssueTheNextCall) {
+  testing::run_inproc_contexts(3, [&](Context& ctx) {
+    std::vector<float> v(1000, 1.0f);
+    std::vector<float> doubled(1000, 0.0f);
+    std::atomic<int> fired{0};
+    std::atomic<float> seen{0.0f};
+    Work second;
+    std::mutex second_mu;
+    std::condition_variable second_cv;
+    bool second_ready = false;
+    Work first =
+        ctx.allreduce_async(v.data(), v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum);
+    first.on_done([&] {
+      seen = v[999];
+      ++fired;
+      Work next = ctx.allreduce_async(v.data(), doubled.data(), v.size(), DataType::kFloat32,
+                                      ReduceOp::kSum);
+      std::lock_guard lock(second_mu);
+      second = next;
+      second_ready = true;
+      second_cv.notify_all();
+    });
+    first.wait();
+    {
+      std::unique_lock lock(second_mu);
+      second_cv.wait(lock, [&] { return second_ready; });
+    }
+    second.wait();
+    EXPECT_EQ(fired.load(), 1);
+    EXPECT_EQ(seen.load(), 3.0f);
+    EXPECT_EQ(doubled[0], 9.0f);
+    bool at_once = false;
+    first.on_done([&] { at_once = true; });
+    EXPECT_TRUE(at_once);
+    Work().on_done([&] { ++fired; });
+    EXPECT_EQ(fired.load(), 2);
   });
 }
 

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -107,6 +108,12 @@ class Work {
   // Waits, then: true if a compressed all-reduce under NonFinite::kSkip found NaN or Inf and
   // skipped the step on every rank. False for every other call.
   bool skipped();
+  // Runs `callback` once the call is done: at once on this thread if it already is, else
+  // on the thread that finishes it (the context's worker for an async call), right after
+  // waiters are woken. For bindings that complete their own futures (torch's). The callback
+  // must not block on this context's later calls; it may issue async ones. An empty handle
+  // runs it at once.
+  void on_done(std::function<void()> callback);
 
  private:
   std::shared_ptr<State> state_;

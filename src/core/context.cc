@@ -54,6 +54,17 @@ bool Work::skipped() {
   return state_->skipped;
 }
 
+void Work::on_done(std::function<void()> callback) {
+  if (state_) {
+    std::lock_guard lock(state_->mu);
+    if (!state_->done) {
+      state_->on_done.push_back(std::move(callback));
+      return;
+    }
+  }
+  callback();
+}
+
 // ---- Impl ----
 
 Context::Impl::~Impl() {
@@ -75,6 +86,7 @@ void Context::Impl::execute(Task& task) {
   bool skipped = false;
   std::optional<Error> error;
   std::exception_ptr other_error;
+  std::vector<std::function<void()>> callbacks;
   if (failure_) {
     error = Error(ErrorKind::kAborted, "communicator failed earlier: " + *failure_, rank,
                   Error::kNoPeer, collectives::describe(task.sig));
@@ -118,8 +130,10 @@ void Context::Impl::execute(Task& task) {
     task.state->error = std::move(error);
     task.state->other_error = std::move(other_error);
     task.state->done = true;
+    callbacks.swap(task.state->on_done);
   }
   task.state->cv.notify_all();
+  for (auto& callback : callbacks) callback();
 }
 
 void Context::Impl::worker_loop() {

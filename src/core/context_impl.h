@@ -30,7 +30,8 @@ struct Work::State {
   // object belongs to the thread that throws it: an exception_ptr made on the worker would be
   // freed by whichever thread drops it last, ordered only by libstdc++'s own count.
   std::optional<Error> error;
-  std::exception_ptr other_error;  // anything but a gradsync::Error (bad_alloc...)
+  std::exception_ptr other_error;              // anything but a gradsync::Error (bad_alloc...)
+  std::vector<std::function<void()>> on_done;  // run once, after `done` is set
   void rethrow_if_failed() const {
     if (error) throw Error(*error);
     if (other_error) std::rethrow_exception(other_error);
