@@ -182,6 +182,22 @@ TEST(Work, OnDoneRunsOnceTheCallIsDoneAndMayIssueTheNextCall) {
   });
 }
 
+// Contexts that meet over one store agree on their keys whatever other contexts each process
+// made before on other stores (torch builds one per subgroup, and only the members do).
+TEST(Init, ContextsOverOneStoreMeetWhateverEachRankBuiltElsewhere) {
+  auto shared = make_inproc_store();
+  testing::run_threads(2, [&](int rank) {
+    if (rank == 0) {
+      auto alone = init({.rank = 0, .size = 1, .store = make_inproc_store()});
+      EXPECT_EQ(alone->size(), 1);
+    }
+    auto ctx = init({.rank = rank, .size = 2, .store = shared});
+    int v = rank + 1;
+    ctx->allreduce(&v, &v, 1, DataType::kInt32, ReduceOp::kSum);
+    EXPECT_EQ(v, 3);
+  });
+}
+
 // A context timeout far beyond any call of these tests (a designated initializer naming one
 // field: every Options field has an initializer, so -Wmissing-field-initializers is quiet).
 Options patient() {

@@ -123,6 +123,22 @@ TEST(Env, ExplicitOptionsOverrideTheEnvironment) {
   EXPECT_EQ(from_env.transport, "tcp");
 }
 
+// A group of the caller's own (a store, a rank and a size given: torch's process groups and
+// subgroups) takes its ranks per host from host discovery: the launcher's LOCAL_* describe
+// the whole job, and LOCAL_RANK=5 of a 2-rank subgroup is not this group's.
+TEST(Env, AGroupWithItsOwnStoreIgnoresTheLaunchersLocalRanks) {
+  EnvGuard g({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "5"}, {"LOCAL_WORLD_SIZE", "8"}});
+  Options in;
+  in.store = make_inproc_store();
+  in.rank = 1;
+  in.size = 2;
+  Options o = env::resolve(in);
+  EXPECT_EQ(o.local_rank, -1);
+  EXPECT_EQ(o.local_size, -1);
+  in.store = nullptr;
+  EXPECT_EQ(env::resolve(in).local_rank, 5) << "without a store of its own: the launcher's";
+}
+
 TEST(Env, GarbageIsNamed) {
   auto expect_error = [](std::initializer_list<std::pair<const char*, const char*>> vars,
                          const std::string& part) {

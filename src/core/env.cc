@@ -97,14 +97,20 @@ Options resolve(const Options& in) {
                          rank_from);
   o.size = take_launched(o.size, {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"},
                          1, unused);
-  o.local_rank = take_launched(
-      o.local_rank,
-      {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}, -1,
-      local_rank_from);
-  o.local_size = take_launched(o.local_size,
-                               {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
-                                "SLURM_NTASKS_PER_NODE"},
-                               -1, unused);
+  // A caller that brings its own store and names the rank and size describes a group of its
+  // own (a torch process group, a subgroup): the launcher's LOCAL_* describe the whole job,
+  // so this group's ranks per host come from host discovery instead.
+  const bool own_group = in.store && in.rank >= 0 && in.size >= 1;
+  o.local_rank = own_group ? o.local_rank
+                           : take_launched(o.local_rank,
+                                           {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                            "MPI_LOCALRANKID", "SLURM_LOCALID"},
+                                           -1, local_rank_from);
+  o.local_size = own_group ? o.local_size
+                           : take_launched(o.local_size,
+                                           {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                            "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"},
+                                           -1, unused);
   if (o.master_addr.empty()) o.master_addr = knobs::text("MASTER_ADDR").value_or("127.0.0.1");
   if (o.master_port < 0) {
     o.master_port = static_cast<int>(knobs::integer("MASTER_PORT").value_or(29500));

@@ -38,15 +38,6 @@ std::string host_identity() {
          (n > 0 ? std::string(ns, static_cast<std::size_t>(n)) : "");
 }
 
-// Per-rank count of contexts created in this process, so several contexts over one store
-// use distinct keys (thread-ranks share the process, so the count is per rank).
-int next_context_generation(int rank) {
-  static std::mutex mu;
-  static std::map<int, int> generation;
-  std::lock_guard lock(mu);
-  return generation[rank]++;
-}
-
 // Without a token, anyone who can reach the store's port passes its authentication and can
 // join the job, read what ranks publish (addresses, host ids) or forge it. Said once per
 // process, by the rank that hosts the store.
@@ -127,7 +118,12 @@ std::unique_ptr<Context> init(const Options& given) {
     store = make_tcp_store(o.master_addr, o.master_port, o.token, timeout,
                            TcpStoreIdentity{o.rank, o.size});
   }
-  const std::string prefix = "gradsync/" + std::to_string(next_context_generation(o.rank)) + "/";
+  // Several contexts may meet over one store (threads as ranks, torch's subgroups): each
+  // rank counts the contexts it made there, in the store itself, so the members of a group
+  // agree on the number whatever other groups each process joined before.
+  const std::string generation =
+      std::to_string(store->add("gradsync/contexts/" + std::to_string(o.rank), 1));
+  const std::string prefix = "gradsync/" + generation + "/";
 
   // Host discovery: ranks with the same identity share memory.
   store->set(prefix + "host/" + std::to_string(o.rank),
