@@ -9,6 +9,7 @@ packages=(
   clang libclang-rt-14-dev                                # libFuzzer targets and sanitizer runtimes
   openmpi-bin libopenmpi-dev libgloo-dev                  # peers for side-by-side benchmarks
   python3-torch libopenblas0                              # PyTorch peer (codec ops, DDP), fast BLAS
+  libtorch-dev pybind11-dev python3-numpy python3-pytest  # the Python package and torch backend
   libopenblas-dev zlib1g-dev dataset-fashion-mnist        # the trainer: BLAS, gzip, its data set
   iproute2 procps psmisc                                  # launcher/failure tests (ip, pkill, fuser),
                                                           # network-namespace hosts (ip netns, tc)

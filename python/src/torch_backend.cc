@@ -1,0 +1,471 @@
+// ProcessGroupGradsync: the tensor side of every torch.distributed call (checks, dtypes,
+// staging of non-contiguous tensors, results into torch's futures). What a collective does
+// is the C++ library's.
+#include "torch_backend.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <Python.h>
+
+#include <numeric>
+#include <optional>
+#include <utility>
+
+#include "gradsync/error.h"
+
+namespace gradsync::torch_backend {
+namespace {
+
+// A c10d::Store as the rendezvous store gradsync::init() meets through.
+class TorchStore final : public Store {
+ public:
+  explicit TorchStore(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const Bytes& value) override { store_->set(key, value); }
+  Bytes get(const std::string& key, std::chrono::milliseconds timeout) override {
+    wait({key}, timeout);
+    return store_->get(key);
+  }
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    try {
+      store_->wait(keys, timeout);
+    } catch (const std::exception& e) {
+      std::string names;
+      for (const auto& k : keys) names += (names.empty() ? "" : ", ") + k;
+      throw Error(ErrorKind::kTimeout, "torch's store has no " + names + " after " +
+                                           std::to_string(timeout.count()) +
+                                           " ms (a rank of the group has not joined): " + e.what());
+    }
+  }
+  std::int64_t add(const std::string& key, std::int64_t delta) override {
+    return store_->add(key, delta);
+  }
+  bool check(const std::string& key) override { return store_->check({key}); }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+// A call's Work: completed (with its future) by the context's worker once the call is done.
+class GradsyncWork final : public c10d::Work {
+ public:
+  GradsyncWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+      : c10d::Work(rank, type),
+        outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()))) {}
+
+  // The future first: whoever wait()s on the Work then finds the future settled too.
+  void complete(std::exception_ptr error) {
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+    finish(error);
+  }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+[[noreturn]] void refuse(const std::string& what, int rank, const char* op) {
+  throw Error(ErrorKind::kInvalidArgument, what, rank, Error::kNoPeer, op);
+}
+
+DataType dtype_of(const at::Tensor& t, int rank, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DataType::kFloat32;
+    case at::kDouble:
+      return DataType::kFloat64;
+    case at::kHalf:
+      return DataType::kFloat16;
+    case at::kBFloat16:
+      return DataType::kBFloat16;
+    case at::kInt:
+      return DataType::kInt32;
+    case at::kLong:
+      return DataType::kInt64;
+    case at::kByte:
+      return DataType::kUInt8;
+    default:
+      refuse(std::string("gradsync has no dtype for torch.") + c10::toString(t.scalar_type()), rank,
+             op);
+  }
+}
+
+ReduceOp op_of(const c10d::ReduceOp& op, int rank, const char* name) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      return ReduceOp::kSum;
+    case c10d::ReduceOp::AVG:
+      return ReduceOp::kAvg;
+    case c10d::ReduceOp::PRODUCT:
+      return ReduceOp::kProd;
+    case c10d::ReduceOp::MIN:
+      return ReduceOp::kMin;
+    case c10d::ReduceOp::MAX:
+      return ReduceOp::kMax;
+    default:
+      refuse("reduce op " + std::to_string(static_cast<int>(op.op_)) +
+                 " (BAND, BOR, BXOR or PREMUL_SUM) is not supported",
+             rank, name);
+  }
+}
+
+// Every tensor a CPU dense tensor of one dtype; returns the dtype.
+DataType check_tensors(const std::vector<at::Tensor>& tensors, int rank, const char* op) {
+  if (tensors.empty()) refuse("no tensor given", rank, op);
+  const DataType dtype = dtype_of(tensors.front(), rank, op);
+  for (const auto& t : tensors) {
+    if (!t.device().is_cpu()) {
+      refuse("gradsync's torch backend takes CPU tensors; this one is on " + t.device().str(), rank,
+             op);
+    }
+    if (t.layout() != c10::kStrided) refuse("sparse tensors are not supported", rank, op);
+    if (dtype_of(t, rank, op) != dtype) {
+      refuse(std::string("tensors of different dtypes: ") +
+                 c10::toString(tensors.front().scalar_type()) + " and " +
+                 c10::toString(t.scalar_type()),
+             rank, op);
+    }
+  }
+  return dtype;
+}
+
+void expect_one(const std::vector<at::Tensor>& tensors, int rank, const char* op) {
+  if (tensors.size() != 1) {
+    refuse("takes one tensor per call (a CPU process has one device); got " +
+               std::to_string(tensors.size()),
+           rank, op);
+  }
+}
+
+// A contiguous buffer for `user`: the tensor itself when it is contiguous, else a copy that
+// finish() writes back.
+struct Staged {
+  at::Tensor user;
+  at::Tensor buffer;
+  explicit Staged(const at::Tensor& t) : user(t), buffer(t.is_contiguous() ? t : t.contiguous()) {}
+  void write_back() const {
+    if (!buffer.is_same(user)) user.copy_(buffer);
+  }
+  void* data() const { return buffer.data_ptr(); }
+  std::size_t count() const { return static_cast<std::size_t>(buffer.numel()); }
+};
+
+CallOptions call_options(std::chrono::milliseconds timeout) {
+  CallOptions o;
+  if (timeout != c10d::kUnsetTimeout) o.timeout = timeout;
+  return o;
+}
+
+// One flat contiguous tensor holding `tensors` back to back (their dtype).
+at::Tensor flatten(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  flat.reserve(tensors.size());
+  for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
+  return at::cat(flat);
+}
+
+// Copies consecutive pieces of `flat` into `tensors`.
+void unflatten(const at::Tensor& flat, const std::vector<at::Tensor>& tensors) {
+  std::int64_t offset = 0;
+  for (const auto& t : tensors) {
+    t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+    offset += t.numel();
+  }
+}
+
+std::string shape_of(const at::Tensor& t) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < t.sizes().size(); ++i) {
+    s += (i ? ", " : "") + std::to_string(t.sizes()[i]);
+  }
+  return s + "]";
+}
+
+}  // namespace
+
+ProcessGroupGradsync::ProcessGroupGradsync(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                           int size, std::chrono::milliseconds timeout)
+    : GRADSYNC_C10D_BASE(rank, size) {
+  gradsync::Options options;
+  options.rank = rank;
+  options.size = size;
+  options.store = std::make_shared<TorchStore>(store);
+  options.timeout = timeout;
+  ctx_ = gradsync::init(options);
+}
+
+ProcessGroupGradsync::~ProcessGroupGradsync() {
+  // Finishing the queued calls may complete futures whose callbacks take the GIL (Python comm
+  // hooks): a destructor run by Python's garbage collector must let them have it.
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    PyThreadState* state = PyEval_SaveThread();
+    ctx_.reset();
+    PyEval_RestoreThread(state);
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::launch(
+    c10d::OpType type, std::vector<at::Tensor> outputs,
+    const std::function<std::vector<Work>()>& issue, std::function<void()> finish) {
+  auto work = c10::make_intrusive<GradsyncWork>(rank_, type, std::move(outputs));
+  std::vector<Work> calls;
+  {
+    std::lock_guard lock(issue_mu_);
+    calls = issue();
+  }
+  if (calls.empty()) {  // nothing to move (empty tensors)
+    work->complete(nullptr);
+    return work;
+  }
+  // The calls run in order on one worker: the last one done means all are. The first error
+  // is the one to report (later calls fail only because the communicator was aborted).
+  Work last = calls.back();
+  last.on_done([work, calls = std::move(calls), finish = std::move(finish)] {
+    std::exception_ptr error;
+    for (const auto& c : calls) {
+      if ((error = c.error())) break;
+    }
+    if (!error && finish) {
+      try {
+        at::NoGradGuard no_grad;  // writing results back is not part of any graph
+        finish();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    work->complete(error);
+  });
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::broadcast(std::vector<at::Tensor>& tensors,
+                                                               const c10d::BroadcastOptions& opts) {
+  const char* op = "broadcast";
+  const DataType dtype = check_tensors(tensors, rank_, op);
+  expect_one(tensors, rank_, op);
+  auto staged = std::make_shared<Staged>(tensors[0]);
+  const int root = static_cast<int>(opts.rootRank);
+  const auto options = call_options(opts.timeout);
+  return launch(
+      c10d::OpType::BROADCAST, tensors,
+      [&]() -> std::vector<Work> {
+        if (staged->count() == 0) return {};
+        return {ctx_->broadcast_async(staged->data(), staged->count(), dtype, root, options)};
+      },
+      [staged] { staged->write_back(); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::allreduce(std::vector<at::Tensor>& tensors,
+                                                               const c10d::AllreduceOptions& opts) {
+  const char* op = "allreduce";
+  const DataType dtype = check_tensors(tensors, rank_, op);
+  expect_one(tensors, rank_, op);
+  const ReduceOp rop = op_of(opts.reduceOp, rank_, op);
+  auto staged = std::make_shared<Staged>(tensors[0]);
+  const auto options = call_options(opts.timeout);
+  return launch(
+      c10d::OpType::ALLREDUCE, tensors,
+      [&]() -> std::vector<Work> {
+        if (staged->count() == 0) return {};
+        return {ctx_->allreduce_async(staged->data(), staged->data(), staged->count(), dtype, rop,
+                                      options)};
+      },
+      [staged] { staged->write_back(); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  const char* op = "allreduce_coalesced";
+  const DataType dtype = check_tensors(tensors, rank_, op);
+  const ReduceOp rop = op_of(opts.reduceOp, rank_, op);
+  auto flat = std::make_shared<at::Tensor>(flatten(tensors));
+  const auto options = call_options(opts.timeout);
+  return launch(
+      c10d::OpType::ALLREDUCE_COALESCED, tensors,
+      [&]() -> std::vector<Work> {
+        if (flat->numel() == 0) return {};
+        return {ctx_->allreduce_async(flat->data_ptr(), flat->data_ptr(),
+                                      static_cast<std::size_t>(flat->numel()), dtype, rop,
+                                      options)};
+      },
+      [flat, tensors] { unflatten(*flat, tensors); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::reduce(std::vector<at::Tensor>& tensors,
+                                                            const c10d::ReduceOptions& opts) {
+  const char* op = "reduce";
+  const DataType dtype = check_tensors(tensors, rank_, op);
+  expect_one(tensors, rank_, op);
+  const ReduceOp rop = op_of(opts.reduceOp, rank_, op);
+  auto staged = std::make_shared<Staged>(tensors[0]);
+  const int root = static_cast<int>(opts.rootRank);
+  const auto options = call_options(opts.timeout);
+  return launch(
+      c10d::OpType::REDUCE, tensors,
+      [&]() -> std::vector<Work> {
+        if (staged->count() == 0) return {};
+        // In place on the root, as torch's reduce is; the other ranks' tensors are inputs only.
+        return {ctx_->reduce_async(staged->data(), rank_ == root ? staged->data() : nullptr,
+                                   staged->count(), dtype, rop, root, options)};
+      },
+      [staged, root, rank = rank_] {
+        if (rank == root) staged->write_back();
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const char* op = "allgather";
+  const DataType dtype = check_tensors(inputs, rank_, op);
+  expect_one(inputs, rank_, op);
+  if (outputs.size() != 1 || outputs[0].size() != static_cast<std::size_t>(size_)) {
+    refuse("takes one list of " + std::to_string(size_) + " output tensors", rank_, op);
+  }
+  auto& outs = outputs[0];
+  if (check_tensors(outs, rank_, op) != dtype)
+    refuse("outputs and input differ in dtype", rank_, op);
+  for (const auto& t : outs) {
+    if (t.numel() != inputs[0].numel()) {
+      refuse(
+          "output tensor of shape " + shape_of(t) + " for an input of shape " + shape_of(inputs[0]),
+          rank_, op);
+    }
+  }
+  auto input = std::make_shared<at::Tensor>(inputs[0].contiguous());
+  auto gathered = std::make_shared<at::Tensor>(
+      at::empty({static_cast<std::int64_t>(size_) * input->numel()}, input->options()));
+  const auto options = call_options(opts.timeout);
+  return launch(
+      c10d::OpType::ALLGATHER, outs,
+      [&]() -> std::vector<Work> {
+        if (input->numel() == 0) return {};
+        return {ctx_->allgather_async(input->data_ptr(), gathered->data_ptr(),
+                                      static_cast<std::size_t>(input->numel()), dtype, options)};
+      },
+      [input, gathered, outs] { unflatten(*gathered, outs); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  const char* op = "_allgather_base";
+  const DataType dtype = check_tensors({input, output}, rank_, op);
+  if (output.numel() != input.numel() * size_) {
+    refuse("output of shape " + shape_of(output) + " is not " + std::to_string(size_) +
+               " inputs of shape " + shape_of(input),
+           rank_, op);
+  }
+  auto in = std::make_shared<at::Tensor>(input.contiguous());
+  auto staged = std::make_shared<Staged>(output);
+  const auto options = call_options(opts.timeout);
+  return launch(
+      c10d::OpType::_ALLGATHER_BASE, {output},
+      [&]() -> std::vector<Work> {
+        if (in->numel() == 0) return {};
+        return {ctx_->allgather_async(in->data_ptr(), staged->data(),
+                                      static_cast<std::size_t>(in->numel()), dtype, options)};
+      },
+      [in, staged] { staged->write_back(); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const char* op = "allgather_coalesced";
+  const DataType dtype = check_tensors(inputs, rank_, op);
+  if (outputs.size() != static_cast<std::size_t>(size_)) {
+    refuse("takes one output list per rank (" + std::to_string(size_) + "), got " +
+               std::to_string(outputs.size()),
+           rank_, op);
+  }
+  std::vector<at::Tensor> all_outputs;
+  for (const auto& list : outputs) {
+    if (list.size() != inputs.size()) {
+      refuse("each output list must hold as many tensors as the input list", rank_, op);
+    }
+    all_outputs.insert(all_outputs.end(), list.begin(), list.end());
+  }
+  check_tensors(all_outputs, rank_, op);
+  auto flat = std::make_shared<at::Tensor>(flatten(inputs));
+  auto gathered = std::make_shared<at::Tensor>(
+      at::empty({static_cast<std::int64_t>(size_) * flat->numel()}, flat->options()));
+  const auto options = call_options(opts.timeout);
+  return launch(
+      c10d::OpType::ALLGATHER_COALESCED, all_outputs,
+      [&]() -> std::vector<Work> {
+        if (flat->numel() == 0) return {};
+        return {ctx_->allgather_async(flat->data_ptr(), gathered->data_ptr(),
+                                      static_cast<std::size_t>(flat->numel()), dtype, options)};
+      },
+      [flat, gathered, all_outputs] { unflatten(*gathered, all_outputs); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const char* op = "reduce_scatter";
+  const DataType dtype = check_tensors(outputs, rank_, op);
+  expect_one(outputs, rank_, op);
+  if (inputs.size() != 1 || inputs[0].size() != static_cast<std::size_t>(size_)) {
+    refuse("takes one list of " + std::to_string(size_) + " input tensors", rank_, op);
+  }
+  if (check_tensors(inputs[0], rank_, op) != dtype)
+    refuse("inputs and output differ in dtype", rank_, op);
+  for (const auto& t : inputs[0]) {
+    if (t.numel() != outputs[0].numel()) {
+      refuse("input tensor of shape " + shape_of(t) + " for an output of shape " +
+                 shape_of(outputs[0]),
+             rank_, op);
+    }
+  }
+  auto flat = std::make_shared<at::Tensor>(flatten(inputs[0]));
+  auto staged = std::make_shared<Staged>(outputs[0]);
+  const ReduceOp rop = op_of(opts.reduceOp, rank_, op);
+  const auto options = call_options(opts.timeout);
+  return launch(
+      c10d::OpType::REDUCE_SCATTER, outputs,
+      [&]() -> std::vector<Work> {
+        if (staged->count() == 0) return {};
+        return {ctx_->reduce_scatter_async(flat->data_ptr(), staged->data(), staged->count(), dtype,
+                                           rop, options)};
+      },
+      [flat, staged] { staged->write_back(); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  const char* op = "_reduce_scatter_base";
+  const DataType dtype = check_tensors({input, output}, rank_, op);
+  if (input.numel() != output.numel() * size_) {
+    refuse("input of shape " + shape_of(input) + " is not " + std::to_string(size_) +
+               " outputs of shape " + shape_of(output),
+           rank_, op);
+  }
+  auto in = std::make_shared<at::Tensor>(input.contiguous());
+  auto staged = std::make_shared<Staged>(output);
+  const ReduceOp rop = op_of(opts.reduceOp, rank_, op);
+  const auto options = call_options(opts.timeout);
+  return launch(
+      c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+      [&]() -> std::vector<Work> {
+        if (staged->count() == 0) return {};
+        return {ctx_->reduce_scatter_async(in->data_ptr(), staged->data(), staged->count(), dtype,
+                                           rop, options)};
+      },
+      [in, staged] { staged->write_back(); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::barrier(const c10d::BarrierOptions& opts) {
+  const auto options = call_options(opts.timeout);
+  return launch(c10d::OpType::BARRIER, {},
+                [&]() -> std::vector<Work> { return {ctx_->barrier_async(options)}; });
+}
+
+}  // namespace gradsync::torch_backend

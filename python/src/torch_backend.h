@@ -1,0 +1,80 @@
+// ProcessGroupGradsync: torch.distributed's process-group interface over a gradsync::Context,
+// as ProcessGroupGloo is over Gloo. It translates tensors to buffers and torch's options to
+// the public C++ API; every collective runs on the context's worker, and each returned Work
+// (and its future, which DDP and every comm hook read) completes from there.
+#pragma once
+
+#include <torch/version.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <vector>
+
+#include "gradsync/gradsync.h"
+
+// torch 2 moved the collectives to c10d::Backend (ProcessGroup dispatches to it); 1.13 has
+// them on ProcessGroup. The class is the same on both.
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#define GRADSYNC_C10D_BASE c10d::Backend
+#else
+#define GRADSYNC_C10D_BASE c10d::ProcessGroup
+#endif
+
+namespace gradsync::torch_backend {
+
+class ProcessGroupGradsync : public GRADSYNC_C10D_BASE {
+ public:
+  // Meets the group's other ranks through `store` (the one torch hands every backend: no
+  // second port). `timeout` bounds the rendezvous and each call.
+  ProcessGroupGradsync(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout);
+  ~ProcessGroupGradsync() override;
+
+  const std::string getBackendName() const override { return "gradsync"; }
+  Context& context() { return *ctx_; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+ private:
+  // One torch call: `issue` queues its collectives on the context (under issue_mu_, so the
+  // order is the same on every rank whichever thread calls), `finish` (on the worker, once
+  // they are done) copies results to where torch wants them. The Work's future holds
+  // `outputs`.
+  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                        const std::function<std::vector<Work>()>& issue,
+                                        std::function<void()> finish = {});
+
+  std::unique_ptr<Context> ctx_;
+  std::mutex issue_mu_;
+};
+
+}  // namespace gradsync::torch_backend

@@ -1,0 +1,44 @@
+// gradsync.torch._backend: ProcessGroupGradsync as a Python class (torch's ProcessGroup is its
+// base, so torch.distributed takes it wherever it takes ProcessGroupGloo), and the function
+// torch.distributed's backend registry calls to build one per process group.
+#include <pybind11/chrono.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <chrono>
+
+#include "torch_backend.h"
+
+namespace py = pybind11;
+using gradsync::torch_backend::ProcessGroupGradsync;
+
+namespace {
+
+c10::intrusive_ptr<ProcessGroupGradsync> make_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    int rank, int world_size,
+                                                    std::chrono::milliseconds timeout) {
+  return c10::make_intrusive<ProcessGroupGradsync>(store, rank, world_size, timeout);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_backend, m) {
+  // torch.distributed registers the Store and ProcessGroup classes this module builds on.
+  py::module_::import("torch.distributed");
+  m.attr("built_for_torch") = TORCH_VERSION;
+
+  py::class_<ProcessGroupGradsync, GRADSYNC_C10D_BASE, c10::intrusive_ptr<ProcessGroupGradsync>>(
+      m, "ProcessGroupGradsync",
+      "torch.distributed process group over gradsync (CPU tensors), as ProcessGroupGloo is over "
+      "Gloo. Its ranks meet through `store`; `timeout` bounds the rendezvous and every call.")
+      .def(py::init(&make_group), py::arg("store"), py::arg("rank"), py::arg("world_size"),
+           py::arg("timeout") = std::chrono::milliseconds(std::chrono::minutes(30)),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("topology",
+                             [](ProcessGroupGradsync& pg) { return pg.context().topology(); })
+      .def_property_readonly("cost_model",
+                             [](ProcessGroupGradsync& pg) { return pg.context().cost_model(); });
+
+  // The creator torch.distributed.Backend.register_backend takes: (store, rank, size, timeout).
+  m.def("_create_process_group", &make_group, py::arg("store"), py::arg("rank"),
+        py::arg("world_size"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>());
+}
