@@ -46,6 +46,10 @@ def _child(rank, world, port, backend, init, body, args, queue, env):
             # poll it (new_group's store-based barrier does).
             dist.barrier()
             dist.destroy_process_group()
+        # A tensor crosses the queue through shared memory that dies with this process:
+        # send its values.
+        if isinstance(result, torch.Tensor):
+            result = result.numpy()
         queue.put((rank, True, result))
     except BaseException as e:  # noqa: B902  every failure goes back to the parent
         queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
