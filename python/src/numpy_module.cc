@@ -43,10 +43,21 @@ std::optional<DataType> dtype_of(const py::dtype& dt) {
   return gradsync::parse_dtype(name);
 }
 
+// The rank of the call being checked, for errors raised before the C++ call is made.
+thread_local int calling_rank = gradsync::Error::kUnknownRank;
+
 [[noreturn]] void refuse(const std::string& what, const char* op) {
-  throw gradsync::Error(gradsync::ErrorKind::kInvalidArgument, what, gradsync::Error::kUnknownRank,
+  throw gradsync::Error(gradsync::ErrorKind::kInvalidArgument, what, calling_rank,
                         gradsync::Error::kNoPeer, op);
 }
+
+// Names `ctx`'s rank in the argument errors of one call.
+struct CallOf {
+  explicit CallOf(const Context& ctx) { calling_rank = ctx.rank(); }
+  ~CallOf() { calling_rank = gradsync::Error::kUnknownRank; }
+  CallOf(const CallOf&) = delete;
+  CallOf& operator=(const CallOf&) = delete;
+};
 
 // `as`: the element type when the array's own does not say it (bfloat16 travels in uint16
 // arrays, as numpy has no bfloat16).
@@ -159,6 +170,7 @@ void register_error(py::module_& m) {
   // Held for the life of the process: the translator may run until the interpreter ends.
   static PyObject* error_type =
       py::exception<gradsync::Error>(m, "Error", PyExc_RuntimeError).release().ptr();
+  py::handle(error_type).attr("__module__") = "gradsync";  // its public name: gradsync.Error
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -214,6 +226,7 @@ PYBIND11_MODULE(_gradsync, m) {
       "allreduce",
       [](Context& c, py::array data, const std::string& op, std::optional<py::array> out,
          bool async_op, std::optional<std::string> dtype, std::optional<double> timeout) {
+        const CallOf call_of(c);
         const char* name = "allreduce";
         py::array target = out ? *out : data;
         const Buffer in = buffer_of(data, false, name, dtype);
@@ -241,6 +254,7 @@ PYBIND11_MODULE(_gradsync, m) {
       "reduce_scatter",
       [](Context& c, py::array send, py::array recv, const std::string& op, bool async_op,
          std::optional<std::string> dtype, std::optional<double> timeout) {
+        const CallOf call_of(c);
         const char* name = "reduce_scatter";
         const Buffer in = buffer_of(send, false, name, dtype);
         const Buffer res = buffer_of(recv, true, name, dtype);
@@ -267,6 +281,7 @@ PYBIND11_MODULE(_gradsync, m) {
       "allgather",
       [](Context& c, py::array send, py::array recv, bool async_op,
          std::optional<std::string> dtype, std::optional<double> timeout) {
+        const CallOf call_of(c);
         const char* name = "allgather";
         const Buffer in = buffer_of(send, false, name, dtype);
         const Buffer res = buffer_of(recv, true, name, dtype);
@@ -290,6 +305,7 @@ PYBIND11_MODULE(_gradsync, m) {
       "allgatherv",
       [](Context& c, py::array send, py::array recv, std::vector<std::size_t> counts, bool async_op,
          std::optional<std::string> dtype, std::optional<double> timeout) {
+        const CallOf call_of(c);
         const char* name = "allgatherv";
         const Buffer in = buffer_of(send, false, name, dtype);
         const Buffer res = buffer_of(recv, true, name, dtype);
@@ -316,6 +332,7 @@ PYBIND11_MODULE(_gradsync, m) {
       "broadcast",
       [](Context& c, py::array data, int root, bool async_op, std::optional<std::string> dtype,
          std::optional<double> timeout) {
+        const CallOf call_of(c);
         const Buffer b = buffer_of(data, true, "broadcast", dtype);
         const auto options = call_options(timeout);
         return issue(async_op, py::make_tuple(data), [&](bool async) {
@@ -331,6 +348,7 @@ PYBIND11_MODULE(_gradsync, m) {
       "reduce",
       [](Context& c, py::array send, std::optional<py::array> recv, int root, const std::string& op,
          bool async_op, std::optional<std::string> dtype, std::optional<double> timeout) {
+        const CallOf call_of(c);
         const char* name = "reduce";
         const Buffer in = buffer_of(send, false, name, dtype);
         Buffer res;
@@ -359,6 +377,7 @@ PYBIND11_MODULE(_gradsync, m) {
   ctx.def(
       "barrier",
       [](Context& c, bool async_op, std::optional<double> timeout) {
+        const CallOf call_of(c);
         const auto options = call_options(timeout);
         return issue(async_op, py::tuple(), [&](bool async) {
           return async ? c.barrier_async(options) : (c.barrier(options), gradsync::Work());
@@ -402,6 +421,7 @@ PYBIND11_MODULE(_gradsync, m) {
   m.def(
       "timeline_write",
       [](Context& c, const std::string& path) {
+        const CallOf call_of(c);
         py::gil_scoped_release release;
         return gradsync::timeline::write(c, path);
       },

@@ -20,9 +20,14 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _child(rank, world, port, backend, init, body, args, queue, env):
+def _child(rank, world, port, backend, init, body, args, queue, env, settle):
     os.environ.update(env)
     try:
+        if backend == "numpy":  # the numpy level alone: gradsync.init() reads these
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(port))
+            queue.put((rank, True, body(rank, world, *args)))
+            return
         import torch
         import torch.distributed as dist
 
@@ -43,9 +48,10 @@ def _child(rank, world, port, backend, init, body, args, queue, env):
                                         rank=rank, world_size=world)
             result = body(rank, world, *args)
             # Rank 0 hosts torch's store: it must not leave while another rank may still
-            # poll it (new_group's store-based barrier does).
-            dist.barrier()
-            dist.destroy_process_group()
+            # poll it (new_group's store-based barrier does). Not after a failure on purpose.
+            if settle:
+                dist.barrier()
+                dist.destroy_process_group()
         # A tensor crosses the queue through shared memory that dies with this process:
         # send its values.
         if isinstance(result, torch.Tensor):
@@ -57,14 +63,18 @@ def _child(rank, world, port, backend, init, body, args, queue, env):
 
 def run(world, body, backend="gradsync", *args, init="tcp", env=None, hang_s=DEFAULT_HANG_S,
         expect_failure=False, dies=()):
-    """Returns [result of rank 0, ..., rank world-1]. With expect_failure, returns
+    """backend: a torch.distributed backend ("gradsync", "gloo"), or "numpy" (no torch: the
+    body calls gradsync.init(), which finds RANK, WORLD_SIZE and MASTER_* set), or
+    "gradsync-numpy" (torch imported, no process group). Returns [result of rank 0, ...,
+    rank world-1]. With expect_failure, returns
     {rank: error text or result} of every rank but those in `dies` (ranks that kill
     themselves, whose outcome is never reported)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child,
-                         args=(r, world, port, backend, init, body, args, queue, env or {}))
+                         args=(r, world, port, backend, init, body, args, queue, env or {},
+                               not expect_failure))
              for r in range(world)]
     for p in procs:
         p.start()
