@@ -207,4 +207,35 @@ Work compressed_allreduce_async(Context& ctx, std::span<float> data, Codec& code
                                 ReduceOp op = ReduceOp::kSum,
                                 NonFinite non_finite = NonFinite::kThrow);
 
+// Compression of a framework's own gradient buckets (torch DDP's comm hooks): lists of named
+// parameters that may be regrouped between steps, as DDP rebuilds its buckets after the
+// first iteration. Error feedback's residual and momentum live here per parameter, so a
+// regrouping loses nothing; PowerSGD's state is its codec's, per parameter too. Codecs that
+// take a whole bucket per call (top-k, the elementwise ones) still do.
+class BucketCompressor {
+ public:
+  explicit BucketCompressor(std::string_view spec);  // throws Error(kInvalidArgument)
+  ~BucketCompressor();
+  BucketCompressor(const BucketCompressor&) = delete;
+  BucketCompressor& operator=(const BucketCompressor&) = delete;
+
+  const Codec& codec() const;
+  // The all-reduce of a bucket's float32 `data`, tiled by `parts` (each named by its
+  // parameter, the key of its state), on ctx's worker in issue order. Every rank passes the
+  // same spec and the same parts. Until the Work is done, `data` and this compressor are in
+  // use there.
+  Work allreduce_async(Context& ctx, std::span<float> data, std::span<const TensorSlice> parts,
+                       ReduceOp op = ReduceOp::kAvg, NonFinite non_finite = NonFinite::kThrow);
+  // Every parameter's state and the codec's, for a checkpoint (no call in flight), and back:
+  // load_state throws Error(kProtocol) on bytes it did not write or of another codec.
+  std::vector<std::uint8_t> save_state() const;
+  void load_state(std::span<const std::uint8_t> state);
+  // What this rank holds back of `parameter` (its residual; empty if none yet).
+  std::span<const float> held_back(const std::string& parameter) const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
 }  // namespace gradsync::compress
