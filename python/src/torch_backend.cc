@@ -7,6 +7,7 @@
 #include <ATen/core/ivalue.h>
 #include <Python.h>
 
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <utility>
@@ -466,6 +467,43 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::barrier(const c10d::Barrier
   const auto options = call_options(opts.timeout);
   return launch(c10d::OpType::BARRIER, {},
                 [&]() -> std::vector<Work> { return {ctx_->barrier_async(options)}; });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::compressed_allreduce(
+    std::shared_ptr<compress::BucketCompressor> compressor, at::Tensor& bucket,
+    const std::vector<std::string>& names, const std::vector<std::int64_t>& counts,
+    const std::vector<std::int64_t>& rows, bool skip_non_finite) {
+  const char* op = "compressed allreduce";
+  check_tensors({bucket}, rank_, op);
+  if (bucket.scalar_type() != at::kFloat || !bucket.is_contiguous()) {
+    refuse("gradsync's codecs take a contiguous float32 bucket; this one is " +
+               std::string(c10::toString(bucket.scalar_type())),
+           rank_, op);
+  }
+  if (names.size() != counts.size() || names.size() != rows.size()) {
+    refuse("names, counts and rows must describe the same parameters", rank_, op);
+  }
+  std::vector<compress::TensorSlice> parts;
+  std::size_t offset = 0;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const auto count = static_cast<std::size_t>(counts[i]);
+    parts.push_back({compress::Tensor(names[i], static_cast<std::size_t>(rows[i])), offset, count});
+    offset += count;
+  }
+  std::span<float> data(bucket.data_ptr<float>(), static_cast<std::size_t>(bucket.numel()));
+  auto call = std::make_shared<Work>();
+  const auto non_finite =
+      skip_non_finite ? compress::NonFinite::kSkip : compress::NonFinite::kThrow;
+  return launch(
+      c10d::OpType::ALLREDUCE, {bucket},
+      [&]() -> std::vector<Work> {
+        if (data.empty()) return {};
+        *call = compressor->allreduce_async(*ctx_, data, parts, ReduceOp::kAvg, non_finite);
+        return {*call};
+      },
+      [call, compressor, bucket] {
+        if (call->skipped()) bucket.fill_(std::numeric_limits<float>::quiet_NaN());
+      });
 }
 
 }  // namespace gradsync::torch_backend

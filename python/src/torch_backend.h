@@ -17,6 +17,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
+#include "gradsync/compress.h"
 #include "gradsync/gradsync.h"
 
 // torch 2 moved the collectives to c10d::Backend (ProcessGroup dispatches to it); 1.13 has
@@ -63,6 +64,15 @@ class ProcessGroupGradsync : public GRADSYNC_C10D_BASE {
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
       at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // A DDP comm hook's bucket through `compressor` (averaged, float32): `names`, `counts` and
+  // `rows` describe its parameters in bucket order (rows: a matrix's first dimension, for
+  // PowerSGD; 0 for a vector). With `skip_non_finite`, NaN or Inf on any rank makes every
+  // rank's bucket NaN (the step to skip, as a loss scaler sees it) instead of an error.
+  c10::intrusive_ptr<c10d::Work> compressed_allreduce(
+      std::shared_ptr<compress::BucketCompressor> compressor, at::Tensor& bucket,
+      const std::vector<std::string>& names, const std::vector<std::int64_t>& counts,
+      const std::vector<std::int64_t>& rows, bool skip_non_finite);
 
  private:
   // One torch call: `issue` queues its collectives on the context (under issue_mu_, so the

@@ -5,6 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
+#include <string_view>
 
 #include "torch_backend.h"
 
@@ -36,7 +37,29 @@ PYBIND11_MODULE(_backend, m) {
       .def_property_readonly("topology",
                              [](ProcessGroupGradsync& pg) { return pg.context().topology(); })
       .def_property_readonly("cost_model",
-                             [](ProcessGroupGradsync& pg) { return pg.context().cost_model(); });
+                             [](ProcessGroupGradsync& pg) { return pg.context().cost_model(); })
+      .def("_compressed_allreduce", &ProcessGroupGradsync::compressed_allreduce,
+           py::arg("compressor"), py::arg("bucket"), py::arg("names"), py::arg("counts"),
+           py::arg("rows"), py::arg("skip_non_finite") = false,
+           py::call_guard<py::gil_scoped_release>());
+
+  using gradsync::compress::BucketCompressor;
+  py::class_<BucketCompressor, std::shared_ptr<BucketCompressor>>(
+      m, "BucketCompressor",
+      "A codec for DDP buckets, its error-feedback state kept per parameter (see compress.h).")
+      .def(py::init<std::string_view>(), py::arg("spec"))
+      .def_property_readonly("spec", [](const BucketCompressor& c) { return c.codec().spec(); })
+      .def("save_state",
+           [](const BucketCompressor& c) {
+             const auto bytes = c.save_state();
+             return py::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+           })
+      .def("load_state", [](BucketCompressor& c, const py::bytes& state) {
+        const std::string_view view = state;
+        c.load_state({reinterpret_cast<const std::uint8_t*>(view.data()), view.size()});
+      });
+
+  m.def("codec_names", &gradsync::compress::codec_names, "The codecs a hook spec may name.");
 
   // The creator torch.distributed.Backend.register_backend takes: (store, rank, size, timeout).
   m.def("_create_process_group", &make_group, py::arg("store"), py::arg("rank"),

@@ -27,8 +27,9 @@ def _check_torch_version():
 _check_torch_version()
 
 from ._backend import ProcessGroupGradsync, _create_process_group  # noqa: E402
+from . import hooks  # noqa: E402,F401
 
 if not hasattr(dist.Backend, "GRADSYNC"):
     dist.Backend.register_backend("gradsync", _create_process_group)
 
-__all__ = ["ProcessGroupGradsync"]
+__all__ = ["ProcessGroupGradsync", "hooks"]
