@@ -48,6 +48,7 @@ void run_checks(Context& ctx) {
     for (std::size_t count : counts) {
       for (DataType t : testing::kAllDtypes) {
         for (ReduceOp op : testing::kAllOps) {
+          if (!dtype_op_valid(t, op)) continue;
           if (count > 100000 && (t != DataType::kFloat32 || op != ReduceOp::kSum)) continue;
           if (count > 2 && count < 100000 && op != ReduceOp::kSum && op != ReduceOp::kAvg &&
               t != DataType::kFloat32)

@@ -185,5 +185,38 @@ TEST(BadArguments, AreRejectedWithTheirReason) {
   });
 }
 
+// A bitwise op on a float dtype is refused at the call, on the calling thread, naming both,
+// by every collective that takes an op; the refused calls leave the ranks in step.
+TEST(BadArguments, BitwiseOpOnAFloatDtypeIsRefusedNamingBoth) {
+  testing::run_inproc_contexts(3, [](Context& ctx) {
+    std::vector<double> buf(3 * 8);
+    for (DataType t : testing::kAllDtypes) {
+      for (ReduceOp op : {ReduceOp::kBand, ReduceOp::kBor, ReduceOp::kBxor}) {
+        if (dtype_op_valid(t, op)) continue;  // integers and bool: allowed
+        const std::function<void()> calls[] = {
+            [&] { ctx.allreduce(buf.data(), buf.data(), 8, t, op); },
+            [&] { ctx.allreduce_async(buf.data(), buf.data(), 8, t, op).wait(); },
+            [&] { ctx.reduce_scatter(buf.data(), buf.data(), 8, t, op); },
+            [&] { ctx.reduce(buf.data(), buf.data(), 8, t, op, 0); },
+        };
+        for (const auto& call : calls) {
+          try {
+            call();
+            ADD_FAILURE() << "accepted " << to_string(t) << " " << to_string(op);
+          } catch (const Error& e) {
+            EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();
+            EXPECT_TRUE(contains(e.what(), to_string(t))) << e.what();
+            EXPECT_TRUE(contains(e.what(), std::string(" ") + to_string(op) + " ")) << e.what();
+          }
+        }
+      }
+    }
+    EXPECT_FALSE(dtype_op_valid(DataType::kFloat32, ReduceOp::kBand));
+    std::vector<std::int32_t> ints(8, ctx.rank() + 1);
+    ctx.allreduce(ints.data(), ints.data(), 8, DataType::kInt32, ReduceOp::kBor);
+    EXPECT_EQ(ints[0], 1 | 2 | 3);
+  });
+}
+
 }  // namespace
 }  // namespace gradsync

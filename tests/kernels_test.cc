@@ -26,9 +26,11 @@ namespace {
 
 constexpr DataType kAllTypes[] = {DataType::kFloat32,  DataType::kFloat64, DataType::kFloat16,
                                   DataType::kBFloat16, DataType::kInt32,   DataType::kInt64,
-                                  DataType::kUInt8};
-constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
-                                ReduceOp::kProd};
+                                  DataType::kUInt8,    DataType::kInt8,    DataType::kInt16,
+                                  DataType::kBool};
+// Loops over both skip the pairs !dtype_op_valid refuses (a bitwise op on a float type).
+constexpr ReduceOp kAllOps[] = {ReduceOp::kSum,  ReduceOp::kAvg,  ReduceOp::kMin, ReduceOp::kMax,
+                                ReduceOp::kProd, ReduceOp::kBand, ReduceOp::kBor, ReduceOp::kBxor};
 constexpr std::size_t kCounts[] = {0, 1, 7, 8, 9, 31, 33, 1000003};
 
 // ---------------------------------------------------------------- paths
@@ -130,6 +132,11 @@ F ref_float(F a, F b, ReduceOp op) {
     case ReduceOp::kProd:
       r = a * b;
       break;
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      ADD_FAILURE() << "bitwise op on a float type";
+      return F{};
     case ReduceOp::kMin:
     case ReduceOp::kMax:
       if (std::isnan(a) || std::isnan(b)) return canonical_nan<F>();
@@ -161,8 +168,33 @@ T ref_int(T a, T b, ReduceOp op) {
       return std::min(a, b);
     case ReduceOp::kMax:
       return std::max(a, b);
+    case ReduceOp::kBand:
+      return static_cast<T>(a & b);
+    case ReduceOp::kBor:
+      return static_cast<T>(a | b);
+    case ReduceOp::kBxor:
+      return static_cast<T>(a ^ b);
   }
   return T{};
+}
+
+// bool: any nonzero byte is true; the result is 0 or 1.
+std::uint8_t ref_bool(std::uint8_t a, std::uint8_t b, ReduceOp op) {
+  const bool x = a != 0, y = b != 0;
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+    case ReduceOp::kMax:
+    case ReduceOp::kBor:
+      return x || y;
+    case ReduceOp::kProd:
+    case ReduceOp::kMin:
+    case ReduceOp::kBand:
+      return x && y;
+    case ReduceOp::kBxor:
+      return x != y;
+  }
+  return 0;
 }
 
 template <class T>
@@ -196,6 +228,12 @@ void ref_elem(DataType t, ReduceOp op, const unsigned char* a, const unsigned ch
       return store(out, ref_int(load<std::int64_t>(a), load<std::int64_t>(b), op));
     case DataType::kUInt8:
       return store(out, ref_int(load<std::uint8_t>(a), load<std::uint8_t>(b), op));
+    case DataType::kInt8:
+      return store(out, ref_int(load<std::int8_t>(a), load<std::int8_t>(b), op));
+    case DataType::kInt16:
+      return store(out, ref_int(load<std::int16_t>(a), load<std::int16_t>(b), op));
+    case DataType::kBool:
+      return store(out, ref_bool(load<std::uint8_t>(a), load<std::uint8_t>(b), op));
   }
 }
 
@@ -240,7 +278,12 @@ std::vector<std::uint64_t> specials(DataType t) {
       return {0,           1,         0xFFFFFFFFFFFFFFFF, 0x7FFFFFFFFFFFFFFF, 0x8000000000000000,
               0x100000000, 0xFFFFFFFF};
     case DataType::kUInt8:
+    case DataType::kInt8:
       return {0, 1, 2, 127, 128, 255, 16};
+    case DataType::kInt16:
+      return {0, 1, 2, 0x7FFF, 0x8000, 0xFFFF, 0x00FF, 0xFF00};
+    case DataType::kBool:  // mostly 0 and 1; a stray other byte still counts as true
+      return {0, 1, 0, 1, 0, 1, 2, 255};
   }
   return {};
 }
@@ -328,6 +371,7 @@ TEST(Kernels, ReduceMatchesReferenceEveryDtypeOpCountAndPath) {
       fill(t, a.data(), n, rng);
       fill(t, b.data(), n, rng);
       for (ReduceOp op : kAllOps) {
+        if (!dtype_op_valid(t, op)) continue;
         for (std::size_t i = 0; i < n; ++i) {
           ref_elem(t, op, a.data() + i * sz, b.data() + i * sz, want.data() + i * sz);
         }
@@ -357,6 +401,7 @@ TEST(Kernels, ScalarAndVectorPathsAreBitIdentical) {
     fill(t, a.data(), n, rng);
     fill(t, b.data(), n, rng);
     for (ReduceOp op : kAllOps) {
+      if (!dtype_op_valid(t, op)) continue;
       SCOPED_TRACE(std::string(to_string(t)) + " " + to_string(op));
       {
         ScopedScalar mode(true);
@@ -388,6 +433,7 @@ TEST(Kernels, DstMayAliasEitherInput) {
       fill(t, a.data(), n, rng);
       fill(t, b.data(), n, rng);
       for (ReduceOp op : kAllOps) {
+        if (!dtype_op_valid(t, op)) continue;
         for (std::size_t i = 0; i < n; ++i) {
           ref_elem(t, op, a.data() + i * sz, b.data() + i * sz, want.data() + i * sz);
         }
@@ -413,6 +459,7 @@ TEST(Kernels, FloatNanAndSignedZeroRules) {
   for (bool scalar : paths()) {
     ScopedScalar mode(scalar);
     for (ReduceOp op : kAllOps) {
+      if (!dtype_op_valid(DataType::kFloat32, op)) continue;
       float x[2] = {nan1, nan2}, y[2] = {nan2, 1.0f}, r[2];
       reduce(r, x, y, 2, DataType::kFloat32, op);
       EXPECT_EQ(bits(r[0]), 0x7FC00000u) << to_string(op);
@@ -527,7 +574,14 @@ TEST(Kernels, ScaleForAverageIsTrueDivision) {
               store(w, static_cast<std::int64_t>(load<std::int64_t>(s) / divisor));
               break;
             case DataType::kUInt8:
+            case DataType::kBool:
               store(w, static_cast<std::uint8_t>(load<std::uint8_t>(s) / divisor));
+              break;
+            case DataType::kInt8:
+              store(w, static_cast<std::int8_t>(load<std::int8_t>(s) / divisor));
+              break;
+            case DataType::kInt16:
+              store(w, static_cast<std::int16_t>(load<std::int16_t>(s) / divisor));
               break;
           }
         }

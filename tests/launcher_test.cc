@@ -436,6 +436,32 @@ TEST(Bench, FlagsAreReadStrictlyAndUpFront) {
       << r.output;
 }
 
+// The narrow integer and bool dtypes and the bitwise ops reduce exactly as --check computes
+// them over 3 ranks (exit 0 means no wrong element); a bitwise op on a float dtype is a usage
+// error naming both, before any rank starts.
+TEST(Bench, NarrowIntegersBoolAndBitwiseOpsCheckExactly) {
+  const std::vector<std::vector<std::string>> cases = {
+      {"--dtype", "int8", "--op", "sum"},   {"--dtype", "int16", "--op", "avg"},
+      {"--dtype", "bool", "--op", "prod"},  {"--dtype", "bool", "--op", "avg"},
+      {"--dtype", "uint8", "--op", "bxor"}, {"--dtype", "int64", "--op", "band"},
+      {"--dtype", "i16", "--op", "bor"},
+  };
+  for (const auto& flags : cases) {
+    std::vector<std::string> args = {
+        "-n", "3",           "--", bench_path(), "allreduce", "--check",  "--min-bytes",
+        "1K", "--max-bytes", "4K", "--iters",    "1",         "--warmup", "0"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    Result r = run_launcher(args);
+    EXPECT_EQ(r.exit_code(), 0) << flags[1] << " " << flags[3] << ": " << r.out << r.err;
+    EXPECT_NE(r.out.find("# out of bounds values: 0 OK"), std::string::npos) << r.out;
+  }
+  auto r = gradsync::testing::run_shell(bench_path() + " allreduce --dtype bf16 --op band 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(gradsync::testing::contains(
+      r.output, "--op band is bitwise: it takes an integer or bool --dtype, not bfloat16"))
+      << r.output;
+}
+
 // A --json file that cannot be written fails the run before it starts (it used to be found
 // out at the end, and the run still exited 0); one that can is written.
 TEST(Bench, UnwritableJsonFailsBeforeTheRun) {

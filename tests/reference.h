@@ -13,11 +13,28 @@ namespace gradsync::testing {
 
 using Buffer = std::vector<std::uint8_t>;
 
+inline bool is_bitwise(ReduceOp op) {
+  return op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor;
+}
+
 // Small integers: sums of up to 8 ranks stay exact even in bfloat16 (8 mantissa bits);
-// products use only 1 and 2 so 8 ranks reach at most 256.
+// products use only 1 and 2 so 8 ranks reach at most 256. Bitwise ops get every pattern of
+// the low byte (sign-extended in signed types). bool leans towards the value that leaves
+// the op's result open (false for OR-like ops, true for AND-like), so results vary even
+// over 8 ranks.
 inline double input_value(ReduceOp op, DataType dtype, int rank, std::size_t i) {
   const auto h =
       static_cast<long long>((static_cast<std::size_t>(rank) * 7919u + i * 104729u) % 9973u);
+  if (dtype == DataType::kBool) {
+    if (op == ReduceOp::kProd || op == ReduceOp::kMin || op == ReduceOp::kBand) {
+      return h % 5 != 0 ? 1.0 : 0.0;
+    }
+    if (op == ReduceOp::kBxor) return static_cast<double>(h % 2);
+    return h % 5 == 0 ? 1.0 : 0.0;
+  }
+  if (is_bitwise(op)) {
+    return static_cast<double>(dtype == DataType::kUInt8 ? h % 256 : h % 256 - 128);
+  }
   if (op == ReduceOp::kProd) return static_cast<double>(1 + h % 2);
   if (dtype == DataType::kUInt8) return static_cast<double>(h % 8);
   return static_cast<double>(h % 11 - 3);
@@ -58,6 +75,21 @@ inline void store_value(DataType t, void* p, double v) {
       std::memcpy(p, &x, 1);
       break;
     }
+    case DataType::kInt8: {
+      auto x = static_cast<std::int8_t>(static_cast<long long>(v));
+      std::memcpy(p, &x, 1);
+      break;
+    }
+    case DataType::kInt16: {
+      auto x = static_cast<std::int16_t>(static_cast<long long>(v));
+      std::memcpy(p, &x, 2);
+      break;
+    }
+    case DataType::kBool: {
+      const std::uint8_t x = v != 0 ? 1 : 0;
+      std::memcpy(p, &x, 1);
+      break;
+    }
   }
 }
 
@@ -71,12 +103,24 @@ inline Buffer make_input(DataType t, ReduceOp op, int rank, std::size_t count,
 }
 
 // Reference reduction of element i over ranks [0, n): exact arithmetic on the small
-// integers, then the one rounding the library also does (the division of kAvg).
+// integers, then the one rounding the library also does (the division of kAvg). On bool the
+// small integers are 0 and 1, and a sum, product, min or max of them is nonzero exactly when
+// the OR (sum, max) or AND (prod, min) is true.
 inline void reference_element(DataType t, ReduceOp op, int n, std::size_t i, void* out) {
   double acc = input_value(op, t, 0, i);
   for (int r = 1; r < n; ++r) {
     double v = input_value(op, t, r, i);
+    const auto x = static_cast<long long>(acc), y = static_cast<long long>(v);
     switch (op) {
+      case ReduceOp::kBand:
+        acc = static_cast<double>(x & y);
+        break;
+      case ReduceOp::kBor:
+        acc = static_cast<double>(x | y);
+        break;
+      case ReduceOp::kBxor:
+        acc = static_cast<double>(x ^ y);
+        break;
       case ReduceOp::kSum:
       case ReduceOp::kAvg:
         acc += v;
@@ -105,6 +149,16 @@ inline void reference_element(DataType t, ReduceOp op, int n, std::size_t i, voi
       auto s = static_cast<std::uint8_t>(static_cast<long long>(acc));
       return store_value(t, out, static_cast<double>(s / n));
     }
+    case DataType::kInt8: {  // likewise int8 and int16
+      auto s = static_cast<std::int8_t>(static_cast<long long>(acc));
+      return store_value(t, out, static_cast<double>(s / n));
+    }
+    case DataType::kInt16: {
+      auto s = static_cast<std::int16_t>(static_cast<long long>(acc));
+      return store_value(t, out, static_cast<double>(s / n));
+    }
+    case DataType::kBool:  // the OR of the ranks, divided: an integer division
+      return store_value(t, out, static_cast<double>((acc != 0 ? 1 : 0) / n));
     default:
       return store_value(t, out, static_cast<double>(static_cast<long long>(acc) / n));
   }
@@ -120,8 +174,10 @@ inline Buffer reference_reduce(DataType t, ReduceOp op, int n, std::size_t count
 
 constexpr DataType kAllDtypes[] = {DataType::kFloat32,  DataType::kFloat64, DataType::kFloat16,
                                    DataType::kBFloat16, DataType::kInt32,   DataType::kInt64,
-                                   DataType::kUInt8};
-constexpr ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
-                                ReduceOp::kProd};
+                                   DataType::kUInt8,    DataType::kInt8,    DataType::kInt16,
+                                   DataType::kBool};
+// Not every pair is valid: loops over both skip !dtype_op_valid(t, op) (bitwise on floats).
+constexpr ReduceOp kAllOps[] = {ReduceOp::kSum,  ReduceOp::kAvg,  ReduceOp::kMin, ReduceOp::kMax,
+                                ReduceOp::kProd, ReduceOp::kBand, ReduceOp::kBor, ReduceOp::kBxor};
 
 }  // namespace gradsync::testing

@@ -185,6 +185,7 @@ TEST_P(Hierarchical, MatchesReferenceForEveryDtypeAndOp) {
         const int r = ctx.rank();
         for (DataType t : testing::kAllDtypes) {
           for (ReduceOp op : testing::kAllOps) {
+            if (!dtype_op_valid(t, op)) continue;
             for (std::size_t count : {std::size_t{0}, std::size_t{1},
                                       static_cast<std::size_t>(n + 1), std::size_t{1031}}) {
               for (bool in_place : {false, true}) {

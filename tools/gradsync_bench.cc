@@ -36,8 +36,10 @@ constexpr const char* kUsage =
     "  --min-bytes B     smallest message (default 4096; K/M/G suffixes are powers of 1024)\n"
     "  --max-bytes B     largest message (default 64M)\n"
     "  --factor F        size multiplier between steps, integer >= 2 (default 2)\n"
-    "  --dtype T         float32 float64 float16 bfloat16 int32 int64 uint8 (default float32)\n"
-    "  --op OP           sum avg min max prod (default sum; ignored by allgather/broadcast)\n"
+    "  --dtype T         float32 float64 float16 bfloat16 int8 int16 int32 int64 uint8 bool\n"
+    "                    (default float32)\n"
+    "  --op OP           sum avg min max prod, or the bitwise band bor bxor (integer and bool\n"
+    "                    dtypes only) (default sum; ignored by allgather/broadcast)\n"
     "  --algo A          auto ring rd hd ps shm hier, per allreduce call (default auto)\n"
     "  --codec SPEC      allreduce float32 (sum/avg) through a gradient codec: none, fp16,\n"
     "                    bf16, int8[:block=B], qsgd[:levels=S], topk:ratio=R, randomk:ratio=R,\n"
@@ -196,6 +198,13 @@ Config parse_args(int argc, char** argv) {
   if (c.algo != gradsync::Algorithm::kAuto && c.coll != Collective::kAllreduce) {
     usage_error("--algo applies to allreduce only");
   }
+  // Refused here rather than by the library on every rank mid-run.
+  const bool reduces = c.coll == Collective::kAllreduce || c.coll == Collective::kReduceScatter;
+  if (reduces && !gradsync::dtype_op_valid(c.dtype, c.op)) {
+    usage_error(std::string("--op ") + gradsync::to_string(c.op) +
+                " is bitwise: it takes an integer or bool --dtype, not " +
+                gradsync::to_string(c.dtype));
+  }
   if (!c.codec.empty() &&
       (c.coll != Collective::kAllreduce || c.dtype != gradsync::DataType::kFloat32 ||
        (c.op != gradsync::ReduceOp::kSum && c.op != gradsync::ReduceOp::kAvg) ||
@@ -266,7 +275,16 @@ void store(gradsync::DataType t, std::uint8_t* p, double v) {
       break;
     }
     case DataType::kUInt8:
+    case DataType::kInt8:
       *p = static_cast<std::uint8_t>(static_cast<std::int64_t>(v) & 0xff);
+      break;
+    case DataType::kInt16: {
+      auto x = static_cast<std::int16_t>(static_cast<std::int64_t>(v));
+      std::memcpy(p, &x, 2);
+      break;
+    }
+    case DataType::kBool:
+      *p = v != 0 ? 1 : 0;
       break;
   }
 }
@@ -280,21 +298,45 @@ std::int64_t input_value(gradsync::ReduceOp op, int r, std::size_t i) {
   return ((r + 1) * static_cast<std::int64_t>(i % 7 + 1)) % 16;
 }
 
-bool is_float(gradsync::DataType t) {
+// A value as `t` holds it: narrow integers wrap, bool is 0 or 1 (the float types hold these
+// small integers exactly). On bool a sum, product, min or max of 0s and 1s held this way is
+// the library's OR (sum, max) or AND (prod, min).
+std::int64_t held(gradsync::DataType t, std::int64_t v) {
   using gradsync::DataType;
-  return t == DataType::kFloat32 || t == DataType::kFloat64 || t == DataType::kFloat16 ||
-         t == DataType::kBFloat16;
+  switch (t) {
+    case DataType::kUInt8:
+      return static_cast<std::uint8_t>(v);
+    case DataType::kInt8:
+      return static_cast<std::int8_t>(v);
+    case DataType::kInt16:
+      return static_cast<std::int16_t>(v);
+    case DataType::kInt32:
+      return static_cast<std::int32_t>(v);
+    case DataType::kBool:
+      return v != 0 ? 1 : 0;
+    default:
+      return v;
+  }
 }
 
 // The reduction of element i over all ranks, with the library's kAvg semantics: float types
-// divide the (exact) float sum by n in float (double for float64); integers truncate, uint8
-// sums wrap first.
+// divide the (exact) float sum by n in float (double for float64); integers truncate, their
+// sums wrapped first.
 double reference_value(gradsync::DataType t, gradsync::ReduceOp op, int n, std::size_t i) {
   using gradsync::ReduceOp;
-  std::int64_t acc = input_value(op, 0, i);
+  std::int64_t acc = held(t, input_value(op, 0, i));
   for (int r = 1; r < n; ++r) {
-    std::int64_t v = input_value(op, r, i);
+    std::int64_t v = held(t, input_value(op, r, i));
     switch (op) {
+      case ReduceOp::kBand:
+        acc &= v;
+        break;
+      case ReduceOp::kBor:
+        acc |= v;
+        break;
+      case ReduceOp::kBxor:
+        acc ^= v;
+        break;
       case ReduceOp::kSum:
       case ReduceOp::kAvg:
         acc += v;
@@ -310,10 +352,11 @@ double reference_value(gradsync::DataType t, gradsync::ReduceOp op, int n, std::
         break;
     }
   }
-  if (t == gradsync::DataType::kUInt8) acc &= 0xff;
+  acc = held(t, acc);
   if (op != ReduceOp::kAvg) return static_cast<double>(acc);
   if (t == gradsync::DataType::kFloat64) return static_cast<double>(acc) / n;
-  if (is_float(t)) return static_cast<double>(static_cast<float>(acc) / static_cast<float>(n));
+  if (gradsync::is_floating(t))
+    return static_cast<double>(static_cast<float>(acc) / static_cast<float>(n));
   return static_cast<double>(acc / n);
 }
 

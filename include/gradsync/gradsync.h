@@ -135,9 +135,10 @@ struct ContextAccess;
 // or test() is true. A blocking call is done with them when it returns. Destroying the context
 // finishes every call still queued.
 //
-// Counts are in elements of `dtype`; `send` may equal `recv` (in place). Every failure throws
-// gradsync::Error (see error.h); after a failure inside a call, the communicator is aborted on
-// every rank and later calls fail at once with kAborted.
+// Counts are in elements of `dtype`; `send` may equal `recv` (in place). A bitwise op
+// (kBand, kBor, kBxor) with a floating-point dtype is refused (kInvalidArgument). Every failure
+// throws gradsync::Error (see error.h); after a failure inside a call, the communicator is aborted
+// on every rank and later calls fail at once with kAborted.
 class Context {
  public:
   struct Impl;

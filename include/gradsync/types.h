@@ -8,6 +8,7 @@
 
 namespace gradsync {
 
+// New values are appended, never inserted: the numbers travel in every message's signature.
 enum class DataType : std::uint8_t {
   kFloat32,
   kFloat64,
@@ -15,9 +16,16 @@ enum class DataType : std::uint8_t {
   kBFloat16,
   kInt32,
   kInt64,
-  kUInt8
+  kUInt8,
+  kInt8,
+  kInt16,
+  kBool,  // one byte, 0 or 1; reduces as logic (see ReduceOp)
 };
-enum class ReduceOp : std::uint8_t { kSum, kAvg, kMin, kMax, kProd };
+// Integers wrap modulo 2^bits; kAvg on integers (and bool) divides the sum truncating. On
+// kBool: kSum and kMax are logical OR, kProd and kMin logical AND (what torch gives).
+// kBand/kBor/kBxor are bitwise and integer/bool only: a float dtype with one is refused
+// (ErrorKind::kInvalidArgument).
+enum class ReduceOp : std::uint8_t { kSum, kAvg, kMin, kMax, kProd, kBand, kBor, kBxor };
 
 // All-reduce algorithms. kAuto lets the cost model choose per call.
 enum class Algorithm : std::uint8_t {
@@ -38,7 +46,13 @@ const char* to_string(DataType t);
 const char* to_string(ReduceOp op);
 const char* to_string(Algorithm a);
 std::optional<DataType> parse_dtype(std::string_view s);  // "float32"/"f32"/"float", ...
-std::optional<ReduceOp> parse_op(std::string_view s);     // "sum", "avg", "min", "max", "prod"
+// "sum", "avg", "min", "max", "prod", "band", "bor", "bxor"
+std::optional<ReduceOp> parse_op(std::string_view s);
+// Whether the dtype is a floating-point type (float32/64, float16, bfloat16).
+bool is_floating(DataType t);
+// Whether op is defined on dtype: both are known values, and op is not a bitwise op on a
+// floating-point type.
+bool dtype_op_valid(DataType t, ReduceOp op);
 // "auto", "ring", "rd", "hd", "ps", "shm"
 std::optional<Algorithm> parse_algorithm(std::string_view s);
 

@@ -31,7 +31,7 @@ const char* to_string(CollectiveKind kind) {
 
 // Layout: word0 = seq; word1 = kind | dtype<<8 | op<<16 | algorithm<<24 | root<<32;
 // word2 = count; word3 = a marker so a stray tag is recognisably not a signature, whose low
-// 16 bits carry the step.
+// 16 bits carry the step. dtype and op are uint8_t enums: their 8 bits hold every value.
 constexpr std::uint64_t kSignatureMarker = 0x6772616473790000ull;  // "gradsy", then the step
 constexpr std::uint64_t kStepBits = 0xffff;
 

@@ -266,9 +266,16 @@ void check_buffer(const void* p, std::size_t count, const char* name, int rank, 
 }
 
 void check_dtype_op(DataType dtype, ReduceOp op, int rank, const char* name) {
-  require(dtype_size(dtype) != 0, "unknown dtype", rank, name);
-  require(static_cast<int>(op) <= static_cast<int>(ReduceOp::kProd), "unknown reduce op", rank,
+  require(dtype_size(dtype) != 0, "unknown dtype " + std::to_string(static_cast<int>(dtype)), rank,
           name);
+  require(static_cast<int>(op) <= static_cast<int>(ReduceOp::kBxor),
+          "unknown reduce op " + std::to_string(static_cast<int>(op)), rank, name);
+  // Refused here, on the calling thread, before any rank sends: a bitwise op on float bits
+  // would be meaningless, and every rank makes the same call, so every rank refuses it.
+  require(dtype_op_valid(dtype, op),
+          std::string("reduce op ") + to_string(op) + " is bitwise: it takes an integer or bool " +
+              "dtype, not " + to_string(dtype),
+          rank, name);
 }
 
 }  // namespace

@@ -20,7 +20,11 @@ std::size_t dtype_size(DataType t) {
     case DataType::kInt64:
       return 8;
     case DataType::kUInt8:
+    case DataType::kInt8:
+    case DataType::kBool:
       return 1;
+    case DataType::kInt16:
+      return 2;
   }
   return 0;
 }
@@ -41,6 +45,12 @@ const char* to_string(DataType t) {
       return "int64";
     case DataType::kUInt8:
       return "uint8";
+    case DataType::kInt8:
+      return "int8";
+    case DataType::kInt16:
+      return "int16";
+    case DataType::kBool:
+      return "bool";
   }
   return "?";
 }
@@ -57,6 +67,12 @@ const char* to_string(ReduceOp op) {
       return "max";
     case ReduceOp::kProd:
       return "prod";
+    case ReduceOp::kBand:
+      return "band";
+    case ReduceOp::kBor:
+      return "bor";
+    case ReduceOp::kBxor:
+      return "bxor";
   }
   return "?";
 }
@@ -89,15 +105,32 @@ std::optional<DataType> parse_dtype(std::string_view s) {
   if (s == "int32" || s == "i32" || s == "int") return DataType::kInt32;
   if (s == "int64" || s == "i64") return DataType::kInt64;
   if (s == "uint8" || s == "u8") return DataType::kUInt8;
+  if (s == "int8" || s == "i8") return DataType::kInt8;
+  if (s == "int16" || s == "i16") return DataType::kInt16;
+  if (s == "bool") return DataType::kBool;
   return std::nullopt;
 }
 
 std::optional<ReduceOp> parse_op(std::string_view s) {
-  for (ReduceOp op :
-       {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kProd}) {
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax,
+                      ReduceOp::kProd, ReduceOp::kBand, ReduceOp::kBor, ReduceOp::kBxor}) {
     if (s == to_string(op)) return op;
   }
   return std::nullopt;
+}
+
+bool is_floating(DataType t) {
+  return t == DataType::kFloat32 || t == DataType::kFloat64 || t == DataType::kFloat16 ||
+         t == DataType::kBFloat16;
+}
+
+bool dtype_op_valid(DataType t, ReduceOp op) {
+  // Unknown values (a cast from a bad integer) are not valid with anything.
+  if (dtype_size(t) == 0 || static_cast<unsigned>(op) > static_cast<unsigned>(ReduceOp::kBxor)) {
+    return false;
+  }
+  const bool bitwise = op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor;
+  return !(bitwise && is_floating(t));
 }
 
 std::optional<Algorithm> parse_algorithm(std::string_view s) {

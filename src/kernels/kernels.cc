@@ -7,6 +7,9 @@
 //    the first operand's payload when both are NaN, which is not commutative.
 //  * min/max propagate NaN and order -0 below +0: min(-0,+0) = -0, max(-0,+0) = +0.
 //  * Integers wrap modulo 2^bits (computed in unsigned arithmetic, no UB).
+//  * Bitwise and/or/xor act on the integer's bytes, so one byte loop serves every width.
+//  * bool reads any nonzero byte as true and always writes 0 or 1: sum/max/bor are OR,
+//    prod/min/band are AND, bxor is XOR (avg: the OR, then the integer division).
 //  * f16/bf16 widen to f32, combine, round once to nearest even. float32 carries more than
 //    2p+2 bits of either format, so this double rounding equals a single correct rounding.
 //  * Conversions of NaN keep the sign and the top payload bits and set the quiet bit (what
@@ -21,6 +24,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "core/knobs.h"
 #include "gradsync/error.h"
@@ -157,8 +161,10 @@ struct OpProd {
   }
   template <class U>
   static U u(U a, U b) {
-    // uint8 promotes to int; 255*255 fits. Wider types are already unsigned.
-    return static_cast<U>(a * b);
+    // Multiplied as at least `unsigned`: uint8 and uint16 would promote to int, where
+    // 65535 * 65535 overflows (undefined); the low bits are the same in any width.
+    using W = std::common_type_t<U, unsigned>;
+    return static_cast<U>(static_cast<W>(a) * static_cast<W>(b));
   }
 };
 struct OpMin {
@@ -194,6 +200,10 @@ void reduce_float(void* d, const void* a, const void* b, std::size_t n, ReduceOp
       return loop<F>(d, a, b, n, [](F x, F y) { return OpMin::f(x, y); });
     case ReduceOp::kMax:
       return loop<F>(d, a, b, n, [](F x, F y) { return OpMax::f(x, y); });
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      return;  // refused by check_dtype_op before any loop runs
   }
 }
 
@@ -217,6 +227,10 @@ void reduce_narrow(void* d, const void* a, const void* b, std::size_t n, ReduceO
       return loop_narrow<Codec, OpMin>(d, a, b, n);
     case ReduceOp::kMax:
       return loop_narrow<Codec, OpMax>(d, a, b, n);
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      return;  // refused by check_dtype_op before any loop runs
   }
 }
 
@@ -242,6 +256,31 @@ void reduce_int(void* d, const void* a, const void* b, std::size_t n, ReduceOp o
       return loop<T>(d, a, b, n, [](T x, T y) { return y < x ? y : x; });
     case ReduceOp::kMax:
       return loop<T>(d, a, b, n, [](T x, T y) { return y > x ? y : x; });
+    case ReduceOp::kBand:
+      return loop<U>(d, a, b, n, [](U x, U y) { return static_cast<U>(x & y); });
+    case ReduceOp::kBor:
+      return loop<U>(d, a, b, n, [](U x, U y) { return static_cast<U>(x | y); });
+    case ReduceOp::kBxor:
+      return loop<U>(d, a, b, n, [](U x, U y) { return static_cast<U>(x ^ y); });
+  }
+}
+
+// bool as logic on bytes, nonzero meaning true, so a byte other than 0 or 1 from a careless
+// caller still reduces the same on every rank and comes out 0 or 1.
+void reduce_bool(void* d, const void* a, const void* b, std::size_t n, ReduceOp op) {
+  using B = std::uint8_t;
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:
+    case ReduceOp::kMax:
+    case ReduceOp::kBor:
+      return loop<B>(d, a, b, n, [](B x, B y) { return static_cast<B>((x | y) != 0); });
+    case ReduceOp::kProd:
+    case ReduceOp::kMin:
+    case ReduceOp::kBand:
+      return loop<B>(d, a, b, n, [](B x, B y) { return static_cast<B>(x != 0 && y != 0); });
+    case ReduceOp::kBxor:
+      return loop<B>(d, a, b, n, [](B x, B y) { return static_cast<B>((x != 0) != (y != 0)); });
   }
 }
 
@@ -262,6 +301,12 @@ void scalar_reduce(void* d, const void* a, const void* b, std::size_t n, DataTyp
       return reduce_int<std::int64_t, std::uint64_t>(d, a, b, n, op);
     case DataType::kUInt8:
       return reduce_int<std::uint8_t, std::uint8_t>(d, a, b, n, op);
+    case DataType::kInt8:
+      return reduce_int<std::int8_t, std::uint8_t>(d, a, b, n, op);
+    case DataType::kInt16:
+      return reduce_int<std::int16_t, std::uint16_t>(d, a, b, n, op);
+    case DataType::kBool:
+      return reduce_bool(d, a, b, n, op);
   }
 }
 
@@ -294,8 +339,15 @@ void scalar_scale(void* data, std::size_t n, DataType dtype, int divisor) {
       return map<std::int64_t>(data, n, [d64](std::int64_t x) { return x / d64; });
     }
     case DataType::kUInt8:
+    case DataType::kBool:  // the OR of the ranks divided: 0 for more than one rank, as ints do
       return map<std::uint8_t>(
           data, n, [divisor](std::uint8_t x) { return static_cast<std::uint8_t>(x / divisor); });
+    case DataType::kInt8:
+      return map<std::int8_t>(
+          data, n, [divisor](std::int8_t x) { return static_cast<std::int8_t>(x / divisor); });
+    case DataType::kInt16:
+      return map<std::int16_t>(
+          data, n, [divisor](std::int16_t x) { return static_cast<std::int16_t>(x / divisor); });
   }
 }
 
@@ -484,14 +536,20 @@ bool use_avx2() {
 }
 
 void check_dtype_op(DataType dtype, ReduceOp op, const char* fn) {
-  if (static_cast<unsigned>(dtype) > static_cast<unsigned>(DataType::kUInt8)) {
+  if (dtype_size(dtype) == 0) {
     throw Error(ErrorKind::kInvalidArgument,
                 "unknown dtype " + std::to_string(static_cast<unsigned>(dtype)),
                 Error::kUnknownRank, Error::kNoPeer, fn);
   }
-  if (static_cast<unsigned>(op) > static_cast<unsigned>(ReduceOp::kProd)) {
+  if (static_cast<unsigned>(op) > static_cast<unsigned>(ReduceOp::kBxor)) {
     throw Error(ErrorKind::kInvalidArgument,
                 "unknown reduce op " + std::to_string(static_cast<unsigned>(op)),
+                Error::kUnknownRank, Error::kNoPeer, fn);
+  }
+  if (!dtype_op_valid(dtype, op)) {
+    throw Error(ErrorKind::kInvalidArgument,
+                std::string("bitwise ") + to_string(op) + " on " + to_string(dtype) +
+                    ": bitwise ops take integer or bool dtypes",
                 Error::kUnknownRank, Error::kNoPeer, fn);
   }
 }
@@ -536,7 +594,7 @@ void reduce(void* dst, const void* a, const void* b, std::size_t count, DataType
   check_ptr(a, count, elem, "a", "reduce");
   check_ptr(b, count, elem, "b", "reduce");
   if (count == 0) return;
-  if (use_avx2()) return avx2::reduce(dst, a, b, count, dtype, op);
+  if (use_avx2() && avx2::reduce(dst, a, b, count, dtype, op)) return;
   scalar_reduce(dst, a, b, count, dtype, op);
 }
 

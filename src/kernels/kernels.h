@@ -13,6 +13,9 @@ namespace gradsync::kernels {
 // scale_for_average). All ops are commutative bit-for-bit, including with NaN (min/max
 // propagate NaN), so every rank computes identical results whatever the operand order.
 // float16/bfloat16 are widened to float32, combined, and rounded to nearest even.
+// Integers wrap; bitwise ops act on their bits and throw Error(kInvalidArgument) for a float
+// dtype. bool is logic: a nonzero byte is true, results are 0 or 1 (sum/max/bor: OR,
+// prod/min/band: AND, bxor: XOR).
 void reduce_into(void* dst, const void* src, std::size_t count, DataType dtype, ReduceOp op);
 
 // dst[i] = op(a[i], b[i]); dst may alias a or b.
@@ -20,7 +23,8 @@ void reduce(void* dst, const void* a, const void* b, std::size_t count, DataType
             ReduceOp op);
 
 // Divides every element by `divisor` (float types: multiply by nothing clever, a true
-// division, so results match the reference x / n exactly; integers: truncating division).
+// division, so results match the reference x / n exactly; integers and bool: truncating
+// division).
 void scale_for_average(void* data, std::size_t count, DataType dtype, int divisor);
 
 // The last step of a float32 sum (kSum or kAvg), fused into one pass over registers:

@@ -137,6 +137,16 @@ struct U8Min {
 struct U8Max {
   static __m256i apply(__m256i a, __m256i b) { return _mm256_max_epu8(a, b); }
 };
+// Bitwise ops are the same on every integer width: one byte loop serves them all.
+struct SiAnd {
+  static __m256i apply(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
+};
+struct SiOr {
+  static __m256i apply(__m256i a, __m256i b) { return _mm256_or_si256(a, b); }
+};
+struct SiXor {
+  static __m256i apply(__m256i a, __m256i b) { return _mm256_xor_si256(a, b); }
+};
 
 // ---------------------------------------------------------------- lanes: load/store one vector
 
@@ -434,6 +444,10 @@ void by_op(void* d, const void* a, const void* b, std::size_t n, ReduceOp op) {
       return binary<L, Min>(d, a, b, n);
     case ReduceOp::kMax:
       return binary<L, Max>(d, a, b, n);
+    case ReduceOp::kBand:
+    case ReduceOp::kBor:
+    case ReduceOp::kBxor:
+      return;  // reduce() takes these before it gets here
   }
 }
 
@@ -832,24 +846,46 @@ std::size_t first_non_finite(const float* in, std::size_t n) {
   return n;
 }
 
-void reduce(void* d, const void* a, const void* b, std::size_t n, DataType dtype, ReduceOp op) {
+bool reduce(void* d, const void* a, const void* b, std::size_t n, DataType dtype, ReduceOp op) {
+  // Bitwise ops on integers (never floats: the caller refuses those) run over the bytes.
+  // bool is left to the scalar path, which also turns a byte other than 0 or 1 into 0 or 1.
+  if (op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor) {
+    if (dtype == DataType::kBool) return false;
+    const std::size_t bytes = n * dtype_size(dtype);
+    if (op == ReduceOp::kBand) binary<U8Lane, SiAnd>(d, a, b, bytes);
+    if (op == ReduceOp::kBor) binary<U8Lane, SiOr>(d, a, b, bytes);
+    if (op == ReduceOp::kBxor) binary<U8Lane, SiXor>(d, a, b, bytes);
+    return true;
+  }
   switch (dtype) {
     case DataType::kFloat32:
-      return by_op<F32Lane, PsSum, PsProd, PsMin, PsMax>(d, a, b, n, op);
+      by_op<F32Lane, PsSum, PsProd, PsMin, PsMax>(d, a, b, n, op);
+      return true;
     case DataType::kFloat64:
-      return by_op<F64Lane, PdSum, PdProd, PdMin, PdMax>(d, a, b, n, op);
+      by_op<F64Lane, PdSum, PdProd, PdMin, PdMax>(d, a, b, n, op);
+      return true;
     case DataType::kFloat16:
-      return by_op<F16Lane, PsSum, PsProd, PsMin, PsMax>(d, a, b, n, op);
+      by_op<F16Lane, PsSum, PsProd, PsMin, PsMax>(d, a, b, n, op);
+      return true;
     case DataType::kBFloat16:
-      return by_op<BF16PairLane, PairOp<PsSum>, PairOp<PsProd>, PairOp<PsMin>, PairOp<PsMax>>(
-          d, a, b, n, op);
+      by_op<BF16PairLane, PairOp<PsSum>, PairOp<PsProd>, PairOp<PsMin>, PairOp<PsMax>>(d, a, b, n,
+                                                                                       op);
+      return true;
     case DataType::kInt32:
-      return by_op<I32Lane, I32Sum, I32Prod, I32Min, I32Max>(d, a, b, n, op);
+      by_op<I32Lane, I32Sum, I32Prod, I32Min, I32Max>(d, a, b, n, op);
+      return true;
     case DataType::kInt64:
-      return by_op<I64Lane, I64Sum, I64Prod, I64Min, I64Max>(d, a, b, n, op);
+      by_op<I64Lane, I64Sum, I64Prod, I64Min, I64Max>(d, a, b, n, op);
+      return true;
     case DataType::kUInt8:
-      return by_op<U8Lane, U8Sum, U8Prod, U8Min, U8Max>(d, a, b, n, op);
+      by_op<U8Lane, U8Sum, U8Prod, U8Min, U8Max>(d, a, b, n, op);
+      return true;
+    case DataType::kInt8:  // rare in gradients: the scalar path is fast enough
+    case DataType::kInt16:
+    case DataType::kBool:
+      return false;
   }
+  return false;
 }
 
 namespace {
@@ -980,6 +1016,9 @@ bool scale_for_average(void* data, std::size_t n, DataType dtype, int divisor) {
       });
       return true;
     case DataType::kInt64:
+    case DataType::kInt8:  // the scalar path's plain division
+    case DataType::kInt16:
+    case DataType::kBool:
       return false;
   }
   return false;

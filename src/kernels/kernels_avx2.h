@@ -21,11 +21,13 @@ inline constexpr std::uint32_t kDrawMul2 = 0x735A2D97u;
 namespace gradsync::kernels::avx2 {
 
 // Same contracts as the public functions in kernels.h; arguments are already validated
-// (count > 0, pointers non-null, divisor > 1).
-void reduce(void* dst, const void* a, const void* b, std::size_t count, DataType dtype,
+// (count > 0, pointers non-null, divisor > 1, no bitwise op on a float dtype).
+// Returns false, having done nothing, for what it does not vectorise (int8, int16 and bool
+// but for int8/int16 bitwise ops), which the caller then runs on the scalar path.
+bool reduce(void* dst, const void* a, const void* b, std::size_t count, DataType dtype,
             ReduceOp op);
-// Returns false for dtypes it does not vectorise (int64: no SIMD division), which the
-// caller then runs on the scalar path.
+// Returns false for dtypes it does not vectorise (int64: no SIMD division; int8, int16,
+// bool), which the caller then runs on the scalar path.
 bool scale_for_average(void* data, std::size_t count, DataType dtype, int divisor);
 std::size_t sum_finish(void* dst, DataType dst_type, const float* a, const float* b,
                        std::size_t count, int divisor);
