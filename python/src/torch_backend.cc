@@ -92,6 +92,12 @@ DataType dtype_of(const at::Tensor& t, int rank, const char* op) {
       return DataType::kInt64;
     case at::kByte:
       return DataType::kUInt8;
+    case at::kChar:
+      return DataType::kInt8;
+    case at::kShort:
+      return DataType::kInt16;
+    case at::kBool:
+      return DataType::kBool;
     default:
       refuse(std::string("gradsync has no dtype for torch.") + c10::toString(t.scalar_type()), rank,
              op);
@@ -110,9 +116,15 @@ ReduceOp op_of(const c10d::ReduceOp& op, int rank, const char* name) {
       return ReduceOp::kMin;
     case c10d::ReduceOp::MAX:
       return ReduceOp::kMax;
+    case c10d::ReduceOp::BAND:
+      return ReduceOp::kBand;
+    case c10d::ReduceOp::BOR:
+      return ReduceOp::kBor;
+    case c10d::ReduceOp::BXOR:
+      return ReduceOp::kBxor;
     default:
       refuse("reduce op " + std::to_string(static_cast<int>(op.op_)) +
-                 " (BAND, BOR, BXOR or PREMUL_SUM) is not supported",
+                 " (PREMUL_SUM, NCCL's alone) is not supported",
              rank, name);
   }
 }

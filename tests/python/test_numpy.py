@@ -10,7 +10,8 @@ import pytest
 
 import ranks
 
-DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8]
+DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8, np.int8, np.int16,
+          np.bool_]
 COUNTS = [0, 1, 7, 1000]
 
 

@@ -1,5 +1,7 @@
 """Every torch.distributed collective over the gradsync backend, every dtype, world sizes
 1-4, against references computed with torch from what each rank contributes."""
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -7,7 +9,7 @@ import torch.distributed as dist
 import ranks
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-INTS = [torch.int32, torch.int64, torch.uint8]
+INTS = [torch.int32, torch.int64, torch.uint8, torch.int8, torch.int16, torch.bool]
 DTYPES = FLOATS + INTS
 COUNTS = [0, 1, 7, 1000]
 
@@ -17,11 +19,20 @@ def _in_float64(reduce):
     return lambda xs: reduce(torch.stack(xs).double()).to(xs[0].dtype)
 
 
+def _bitwise(op):
+    return lambda xs: functools.reduce(op, xs)
+
+
 OPS = {
     dist.ReduceOp.SUM: _in_float64(lambda x: x.sum(0)),
     dist.ReduceOp.PRODUCT: _in_float64(lambda x: x.prod(0)),
     dist.ReduceOp.MIN: _in_float64(lambda x: x.min(0).values),
     dist.ReduceOp.MAX: _in_float64(lambda x: x.max(0).values),
+}
+BITWISE = {
+    dist.ReduceOp.BAND: _bitwise(torch.bitwise_and),
+    dist.ReduceOp.BOR: _bitwise(torch.bitwise_or),
+    dist.ReduceOp.BXOR: _bitwise(torch.bitwise_xor),
 }
 
 
@@ -29,6 +40,8 @@ def contribution(rank, count, dtype, salt=0):
     """What `rank` contributes: small integers, so every sum and product is exact in every
     dtype (float16 and bfloat16 included) at up to 4 ranks."""
     x = (torch.arange(count, dtype=torch.int64) * 3 + rank * 5 + salt) % 7
+    if dtype == torch.bool:
+        return (x % 3 != 0) if salt != 99 else (x % 5 != 0)
     if dtype.is_floating_point:
         x = x - 3  # negative values too
     return (x % 2 + 1 if salt == 99 else x).to(dtype)
@@ -49,7 +62,8 @@ def collectives_grid(rank, world):
     for dtype in DTYPES:
         for count in COUNTS:
             everyone = [contribution(r, count, dtype) for r in range(world)]
-            for op, reference in OPS.items():
+            ops = {**OPS, **({} if dtype.is_floating_point else BITWISE)}
+            for op, reference in ops.items():
                 salt = 99 if op == dist.ReduceOp.PRODUCT else 0
                 inputs = [contribution(r, count, dtype, salt) for r in range(world)]
                 t = inputs[rank].clone()
