@@ -4,7 +4,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: run test build deps sanitize-asan sanitize-tsan fuzz clean
+.PHONY: run test build deps install sanitize-asan sanitize-tsan fuzz clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -18,6 +18,11 @@ build: deps
 run: build
 	$(BUILD)/tools/gradsync-run -n 4 -- $(BUILD)/examples/gradsync-train --model mlp --epochs 1 \
 	  --json $(BUILD)/train.json
+
+# The Python package (gradsync, gradsync.torch) for /usr/bin/python3, under PREFIX.
+PREFIX ?= /usr/local
+install: build
+	cmake --install $(BUILD) --prefix $(PREFIX)
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 300
