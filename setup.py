@@ -22,7 +22,7 @@ class CMakeBuild(build_ext):
         subprocess.check_call(["cmake", "-S", str(ROOT), "-B", str(build), "-G", "Ninja",
                                "-DCMAKE_BUILD_TYPE=Release", "-DGRADSYNC_BUILD_BENCH=OFF",
                                f"-DPython3_EXECUTABLE={sys.executable}"])
-        subprocess.check_call(["cmake", "--build", str(build), "--target", "gradsync_numpy",
+        subprocess.check_call(["cmake", "--build", str(build), "--target", "gradsync_shared", "gradsync_numpy",
                                "gradsync_torch", "gradsync_python_sources"])
         shutil.copytree(build / "python" / "gradsync", pathlib.Path(self.build_lib) / "gradsync",
                         dirs_exist_ok=True)

@@ -418,6 +418,23 @@ PYBIND11_MODULE(_gradsync, m) {
       "init() reads it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GRADSYNC_*). Blocks until "
       "every rank has joined. timeout is in seconds.");
 
+  m.def("now_us", &gradsync::timeline::now_us,
+        "Microseconds on the clock of gradsync's timeline and call records (CLOCK_MONOTONIC).");
+  m.def(
+      "timeline_record",
+      [](std::string name, const std::string& category, std::int64_t start_us,
+         std::int64_t end_us) {
+        // The timeline keeps a category's pointer: only the ones gradsync knows.
+        static const char* const kKnown[] = {"compute", "comm", "pack", "wait", "optimizer"};
+        const char* cat = "compute";
+        for (const char* k : kKnown) {
+          if (category == k) cat = k;
+        }
+        gradsync::timeline::record(std::move(name), cat, start_us, end_us);
+      },
+      py::arg("name"), py::arg("category"), py::arg("start_us"), py::arg("end_us"),
+      "Records a span of this thread (when GRADSYNC_TIMELINE is set).");
+  m.def("timeline_enabled", &gradsync::timeline::enabled);
   m.def(
       "timeline_write",
       [](Context& c, const std::string& path) {

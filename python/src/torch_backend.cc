@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "gradsync/error.h"
+#include "gradsync/timeline.h"
 
 namespace gradsync::torch_backend {
 namespace {
@@ -216,17 +217,49 @@ ProcessGroupGradsync::ProcessGroupGradsync(const c10::intrusive_ptr<c10d::Store>
 
 ProcessGroupGradsync::~ProcessGroupGradsync() {
   // Finishing the queued calls may complete futures whose callbacks take the GIL (Python comm
-  // hooks): a destructor run by Python's garbage collector must let them have it.
+  // hooks): a destructor run by Python's garbage collector must let them have it. The calls
+  // finish before any member they record into goes.
   if (Py_IsInitialized() && PyGILState_Check()) {
     PyThreadState* state = PyEval_SaveThread();
     ctx_.reset();
     PyEval_RestoreThread(state);
+  } else {
+    ctx_.reset();
+  }
+}
+
+std::vector<ProcessGroupGradsync::CallRecord> ProcessGroupGradsync::take_records() {
+  std::lock_guard lock(records_mu_);
+  return std::exchange(records_, {});
+}
+
+std::size_t ProcessGroupGradsync::write_timeline(const std::string& path) {
+  std::lock_guard lock(issue_mu_);
+  return timeline::write(*ctx_, path);
+}
+
+// On the worker, as a call completes: calls run there one after another, so one starts when
+// it was issued or when the one before it finished, whichever is later.
+void ProcessGroupGradsync::record(c10d::OpType type, std::size_t bytes, std::int64_t issued_us) {
+  const std::int64_t done = timeline::now_us();
+  std::lock_guard lock(records_mu_);
+  const std::int64_t started = std::max(issued_us, last_done_us_);
+  last_done_us_ = done;
+  const std::string name = c10d::opTypeToString(type);
+  if (timeline::enabled()) {
+    timeline::record(name + " " + std::to_string(bytes >> 10) + " KiB", "comm", started, done);
+  }
+  if (records_.size() < kMaxRecords) {
+    records_.push_back({name, bytes, issued_us, started, done, ctx_->total_traffic().bytes_sent});
   }
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::launch(
     c10d::OpType type, std::vector<at::Tensor> outputs,
     const std::function<std::vector<Work>()>& issue, std::function<void()> finish) {
+  std::size_t bytes = 0;
+  for (const auto& t : outputs) bytes += static_cast<std::size_t>(t.nbytes());
+  const std::int64_t issued = timeline::now_us();
   auto work = c10::make_intrusive<GradsyncWork>(rank_, type, std::move(outputs));
   std::vector<Work> calls;
   {
@@ -240,21 +273,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::launch(
   // The calls run in order on one worker: the last one done means all are. The first error
   // is the one to report (later calls fail only because the communicator was aborted).
   Work last = calls.back();
-  last.on_done([work, calls = std::move(calls), finish = std::move(finish)] {
-    std::exception_ptr error;
-    for (const auto& c : calls) {
-      if ((error = c.error())) break;
-    }
-    if (!error && finish) {
-      try {
-        at::NoGradGuard no_grad;  // writing results back is not part of any graph
-        finish();
-      } catch (...) {
-        error = std::current_exception();
-      }
-    }
-    work->complete(error);
-  });
+  last.on_done(
+      [this, type, bytes, issued, work, calls = std::move(calls), finish = std::move(finish)] {
+        record(type, bytes, issued);
+        std::exception_ptr error;
+        for (const auto& c : calls) {
+          if ((error = c.error())) break;
+        }
+        if (!error && finish) {
+          try {
+            at::NoGradGuard no_grad;  // writing results back is not part of any graph
+            finish();
+          } catch (...) {
+            error = std::current_exception();
+          }
+        }
+        work->complete(error);
+      });
   return work;
 }
 

@@ -42,6 +42,21 @@ class ProcessGroupGradsync : public GRADSYNC_C10D_BASE {
   const std::string getBackendName() const override { return "gradsync"; }
   Context& context() { return *ctx_; }
 
+  // One finished call, for gradsync.torch.stats(): times on timeline::now_us()'s clock.
+  struct CallRecord {
+    std::string op;
+    std::size_t bytes;         // of the tensors it wrote
+    std::int64_t issued_us;    // handed to the backend
+    std::int64_t started_us;   // began running on the worker
+    std::int64_t done_us;      // finished
+    std::uint64_t sent_bytes;  // this rank's wire bytes sent since the group began, then
+  };
+  // The calls finished since the last take (at most kMaxRecords: older ones are dropped).
+  std::vector<CallRecord> take_records();
+  // Collective over the group: rank 0 writes every rank's timeline (GRADSYNC_TIMELINE, or
+  // `path`); returns the events written.
+  std::size_t write_timeline(const std::string& path);
+
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
@@ -83,8 +98,14 @@ class ProcessGroupGradsync : public GRADSYNC_C10D_BASE {
                                         const std::function<std::vector<Work>()>& issue,
                                         std::function<void()> finish = {});
 
+  void record(c10d::OpType type, std::size_t bytes, std::int64_t issued_us);
+
   std::unique_ptr<Context> ctx_;
   std::mutex issue_mu_;
+  static constexpr std::size_t kMaxRecords = 1 << 16;
+  std::mutex records_mu_;
+  std::vector<CallRecord> records_;  // guarded by records_mu_
+  std::int64_t last_done_us_ = 0;    // guarded by records_mu_
 };
 
 }  // namespace gradsync::torch_backend

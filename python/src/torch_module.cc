@@ -38,6 +38,17 @@ PYBIND11_MODULE(_backend, m) {
                              [](ProcessGroupGradsync& pg) { return pg.context().topology(); })
       .def_property_readonly("cost_model",
                              [](ProcessGroupGradsync& pg) { return pg.context().cost_model(); })
+      .def("_take_records",
+           [](ProcessGroupGradsync& pg) {
+             py::list out;
+             for (const auto& r : pg.take_records()) {
+               out.append(py::make_tuple(r.op, r.bytes, r.issued_us, r.started_us, r.done_us,
+                                         r.sent_bytes));
+             }
+             return out;
+           })
+      .def("_write_timeline", &ProcessGroupGradsync::write_timeline, py::arg("path") = "",
+           py::call_guard<py::gil_scoped_release>())
       .def("_compressed_allreduce", &ProcessGroupGradsync::compressed_allreduce,
            py::arg("compressor"), py::arg("bucket"), py::arg("names"), py::arg("counts"),
            py::arg("rows"), py::arg("skip_non_finite") = false,
