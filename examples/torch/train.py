@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-PROG = "train.py"
+PROG = os.path.basename(sys.argv[0]) or "train.py"  # also when imported by bench/torch
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_FORMAT = "gradsync-examples-torch-train/1"
 TORCH_HOOKS = "none, fp16, bf16, powersgd[:rank=R[,start=S]]"
@@ -719,18 +719,18 @@ def main(argv=None):
     trainer = Trainer(args, rank, world, make_hook)
     trainer.run()
     trainer.report()
-    close(trainer)
+    close(trainer.release)
 
 
-def close(trainer):
-    """Ends the job in an order that cannot deadlock. Left to the interpreter's exit, the
+def close(release):
+    """Ends the job in an order that avoids a deadlock. Left to the interpreter's exit, the
     last reference to gloo's process group can go with DDP's reducer: its destructor joins
     gloo's worker threads while holding the GIL, and a worker that is dropping a tensor
     made in Python (the fp16 hook's) waits for the GIL: a hang seen here with torch 1.13.
     So: every rank idle (barrier), the DDP model released while the group still lives,
     then the group."""
     dist.barrier()
-    trainer.release()
+    release()  # drops the DDP model (and with it the reducer)
     gc.collect()
     dist.destroy_process_group()
 
