@@ -47,7 +47,9 @@ class TorchStore final : public Store {
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
-// A call's Work: completed (with its future) by the context's worker once the call is done.
+// A call's Work: completed by the context's worker once the call is done, unless its future
+// was handed out (DDP, comm hooks): then callbacks may hang on it that wait for later calls
+// of this group, which only that worker can run, so the CompletionPool settles it.
 class GradsyncWork final : public c10d::Work {
  public:
   GradsyncWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
@@ -56,6 +58,14 @@ class GradsyncWork final : public c10d::Work {
         future_(c10::make_intrusive<c10::ivalue::Future>(
             c10::ListType::create(c10::TensorType::get()))) {}
 
+  // Settles the call at once if nobody holds its future (no callback can run), and returns
+  // true; false if the future was handed out: then complete() must run elsewhere.
+  bool complete_if_private(std::exception_ptr error) {
+    std::lock_guard lock(handout_mu_);
+    if (handed_out_) return false;
+    complete(error);
+    return true;
+  }
   // The future first: whoever wait()s on the Work then finds the future settled too.
   void complete(std::exception_ptr error) {
     if (error) {
@@ -66,11 +76,17 @@ class GradsyncWork final : public c10d::Work {
     finish(error);
   }
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    std::lock_guard lock(handout_mu_);
+    handed_out_ = true;
+    return future_;
+  }
 
  private:
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::mutex handout_mu_;
+  bool handed_out_ = false;  // guarded by handout_mu_
 };
 
 [[noreturn]] void refuse(const std::string& what, int rank, const char* op) {
@@ -204,6 +220,42 @@ std::string shape_of(const at::Tensor& t) {
 
 }  // namespace
 
+CompletionPool::~CompletionPool() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void CompletionPool::post(std::function<void()> job) {
+  std::lock_guard lock(mu_);
+  jobs_.push_back(std::move(job));
+  // Every idle thread may already have a job waiting for it; a job beyond those gets a new
+  // thread, so a completion never waits behind one whose callbacks block.
+  if (jobs_.size() > idle_) {
+    threads_.emplace_back([this] { run(); });
+  } else {
+    cv_.notify_one();
+  }
+}
+
+void CompletionPool::run() {
+  std::unique_lock lock(mu_);
+  for (;;) {
+    ++idle_;
+    cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+    --idle_;
+    if (jobs_.empty()) return;  // stopping, and nothing left to settle
+    auto job = std::move(jobs_.front());
+    jobs_.pop_front();
+    lock.unlock();
+    job();
+    lock.lock();
+  }
+}
+
 ProcessGroupGradsync::ProcessGroupGradsync(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                            int size, std::chrono::milliseconds timeout)
     : GRADSYNC_C10D_BASE(rank, size) {
@@ -212,6 +264,7 @@ ProcessGroupGradsync::ProcessGroupGradsync(const c10::intrusive_ptr<c10d::Store>
   options.size = size;
   options.store = std::make_shared<TorchStore>(store);
   options.timeout = timeout;
+  completions_ = std::make_unique<CompletionPool>();
   ctx_ = gradsync::init(options);
 }
 
@@ -219,12 +272,16 @@ ProcessGroupGradsync::~ProcessGroupGradsync() {
   // Finishing the queued calls may complete futures whose callbacks take the GIL (Python comm
   // hooks): a destructor run by Python's garbage collector must let them have it. The calls
   // finish before any member they record into goes.
+  auto finish_calls = [this] {
+    ctx_.reset();
+    completions_.reset();
+  };
   if (Py_IsInitialized() && PyGILState_Check()) {
     PyThreadState* state = PyEval_SaveThread();
-    ctx_.reset();
+    finish_calls();
     PyEval_RestoreThread(state);
   } else {
-    ctx_.reset();
+    finish_calls();
   }
 }
 
@@ -288,7 +345,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::launch(
             error = std::current_exception();
           }
         }
-        work->complete(error);
+        if (!work->complete_if_private(error)) {
+          completions_->post([work, error] { work->complete(error); });
+        }
       });
   return work;
 }

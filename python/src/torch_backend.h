@@ -7,10 +7,13 @@
 #include <torch/version.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -30,6 +33,27 @@
 #endif
 
 namespace gradsync::torch_backend {
+
+// Threads that settle handed-out futures and run their callbacks. A callback may block on a
+// later call of the group (torch's PowerSGD hook waits inside its callbacks), so a job never
+// waits for a busy thread: the pool grows instead.
+class CompletionPool {
+ public:
+  CompletionPool() = default;
+  ~CompletionPool();  // runs every job posted, then joins
+  CompletionPool(const CompletionPool&) = delete;
+  CompletionPool& operator=(const CompletionPool&) = delete;
+  void post(std::function<void()> job);
+
+ private:
+  void run();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;  // guarded by mu_
+  std::vector<std::thread> threads_;        // guarded by mu_
+  std::size_t idle_ = 0;                    // guarded by mu_
+  bool stopping_ = false;                   // guarded by mu_
+};
 
 class ProcessGroupGradsync : public GRADSYNC_C10D_BASE {
  public:
@@ -100,6 +124,7 @@ class ProcessGroupGradsync : public GRADSYNC_C10D_BASE {
 
   void record(c10d::OpType type, std::size_t bytes, std::int64_t issued_us);
 
+  std::unique_ptr<CompletionPool> completions_;  // before ctx_: its calls post here
   std::unique_ptr<Context> ctx_;
   std::mutex issue_mu_;
   static constexpr std::size_t kMaxRecords = 1 << 16;

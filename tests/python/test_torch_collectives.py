@@ -195,3 +195,23 @@ def test_the_process_group_class_is_built_as_gloos_is():
     port = ranks.free_port()
     for total, name in ranks.run(2, the_class, "gradsync-numpy", port):
         assert total == 3.0 and name == "gradsync"
+
+
+def callback_waits(rank, world):
+    import time
+    t = torch.ones(10)
+    if rank == 1:
+        time.sleep(0.3)  # rank 0's future is still pending when it attaches the callback
+    fut = dist.all_reduce(t, async_op=True).get_future()
+
+    def then_another(f):
+        # What torch's PowerSGD hook does: a collective waited for inside a callback.
+        u = f.value()[0] * 2
+        return dist.all_reduce(u, async_op=True).get_future().wait()[0]
+
+    return fut.then(then_another).wait()[0].tolist()
+
+
+def test_a_callback_may_wait_for_a_later_call_of_its_group():
+    for result in ranks.run(2, callback_waits):
+        assert result == [8.0] * 10
