@@ -43,7 +43,7 @@ std::exception_ptr Work::error() const {
   if (!state_) return nullptr;
   std::lock_guard lock(state_->mu);
   if (!state_->done) return nullptr;
-  if (state_->error) return std::make_exception_ptr(*state_->error);
+  if (state_->error) return std::make_exception_ptr(unshared_copy(*state_->error));
   return state_->other_error;
 }
 

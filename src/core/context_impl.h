@@ -21,18 +21,26 @@
 
 namespace gradsync {
 
+// A copy of `e` that shares nothing with it. A plain copy shares the message buffer, which
+// libstdc++ counts with atomics ThreadSanitizer cannot see: the worker freeing a call's error
+// after the caller's copy was read and dropped would look like a race.
+inline Error unshared_copy(const Error& e) {
+  return Error(e.kind(), e.detail(), e.rank(), e.peer(), e.op(), e.bytes());
+}
+
 struct Work::State {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
   bool skipped = false;  // a compressed all-reduce under NonFinite::kSkip found NaN or Inf
-  // The call's error. Kept as a value that every wait() throws a copy of, so each exception
-  // object belongs to the thread that throws it: an exception_ptr made on the worker would be
-  // freed by whichever thread drops it last, ordered only by libstdc++'s own count.
+  // The call's error. Kept as a value that every wait() throws an unshared copy of, so each
+  // exception object belongs to the thread that throws it: an exception_ptr made on the worker
+  // would be freed by whichever thread drops it last, ordered only by libstdc++'s own count.
+  // (The worker often drops the state last: it completes blocking sends and recvs.)
   std::optional<Error> error;
   std::exception_ptr other_error;  // anything but a gradsync::Error (bad_alloc...)
   void rethrow_if_failed() const {
-    if (error) throw Error(*error);
+    if (error) throw unshared_copy(*error);
     if (other_error) std::rethrow_exception(other_error);
   }
 };
