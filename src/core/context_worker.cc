@@ -89,9 +89,11 @@ void Context::Impl::worker_loop() {
 
 void Context::Impl::drain() {
   std::unique_lock lock(queue_mu_);
+  auto idle = [&] { return queue_.empty() && !busy_; };
+  if (idle()) return;  // the common case: no wake-up for a worker with nothing to do
   ++draining_;
   queue_cv_.notify_all();  // a worker pausing between tests of calls in flight waits for them
-  queue_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+  queue_cv_.wait(lock, idle);
   --draining_;
 }
 
