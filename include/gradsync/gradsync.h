@@ -128,7 +128,8 @@ struct ContextAccess;
 // Calls: every collective comes blocking and async (`_async`, returning a Work). All of them
 // run in the order they were issued, on the context's one worker thread (a blocking call waits
 // for the calls before it, then runs), so each rank must issue the same calls in the same
-// order. Issue calls from one thread at a time.
+// order. Point-to-point send and recv are the exception: see send() for their rules. Issue
+// calls from one thread at a time.
 //
 // Buffers: an async call reads `send` and writes `recv` (or `data`) until its Work is done:
 // keep them alive, do not write a send buffer nor read a receive buffer before wait() returns
@@ -170,6 +171,64 @@ class Context {
   void reduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
               int root, const CallOptions& options = {});
   void barrier(const CallOptions& options = {});
+  // `root` receives size() * count elements into `recv`, rank r's `send` at offset r * count
+  // (root's `send` may already sit at its offset: in place). Other ranks may pass a null
+  // `recv`.
+  void gather(const void* send, void* recv, std::size_t count, DataType dtype, int root,
+              const CallOptions& options = {});
+  // Root's `send` holds size() * count elements; rank r receives block r (offset r * count)
+  // into `recv` (root's `recv` may be its own block: in place). Other ranks may pass a null
+  // `send`.
+  void scatter(const void* send, void* recv, std::size_t count, DataType dtype, int root,
+               const CallOptions& options = {});
+  // `send` and `recv` hold size() blocks of `count` elements: block j of `send` goes to rank
+  // j, block i of `recv` comes from rank i. Ranks exchange pairwise (step s: with r + s and
+  // r - s), so no rank waits for the others one after another. `send` may equal `recv` (the
+  // call then sends from a copy).
+  void alltoall(const void* send, void* recv, std::size_t count, DataType dtype,
+                const CallOptions& options = {});
+  // As alltoall, with per-rank counts: `send` holds send_counts[j] elements for rank j and
+  // `recv` recv_counts[i] from rank i, each packed in rank order (as allgatherv). Each pair
+  // must agree: rank i's send_counts[j] == rank j's recv_counts[i] (and a rank's own two
+  // entries); where they differ, the call fails with kMismatch naming both counts, before any
+  // byte of that block is written.
+  void alltoallv(const void* send, std::span<const std::size_t> send_counts, void* recv,
+                 std::span<const std::size_t> recv_counts, DataType dtype,
+                 const CallOptions& options = {});
+
+  // Point-to-point: `count` elements from this rank to `peer` (send), or from `peer` into
+  // `data` (recv). Only the two ranks issue it, and it does not count as a call of the others
+  // (collectives stay numbered alike on every rank).
+  //
+  // Matching: per ordered pair of ranks, the k-th send from a to b is received by b's k-th
+  // recv from a. Its count, dtype and `tag` must agree with the send's; where they do not,
+  // the recv fails with kMismatch naming both sides, writing nothing past `data` (and, as
+  // any failure inside a call, aborts the communicator). A tag is checked, not searched for:
+  // messages with different tags are not reordered to match.
+  //
+  // Ordering (the rule gloo's backend of torch.distributed also has): a pair's sends and
+  // receives travel in the same stream as the collectives' messages, and a collective starts
+  // only once every send and recv issued before it on this rank is complete. So a send and
+  // its recv must lie on the same side of every collective on both ranks: if rank a issues
+  // send(b) before a collective, rank b issues the matching recv(a) before it too. Otherwise
+  // the two ranks wait for each other until the timeout (a recv queued before a collective
+  // whose send the peer issues after it), or fail with kMismatch.
+  //
+  // Sends and recvs run concurrently: each starts once the collectives before it are done
+  // and the sends and recvs before it have started, without waiting for those to finish. So
+  // send_async(b) and recv_async(b) on rank a with send_async(a) and recv_async(a) on rank
+  // b, in either order, then wait(), complete for any size. A blocking send may wait until
+  // the peer posts its recv (large messages are not buffered): two ranks that exchange with
+  // blocking sends first can wait forever; post both async, then wait.
+  //
+  // The timeout (CallOptions::timeout, else Options::timeout) runs from when the call
+  // starts: a recv posted long before the peer sends needs one that covers the wait.
+  // `peer` must be another rank (kInvalidArgument). A peer that dies fails the call with
+  // kPeerLost naming it; an error in one aborts the communicator, as for any call.
+  void send(const void* data, std::size_t count, DataType dtype, int peer, int tag = 0,
+            const CallOptions& options = {});
+  void recv(void* data, std::size_t count, DataType dtype, int peer, int tag = 0,
+            const CallOptions& options = {});
 
   Work allreduce_async(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
                        const CallOptions& options = {});
@@ -185,6 +244,20 @@ class Context {
   Work reduce_async(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
                     int root, const CallOptions& options = {});
   Work barrier_async(const CallOptions& options = {});
+  Work gather_async(const void* send, void* recv, std::size_t count, DataType dtype, int root,
+                    const CallOptions& options = {});
+  Work scatter_async(const void* send, void* recv, std::size_t count, DataType dtype, int root,
+                     const CallOptions& options = {});
+  Work alltoall_async(const void* send, void* recv, std::size_t count, DataType dtype,
+                      const CallOptions& options = {});
+  // The counts are copied: they need not outlive the call.
+  Work alltoallv_async(const void* send, std::span<const std::size_t> send_counts, void* recv,
+                       std::span<const std::size_t> recv_counts, DataType dtype,
+                       const CallOptions& options = {});
+  Work send_async(const void* data, std::size_t count, DataType dtype, int peer, int tag = 0,
+                  const CallOptions& options = {});
+  Work recv_async(void* data, std::size_t count, DataType dtype, int peer, int tag = 0,
+                  const CallOptions& options = {});
 
   // The algorithm kAuto would use for an all-reduce of `bytes` (from the cost model).
   Algorithm choose_allreduce_algorithm(std::size_t bytes) const;

@@ -117,4 +117,21 @@ void reduce(Comm& c, const void* send, void* recv, std::size_t count, DataType d
 // Dissemination barrier: ceil(log2 N) rounds of empty messages.
 void barrier(Comm& c);
 
+// Gather to `root`: rank r's `count` elements land at offset r * count of root's `recv`
+// (used only on root; root's `send` may already sit there). Scatter from `root`: rank r
+// receives block r of root's `send` (used only on root; root's `recv` may be its block).
+// Root posts every receive (every send) at once: no rank waits for another's turn.
+void gather(Comm& c, const void* send, void* recv, std::size_t count, DataType dtype, int root);
+void scatter(Comm& c, const void* send, void* recv, std::size_t count, DataType dtype, int root);
+
+// All-to-all of variable blocks by pairwise exchange: `send` holds one block per rank packed in
+// rank order (send_counts[j] elements for rank j), `recv` one block per rank (recv_counts[i]
+// from rank i). Step s exchanges with ranks r + s and r - s, so every rank has one partner
+// each way per step and none serves everyone in turn. Every pair exchanges a message, empty or
+// not, tagged with its count: a pair whose counts disagree fails with kMismatch naming both
+// (before any byte is copied), as does this rank if its own two counts differ. `send` and
+// `recv` must not overlap.
+void alltoallv(Comm& c, const void* send, std::span<const std::size_t> send_counts, void* recv,
+               std::span<const std::size_t> recv_counts, DataType dtype);
+
 }  // namespace gradsync::collectives

@@ -39,6 +39,15 @@ class Comm {
     return sub;
   }
 
+  // The same call with `count` in its messages' tags: where each pair of ranks exchanges its
+  // own amount (alltoallv), the receiver then names both counts when the pair disagrees.
+  Comm with_count(std::uint64_t count) const {
+    Comm c = *this;
+    c.sig_.count = count;
+    c.tag_ = encode(c.sig_);
+    return c;
+  }
+
   int rank() const { return members_.empty() ? transport_.rank() : my_index_; }
   int size() const {
     return members_.empty() ? transport_.size() : static_cast<int>(members_.size());

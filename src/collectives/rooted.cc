@@ -1,5 +1,5 @@
-// Rooted collectives (broadcast, reduce), the parameter-server baseline built from them,
-// and the barrier.
+// Rooted collectives (broadcast, reduce, gather, scatter), the parameter-server baseline built
+// from them, and the barrier.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -115,6 +115,42 @@ void parameter_server_allreduce(Comm& c, const void* send, void* recv_v, std::si
     c.send(0, recv, bytes);
     c.recv(0, recv, bytes);
   }
+}
+
+void gather(Comm& c, const void* send, void* recv, std::size_t count, DataType dtype, int root) {
+  const std::size_t bytes = count * dtype_size(dtype);
+  if (c.rank() != root) {
+    c.send(root, send, bytes);  // empty ones too: the root checks every rank's count
+    return;
+  }
+  auto* out = static_cast<unsigned char*>(recv);
+  std::vector<transport::RequestPtr> receives;
+  for (int peer = 0; peer < c.size(); ++peer) {
+    if (peer != root) {
+      receives.push_back(c.irecv(peer, out + static_cast<std::size_t>(peer) * bytes, bytes));
+    }
+  }
+  unsigned char* mine = out + static_cast<std::size_t>(root) * bytes;
+  if (bytes && send != mine) std::memmove(mine, send, bytes);
+  c.wait_all(receives);
+}
+
+void scatter(Comm& c, const void* send, void* recv, std::size_t count, DataType dtype, int root) {
+  const std::size_t bytes = count * dtype_size(dtype);
+  if (c.rank() != root) {
+    c.recv(root, recv, bytes);
+    return;
+  }
+  const auto* in = static_cast<const unsigned char*>(send);
+  std::vector<transport::RequestPtr> sends;
+  for (int peer = 0; peer < c.size(); ++peer) {
+    if (peer != root) {
+      sends.push_back(c.isend(peer, in + static_cast<std::size_t>(peer) * bytes, bytes));
+    }
+  }
+  c.wait_all(sends);  // before writing `recv`, which may be root's own block of `send`
+  const unsigned char* mine = in + static_cast<std::size_t>(root) * bytes;
+  if (bytes && recv != mine) std::memmove(recv, mine, bytes);
 }
 
 void barrier(Comm& c) {

@@ -25,6 +25,16 @@ const char* to_string(CollectiveKind kind) {
       return "setup";
     case CollectiveKind::kCompressedAllreduce:
       return "compressed_allreduce";
+    case CollectiveKind::kGather:
+      return "gather";
+    case CollectiveKind::kScatter:
+      return "scatter";
+    case CollectiveKind::kAlltoall:
+      return "alltoall";
+    case CollectiveKind::kAlltoallv:
+      return "alltoallv";
+    case CollectiveKind::kPointToPoint:
+      return "p2p";
   }
   return "unknown";
 }
@@ -73,9 +83,11 @@ std::string describe(const CallSignature& s) {
     o << " " << to_string(s.op);
   }
   if (s.kind == CollectiveKind::kAllreduce) o << " algo=" << to_string(s.algorithm);
-  if (s.kind == CollectiveKind::kBroadcast || s.kind == CollectiveKind::kReduce) {
+  if (s.kind == CollectiveKind::kBroadcast || s.kind == CollectiveKind::kReduce ||
+      s.kind == CollectiveKind::kGather || s.kind == CollectiveKind::kScatter) {
     o << " root=" << s.root;
   }
+  if (s.kind == CollectiveKind::kPointToPoint) o << " tag=" << s.root;           // the user's tag
   if (s.kind == CollectiveKind::kCompressedAllreduce) o << " codec#" << s.root;  // spec hash
   o << ")";
   return o.str();

@@ -22,11 +22,19 @@ enum class CollectiveKind : std::uint8_t {
   kInternal,             // context set-up traffic (cost-model probes)
   kCompressedAllreduce,  // compress/: dtype is the wire format, count the float32 elements,
                          // root a hash of the codec's spec
+  kGather,
+  kScatter,
+  kAlltoall,
+  kAlltoallv,     // each message's tag carries that pair's count (see Comm::with_count)
+  kPointToPoint,  // send/recv: seq numbers the messages of one ordered pair of ranks, not the
+                  // context's calls; root is the user's tag
 };
 const char* to_string(CollectiveKind kind);
 
 struct CallSignature {
-  std::uint64_t seq = 0;  // per-context call number, identical on every rank
+  // Per-context call number, identical on every rank; for kPointToPoint, the message's number
+  // among those from its sender to its receiver, which only those two count.
+  std::uint64_t seq = 0;
   CollectiveKind kind = CollectiveKind::kInternal;
   DataType dtype = DataType::kUInt8;
   ReduceOp op = ReduceOp::kSum;

@@ -43,7 +43,7 @@ std::exception_ptr Work::error() const {
   if (!state_) return nullptr;
   std::lock_guard lock(state_->mu);
   if (!state_->done) return nullptr;
-  if (state_->error) return std::make_exception_ptr(*state_->error);
+  if (state_->error) return std::make_exception_ptr(unshared_copy(*state_->error));
   return state_->other_error;
 }
 
@@ -82,11 +82,36 @@ Algorithm Context::Impl::pick_allreduce(std::size_t bytes, Algorithm requested) 
   return cost.choose_allreduce(size, bytes, transport->shared_arena() != nullptr, topology.hosts());
 }
 
+Error Context::Impl::fail_call(const Error& e, const std::string& what,
+                               std::chrono::milliseconds limit) {
+  // A timeout names the peer this rank waited for, which may itself wait for another:
+  // first find out which rank is stopped or hung and what the others wait on (a
+  // stopped rank is then the error's peer). Grace: a quarter of the timeout, up to 2 s.
+  std::string detail = e.detail();
+  int peer = e.peer();
+  if (e.kind() == ErrorKind::kTimeout) {
+    const auto grace = std::min<std::chrono::milliseconds>(limit / 4, std::chrono::seconds(2));
+    transport::StallReport stall;
+    try {
+      stall = transport->explain_stall(grace);
+    } catch (const std::exception&) {
+      // Only a diagnosis: the timeout itself is what must be raised.
+    }
+    if (!stall.detail.empty()) detail += "; " + stall.detail;
+    if (stall.silent.size() == 1) peer = stall.silent.front();
+  }
+  // Name this call, then make the failure sticky and tell every peer, so no rank keeps
+  // waiting on a communicator that can no longer complete.
+  Error error(e.kind(), detail, rank, peer, what, e.bytes());
+  failure_ = error.what();
+  transport->abort(error.what());
+  return error;
+}
+
 void Context::Impl::execute(Task& task) {
   bool skipped = false;
   std::optional<Error> error;
   std::exception_ptr other_error;
-  std::vector<std::function<void()>> callbacks;
   if (failure_) {
     error = Error(ErrorKind::kAborted, "communicator failed earlier: " + *failure_, rank,
                   Error::kNoPeer, collectives::describe(task.sig));
@@ -99,85 +124,44 @@ void Context::Impl::execute(Task& task) {
     } catch (const AgreedError& e) {
       error = e;  // every rank raised it alike: nobody waits, the communicator goes on
     } catch (const Error& e) {
-      // A timeout names the peer this rank waited for, which may itself wait for another:
-      // first find out which rank is stopped or hung and what the others wait on (a
-      // stopped rank is then the error's peer). Grace: a quarter of the timeout, up to 2 s.
-      std::string detail = e.detail();
-      int peer = e.peer();
-      if (e.kind() == ErrorKind::kTimeout) {
-        const auto grace = std::min<std::chrono::milliseconds>(limit / 4, std::chrono::seconds(2));
-        transport::StallReport stall;
-        try {
-          stall = transport->explain_stall(grace);
-        } catch (const std::exception&) {
-          // Only a diagnosis: the timeout itself is what must be raised.
-        }
-        if (!stall.detail.empty()) detail += "; " + stall.detail;
-        if (stall.silent.size() == 1) peer = stall.silent.front();
-      }
-      // Name this call, then make the failure sticky and tell every peer, so no rank keeps
-      // waiting on a communicator that can no longer complete.
-      error = Error(e.kind(), detail, rank, peer, collectives::describe(task.sig), e.bytes());
-      failure_ = error->what();
-      transport->abort(error->what());
+      error = fail_call(e, collectives::describe(task.sig), limit);
     } catch (...) {
       other_error = std::current_exception();
     }
   }
+  complete_work(*task.state, std::move(error), std::move(other_error), skipped);
+}
+
+void complete_work(Work::State& state, std::optional<Error> error, std::exception_ptr other_error,
+                   bool skipped) {
+  std::vector<std::function<void()>> callbacks;
   {
-    std::lock_guard lock(task.state->mu);
-    task.state->skipped = skipped;
-    task.state->error = std::move(error);
-    task.state->other_error = std::move(other_error);
-    task.state->done = true;
-    callbacks.swap(task.state->on_done);
+    std::lock_guard lock(state.mu);
+    state.skipped = skipped;
+    state.error = std::move(error);
+    state.other_error = std::move(other_error);
+    state.done = true;
+    callbacks.swap(state.on_done);
   }
-  task.state->cv.notify_all();
+  state.cv.notify_all();
   for (auto& callback : callbacks) callback();
-}
-
-void Context::Impl::worker_loop() {
-  for (;;) {
-    Task task;
-    {
-      std::unique_lock lock(queue_mu_);
-      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping with nothing left
-      task = std::move(queue_.front());
-      queue_.pop_front();
-      busy_ = true;
-    }
-    {
-      std::lock_guard exec(exec_mu_);
-      execute(task);
-    }
-    {
-      std::lock_guard lock(queue_mu_);
-      busy_ = false;
-    }
-    queue_cv_.notify_all();
-  }
-}
-
-void Context::Impl::drain() {
-  std::unique_lock lock(queue_mu_);
-  queue_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
 }
 
 Work Context::Impl::submit_steps(CallSignature sig, std::function<void(CallSteps&)> body,
                                  bool blocking, std::chrono::milliseconds call_timeout) {
   sig.seq = next_seq_++;
   auto state = std::make_shared<Work::State>();
-  Task task{sig, std::move(body), state, call_timeout};
+  Task task;
+  task.sig = sig;
+  task.body = std::move(body);
+  task.state = state;
+  task.timeout = call_timeout;
   if (blocking) {
     drain();
     std::lock_guard exec(exec_mu_);
     execute(task);
   } else {
-    std::lock_guard lock(queue_mu_);
-    if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
-    queue_.push_back(std::move(task));
-    queue_cv_.notify_all();
+    enqueue(std::move(task));
   }
   return Work(state);
 }
@@ -255,9 +239,7 @@ void run_allreduce(Comm& c, const Context::Impl& context, const void* send, void
 
 // ---- Context ----
 
-namespace {
-
-void require(bool ok, const std::string& what, int rank, const char* op, std::size_t bytes = 0) {
+void require(bool ok, const std::string& what, int rank, const char* op, std::size_t bytes) {
   if (!ok) throw Error(ErrorKind::kInvalidArgument, what, rank, Error::kNoPeer, op, bytes);
 }
 
@@ -277,8 +259,6 @@ void check_dtype_op(DataType dtype, ReduceOp op, int rank, const char* name) {
               "dtype, not " + to_string(dtype),
           rank, name);
 }
-
-}  // namespace
 
 namespace {
 

@@ -21,22 +21,35 @@
 
 namespace gradsync {
 
+// A copy of `e` that shares nothing with it. A plain copy shares the message buffer, which
+// libstdc++ counts with atomics ThreadSanitizer cannot see: the worker freeing a call's error
+// after the caller's copy was read and dropped would look like a race.
+inline Error unshared_copy(const Error& e) {
+  return Error(e.kind(), e.detail(), e.rank(), e.peer(), e.op(), e.bytes());
+}
+
 struct Work::State {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
   bool skipped = false;  // a compressed all-reduce under NonFinite::kSkip found NaN or Inf
-  // The call's error. Kept as a value that every wait() throws a copy of, so each exception
-  // object belongs to the thread that throws it: an exception_ptr made on the worker would be
-  // freed by whichever thread drops it last, ordered only by libstdc++'s own count.
+  // The call's error. Kept as a value that every wait() throws an unshared copy of, so each
+  // exception object belongs to the thread that throws it: an exception_ptr made on the worker
+  // would be freed by whichever thread drops it last, ordered only by libstdc++'s own count.
+  // (The worker often drops the state last: it completes blocking sends and recvs.)
   std::optional<Error> error;
   std::exception_ptr other_error;              // anything but a gradsync::Error (bad_alloc...)
   std::vector<std::function<void()>> on_done;  // run once, after `done` is set
   void rethrow_if_failed() const {
-    if (error) throw Error(*error);
+    if (error) throw unshared_copy(*error);
     if (other_error) std::rethrow_exception(other_error);
   }
 };
+
+// Settles a call: records its outcome and wakes whoever waits on its Work. Every call, queued
+// or blocking, collective or point-to-point, completes here and nowhere else.
+void complete_work(Work::State& state, std::optional<Error> error,
+                   std::exception_ptr other_error = nullptr, bool skipped = false);
 
 // An error every rank raises alike from data they all hold (a NaN that the ranks settled on
 // together): the call fails, but the communicator stays usable, as no rank was left waiting.
@@ -75,6 +88,14 @@ struct Context::Impl {
   // A call of one collective, `sig` itself.
   Work submit(collectives::CallSignature sig, std::function<void(collectives::Comm&)> body,
               bool blocking, std::chrono::milliseconds timeout = {});
+  // Queues a send to or a receive from `peer` (see context_p2p.cc), which `post` hands to the
+  // transport tagged `sig`. `sig` gets the pair's next message number, not a call number, as
+  // only the two ranks issue it. Always async: the worker posts it in issue order, but does
+  // not wait for it before posting the point-to-point calls queued behind it.
+  using PostP2p =
+      std::function<transport::RequestPtr(transport::Transport&, const transport::Tag&)>;
+  Work submit_p2p(collectives::CallSignature sig, bool is_send, int peer, PostP2p post,
+                  std::chrono::milliseconds timeout);
 
   Algorithm pick_allreduce(std::size_t bytes, Algorithm requested) const;
 
@@ -88,19 +109,48 @@ struct Context::Impl {
     collectives::CallSignature sig;
     std::function<void(CallSteps&)> body;
     std::shared_ptr<Work::State> state;
-    std::chrono::milliseconds timeout;
+    std::chrono::milliseconds timeout{0};
+    // A point-to-point call instead of `body`: posts its one transport request, tagged `sig`.
+    PostP2p post{};
+    int peer = -1;
+    std::string what{};  // "send to rank 3: p2p #2 (...)", for its errors
+  };
+  // A point-to-point call whose request is posted and not yet complete (worker thread only).
+  struct InFlight {
+    transport::RequestPtr request;
+    std::shared_ptr<Work::State> state;
+    transport::Clock::time_point deadline;
+    std::chrono::milliseconds limit;
+    int peer;
+    std::string what;
   };
   void execute(Task& task);  // caller holds exec_mu_
+  void enqueue(Task task);   // for the worker; issuing thread
   void worker_loop();
   void drain();  // waits until the async queue is empty and idle
+  // The error a failure inside a call becomes, naming the call `what`: a timeout first finds
+  // the rank the job waits for; then the communicator fails for good and every peer is told.
+  // Caller holds exec_mu_.
+  Error fail_call(const Error& e, const std::string& what, std::chrono::milliseconds limit);
+  // Point-to-point calls on the worker (context_p2p.cc); caller holds exec_mu_.
+  void start_p2p(Task& task);
+  // `block`: waits for every call in flight (no call that could be posted now is queued);
+  // else one test of each. True if any completed or moved bytes.
+  bool progress_p2p(bool block);
+  void finish_p2p(InFlight& call, std::optional<Error> error, std::exception_ptr other = nullptr);
 
   std::uint64_t next_seq_ = 1;
-  std::mutex exec_mu_;                  // serialises use of the transport
-  std::optional<std::string> failure_;  // guarded by exec_mu_; sticky
+  std::vector<std::uint64_t> sent_to_, received_from_;  // messages per peer; issuing thread
+  std::mutex exec_mu_;                                  // serialises use of the transport
+  std::optional<std::string> failure_;                  // guarded by exec_mu_; sticky
+  std::deque<InFlight> in_flight_;                      // worker thread only
+  std::uint64_t in_flight_bytes_moved_ = 0;  // the traffic of their peers at the last test
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;
   std::deque<Task> queue_;  // guarded by queue_mu_
-  bool busy_ = false;       // worker is running a task; guarded by queue_mu_
+  // Worker is running a task or has point-to-point calls in flight; guarded by queue_mu_.
+  bool busy_ = false;
+  int draining_ = 0;  // threads in drain(), guarded by queue_mu_
   bool stopping_ = false;
   std::thread worker_;
 };
@@ -143,6 +193,11 @@ class CallSteps {
   std::uint16_t next_step_ = 0;  // wraps after 65536 steps: per pair, messages stay in order
   bool skipped_ = false;
 };
+
+// Argument checks of the public calls: each throws kInvalidArgument naming the call `op`.
+void require(bool ok, const std::string& what, int rank, const char* op, std::size_t bytes = 0);
+void check_buffer(const void* p, std::size_t count, const char* name, int rank, const char* op);
+void check_dtype_op(DataType dtype, ReduceOp op, int rank, const char* name);
 
 // Runs an all-reduce of `chosen` (never kAuto) on `c`.
 void run_allreduce(collectives::Comm& c, const Context::Impl& context, const void* send, void* recv,

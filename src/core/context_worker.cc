@@ -1,0 +1,107 @@
+// The context's worker thread: the queue of async calls, run in issue order, with the
+// point-to-point calls it keeps in flight between them (context_p2p.cc), and the drain a
+// blocking call waits in.
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "core/context_impl.h"
+
+namespace gradsync {
+
+namespace {
+// How long the worker sleeps between tests of point-to-point calls in flight while it must
+// stay ready to post the next one. Progress keeps the sleeps short: shm moves bytes only
+// inside tests (a ring of 2 MiB takes a few hundred microseconds to drain); idle calls back
+// off towards a millisecond, so a receive posted long before its send costs next to nothing.
+// A new call ends the sleep at once (queue_cv_).
+class PollBackoff {
+ public:
+  void record(bool progressed) { idle_ = progressed ? 0 : idle_ + 1; }
+  // Zero: test again at once (after a yield).
+  std::chrono::microseconds next() const {
+    if (idle_ < kRetries) return std::chrono::microseconds(0);
+    const int doublings = std::min(idle_ - kRetries, 5);
+    return kShortest * (1 << doublings);  // 32 us .. 1 ms
+  }
+
+ private:
+  static constexpr int kRetries = 16;
+  static constexpr std::chrono::microseconds kShortest{32};
+  int idle_ = 0;
+};
+}  // namespace
+
+void Context::Impl::worker_loop() {
+  PollBackoff backoff;
+  for (;;) {
+    Task task;
+    bool have_task = false, block = false;
+    {
+      std::unique_lock lock(queue_mu_);
+      auto something_to_do = [&] { return stopping_ || draining_ > 0 || !queue_.empty(); };
+      if (in_flight_.empty()) {
+        queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping with nothing left
+      } else if (!something_to_do()) {
+        const auto pause = backoff.next();
+        if (pause.count() > 0) {
+          queue_cv_.wait_for(lock, pause, something_to_do);
+        } else {
+          lock.unlock();
+          std::this_thread::yield();
+          lock.lock();
+        }
+      }
+      // A point-to-point call is posted even while others are in flight; any other call
+      // runs once they are all complete (they were issued before it).
+      if (!queue_.empty() && (in_flight_.empty() || queue_.front().post)) {
+        task = std::move(queue_.front());
+        queue_.pop_front();
+        have_task = true;
+      } else {
+        // Nothing may be posted before the calls in flight complete (a collective is next,
+        // a blocking call waits, or the context closes): wait for them in the transport.
+        block = something_to_do();
+      }
+      busy_ = true;
+    }
+    {
+      std::lock_guard exec(exec_mu_);
+      if (!have_task) {
+        backoff.record(progress_p2p(block));
+      } else if (task.post) {
+        start_p2p(task);
+        backoff.record(true);  // test the new call at once, however long the others idled
+      } else {
+        execute(task);
+      }
+    }
+    bool idle;
+    {
+      std::lock_guard lock(queue_mu_);
+      busy_ = !in_flight_.empty();
+      idle = !busy_;
+    }
+    if (have_task || idle) queue_cv_.notify_all();
+  }
+}
+
+void Context::Impl::drain() {
+  std::unique_lock lock(queue_mu_);
+  auto idle = [&] { return queue_.empty() && !busy_; };
+  if (idle()) return;  // the common case: no wake-up for a worker with nothing to do
+  ++draining_;
+  queue_cv_.notify_all();  // a worker pausing between tests of calls in flight waits for them
+  queue_cv_.wait(lock, idle);
+  --draining_;
+}
+
+void Context::Impl::enqueue(Task task) {
+  std::lock_guard lock(queue_mu_);
+  if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
+  queue_.push_back(std::move(task));
+  queue_cv_.notify_all();
+}
+
+}  // namespace gradsync
