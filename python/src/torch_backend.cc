@@ -569,6 +569,205 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::_reduce_scatter_base(
       [in, staged] { staged->write_back(); });
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  const char* op = "gather";
+  const DataType dtype = check_tensors(inputs, rank_, op);
+  expect_one(inputs, rank_, op);
+  const int root = static_cast<int>(opts.rootRank);
+  std::vector<at::Tensor> outs;
+  if (rank_ == root) {
+    if (outputs.size() != 1 || outputs[0].size() != static_cast<std::size_t>(size_)) {
+      refuse("the root takes one list of " + std::to_string(size_) + " output tensors", rank_, op);
+    }
+    outs = outputs[0];
+    if (check_tensors(outs, rank_, op) != dtype)
+      refuse("outputs and input differ in dtype", rank_, op);
+    for (const auto& t : outs) {
+      if (t.numel() != inputs[0].numel()) {
+        refuse("output tensor of shape " + shape_of(t) + " for an input of shape " +
+                   shape_of(inputs[0]),
+               rank_, op);
+      }
+    }
+  } else if (!outputs.empty() && !outputs[0].empty()) {
+    refuse("only the root (rank " + std::to_string(root) + ") takes output tensors", rank_, op);
+  }
+  auto input = std::make_shared<at::Tensor>(inputs[0].contiguous());
+  auto gathered = std::make_shared<at::Tensor>(
+      rank_ == root
+          ? at::empty({static_cast<std::int64_t>(size_) * input->numel()}, input->options())
+          : at::Tensor());
+  const auto options = call_options(opts.timeout);
+  return launch(
+      c10d::OpType::GATHER, outs,
+      [&]() -> std::vector<Work> {
+        if (input->numel() == 0) return {};
+        return {ctx_->gather_async(input->data_ptr(),
+                                   gathered->defined() ? gathered->data_ptr() : nullptr,
+                                   static_cast<std::size_t>(input->numel()), dtype, root, options)};
+      },
+      [input, gathered, outs] {
+        if (gathered->defined()) unflatten(*gathered, outs);
+      });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  const char* op = "scatter";
+  const DataType dtype = check_tensors(outputs, rank_, op);
+  expect_one(outputs, rank_, op);
+  const int root = static_cast<int>(opts.rootRank);
+  auto flat = std::make_shared<at::Tensor>();
+  if (rank_ == root) {
+    if (inputs.size() != 1 || inputs[0].size() != static_cast<std::size_t>(size_)) {
+      refuse("the root takes one list of " + std::to_string(size_) + " input tensors", rank_, op);
+    }
+    if (check_tensors(inputs[0], rank_, op) != dtype)
+      refuse("inputs and output differ in dtype", rank_, op);
+    for (const auto& t : inputs[0]) {
+      if (t.numel() != outputs[0].numel()) {
+        refuse("input tensor of shape " + shape_of(t) + " for an output of shape " +
+                   shape_of(outputs[0]),
+               rank_, op);
+      }
+    }
+    *flat = flatten(inputs[0]);
+  } else if (!inputs.empty() && !inputs[0].empty()) {
+    refuse("only the root (rank " + std::to_string(root) + ") takes input tensors", rank_, op);
+  }
+  auto staged = std::make_shared<Staged>(outputs[0]);
+  const auto options = call_options(opts.timeout);
+  return launch(
+      c10d::OpType::SCATTER, outputs,
+      [&]() -> std::vector<Work> {
+        if (staged->count() == 0) return {};
+        return {ctx_->scatter_async(flat->defined() ? flat->data_ptr() : nullptr, staged->data(),
+                                    staged->count(), dtype, root, options)};
+      },
+      [flat, staged] { staged->write_back(); });
+}
+
+namespace {
+
+// Element counts per rank for alltoall_base: `splits` (rows of dim 0 per rank) or equal.
+std::vector<std::size_t> split_counts(const at::Tensor& t, const std::vector<std::int64_t>& splits,
+                                      int size, int rank, const char* what) {
+  std::vector<std::size_t> counts(static_cast<std::size_t>(size));
+  const std::int64_t rows = t.dim() ? t.size(0) : 1;
+  const std::int64_t row = rows ? t.numel() / rows : 0;
+  if (splits.empty()) {
+    if (rows % size) {
+      refuse(std::string(what) + " of shape " + shape_of(t) + " does not split into " +
+                 std::to_string(size) + " equal parts",
+             rank, "alltoall_base");
+    }
+    for (auto& c : counts) c = static_cast<std::size_t>(rows / size * row);
+    return counts;
+  }
+  if (splits.size() != static_cast<std::size_t>(size)) {
+    refuse(std::string(what) + " splits have " + std::to_string(splits.size()) + " entries for " +
+               std::to_string(size) + " ranks",
+           rank, "alltoall_base");
+  }
+  std::int64_t total = 0;
+  for (std::size_t i = 0; i < counts.size(); ++i) {
+    if (splits[i] < 0) refuse("negative split", rank, "alltoall_base");
+    counts[i] = static_cast<std::size_t>(splits[i] * row);
+    total += splits[i];
+  }
+  if (total != rows) {
+    refuse(
+        std::string(what) + " splits sum to " + std::to_string(total) + " rows of " + shape_of(t),
+        rank, "alltoall_base");
+  }
+  return counts;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<std::int64_t>& output_splits,
+    std::vector<std::int64_t>& input_splits, const c10d::AllToAllOptions& opts) {
+  const char* op = "alltoall_base";
+  const DataType dtype = check_tensors({input, output}, rank_, op);
+  auto send_counts = split_counts(input, input_splits, size_, rank_, "input");
+  auto recv_counts = split_counts(output, output_splits, size_, rank_, "output");
+  auto in = std::make_shared<at::Tensor>(input.contiguous());
+  auto staged = std::make_shared<Staged>(output);
+  const auto options = call_options(opts.timeout);
+  return launch(
+      c10d::OpType::ALLTOALL_BASE, {output},
+      [&]() -> std::vector<Work> {
+        return {ctx_->alltoallv_async(in->data_ptr(), send_counts, staged->data(), recv_counts,
+                                      dtype, options)};
+      },
+      [in, staged] { staged->write_back(); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::alltoall(std::vector<at::Tensor>& outputs,
+                                                              std::vector<at::Tensor>& inputs,
+                                                              const c10d::AllToAllOptions& opts) {
+  const char* op = "alltoall";
+  if (inputs.size() != static_cast<std::size_t>(size_) ||
+      outputs.size() != static_cast<std::size_t>(size_)) {
+    refuse("takes " + std::to_string(size_) + " input and output tensors", rank_, op);
+  }
+  const DataType dtype = check_tensors(inputs, rank_, op);
+  if (check_tensors(outputs, rank_, op) != dtype)
+    refuse("outputs and inputs differ in dtype", rank_, op);
+  std::vector<std::size_t> send_counts, recv_counts;
+  for (const auto& t : inputs) send_counts.push_back(static_cast<std::size_t>(t.numel()));
+  for (const auto& t : outputs) recv_counts.push_back(static_cast<std::size_t>(t.numel()));
+  auto flat_in = std::make_shared<at::Tensor>(flatten(inputs));
+  std::int64_t total = 0;
+  for (auto c : recv_counts) total += static_cast<std::int64_t>(c);
+  auto flat_out = std::make_shared<at::Tensor>(at::empty({total}, flat_in->options()));
+  const auto options = call_options(opts.timeout);
+  return launch(
+      c10d::OpType::ALLTOALL, outputs,
+      [&]() -> std::vector<Work> {
+        return {ctx_->alltoallv_async(flat_in->data_ptr(), send_counts, flat_out->data_ptr(),
+                                      recv_counts, dtype, options)};
+      },
+      [flat_in, flat_out, outputs] { unflatten(*flat_out, outputs); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::send(std::vector<at::Tensor>& tensors, int dst,
+                                                          int tag) {
+  const char* op = "send";
+  const DataType dtype = check_tensors(tensors, rank_, op);
+  expect_one(tensors, rank_, op);
+  auto in = std::make_shared<at::Tensor>(tensors[0].contiguous());
+  return launch(
+      c10d::OpType::SEND, tensors,
+      [&]() -> std::vector<Work> {
+        return {ctx_->send_async(in->data_ptr(), static_cast<std::size_t>(in->numel()), dtype, dst,
+                                 tag)};
+      },
+      [in] {});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::recv(std::vector<at::Tensor>& tensors, int src,
+                                                          int tag) {
+  const char* op = "recv";
+  const DataType dtype = check_tensors(tensors, rank_, op);
+  expect_one(tensors, rank_, op);
+  auto staged = std::make_shared<Staged>(tensors[0]);
+  return launch(
+      c10d::OpType::RECV, tensors,
+      [&]() -> std::vector<Work> {
+        return {ctx_->recv_async(staged->data(), staged->count(), dtype, src, tag)};
+      },
+      [staged] { staged->write_back(); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::recvAnysource(std::vector<at::Tensor>&, int) {
+  refuse("recv from any source (src=None) is not supported: name the sending rank", rank_, "recv");
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::barrier(const c10d::BarrierOptions& opts) {
   const auto options = call_options(opts.timeout);
   return launch(c10d::OpType::BARRIER, {},

@@ -215,3 +215,71 @@ def callback_waits(rank, world):
 def test_a_callback_may_wait_for_a_later_call_of_its_group():
     for result in ranks.run(2, callback_waits):
         assert result == [8.0] * 10
+
+
+def rooted_alltoall_p2p(rank, world):
+    failures = []
+
+    def check(what, got, want):
+        if not equal(got, want):
+            failures.append(f"{what}: got {got.flatten()[:8].tolist()} want "
+                            f"{want.flatten()[:8].tolist()}")
+
+    for dtype in DTYPES:
+        for count in COUNTS:
+            every = [contribution(r, count, dtype) for r in range(world)]
+            root = world - 1
+            outs = [torch.zeros(count, dtype=dtype) for _ in range(world)] if rank == root else None
+            dist.gather(every[rank], outs, dst=root)
+            if rank == root:
+                check(f"gather {dtype} {count}", torch.stack(outs), torch.stack(every))
+            out = torch.zeros(count, dtype=dtype)
+            dist.scatter(out, [contribution(r, count, dtype, 5) for r in range(world)]
+                         if rank == 0 else None, src=0)
+            check(f"scatter {dtype} {count}", out, contribution(rank, count, dtype, 5))
+            # all_to_all_single, equal blocks: block j of rank i is contribution(i, count, salt=j).
+            send = torch.cat([contribution(rank, count, dtype, j) for j in range(world)])
+            recv = torch.zeros(world * count, dtype=dtype)
+            dist.all_to_all_single(recv, send)
+            check(f"all_to_all_single {dtype} {count}", recv,
+                  torch.cat([contribution(i, count, dtype, rank) for i in range(world)]))
+    # Uneven splits: rank i sends i + j + 1 rows to rank j.
+    send = torch.cat([torch.full((rank + j + 1, 2), float(10 * rank + j)) for j in range(world)])
+    recv = torch.zeros(sum(i + rank + 1 for i in range(world)), 2)
+    dist.all_to_all_single(recv, send, [i + rank + 1 for i in range(world)],
+                           [rank + j + 1 for j in range(world)])
+    check("all_to_all_single uneven", recv,
+          torch.cat([torch.full((i + rank + 1, 2), float(10 * i + rank)) for i in range(world)]))
+    ins = [torch.full((j + 1,), float(rank)) for j in range(world)]
+    outs = [torch.zeros(rank + 1) for _ in range(world)]
+    dist.all_to_all(outs, ins)
+    for i, o in enumerate(outs):
+        check(f"all_to_all from {i}", o, torch.full((rank + 1,), float(i)))
+    # Point to point: a ring, isend and irecv, then batch_isend_irecv the other way.
+    if world > 1:
+        right, left = (rank + 1) % world, (rank - 1) % world
+        got = torch.zeros(1000)
+        reqs = [dist.isend(torch.full((1000,), float(rank)), right),
+                dist.irecv(got, left)]
+        for r in reqs:
+            r.wait()
+        check("ring isend/irecv", got, torch.full((1000,), float(left)))
+        got = torch.zeros(3, dtype=torch.int64)
+        ops = [dist.P2POp(dist.isend, torch.full((3,), rank, dtype=torch.int64), left),
+               dist.P2POp(dist.irecv, got, right)]
+        for r in dist.batch_isend_irecv(ops):
+            r.wait()
+        check("batch_isend_irecv", got, torch.full((3,), right, dtype=torch.int64))
+        if rank == 0:
+            dist.send(torch.arange(5.0), world - 1, tag=7)
+        elif rank == world - 1:
+            t = torch.zeros(5)
+            dist.recv(t, 0, tag=7)
+            check("send/recv", t, torch.arange(5.0))
+    return failures
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_gather_scatter_all_to_all_and_point_to_point_match(world):
+    for rank, failures in enumerate(ranks.run(world, rooted_alltoall_p2p)):
+        assert not failures, f"rank {rank}: " + "\n".join(failures)
