@@ -28,6 +28,7 @@ import importlib
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
@@ -105,7 +106,7 @@ def parse_args(argv=None):
                    help="use only the first N test samples (0: all 10000)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--fail-once-after-epoch", type=int, default=None, metavar="E",
-                   help="testing --resume: the last rank exits with status 1 after epoch E "
+                   help="testing --resume: the last rank kills itself (SIGKILL) after epoch E "
                         "is saved, on a job's first attempt only (TORCHELASTIC_RESTART_COUNT "
                         "unset or 0)")
     args = p.parse_args(argv)
@@ -679,9 +680,9 @@ class Trainer:
             return
         dist.barrier()  # rank 0's checkpoint is on disk before the failure
         if self.rank == self.world - 1:
-            print(f"{PROG}: rank {self.rank}: failing after epoch {self.next_epoch} "
-                  "(--fail-once-after-epoch)", file=sys.stderr, flush=True)
-            os._exit(1)
+            print(f"{PROG}: rank {self.rank}: killing itself (SIGKILL) after epoch "
+                  f"{self.next_epoch} (--fail-once-after-epoch)", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash, not an orderly exit
 
     def release(self):
         """Drops the DDP model, its hook state and the optimizer (see close())."""
