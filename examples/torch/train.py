@@ -165,6 +165,8 @@ def parse_hook(spec):
     name, _, text = spec.partition(":")
     if spec == "none":
         return lambda: None
+    if name == "gradsync":  # gradsync's codec even where torch has a hook of that name
+        return gradsync_codec_hook(text)
     if spec in ("fp16", "bf16"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         hook = getattr(default_hooks, f"{spec}_compress_hook", None)

@@ -209,7 +209,7 @@ def callback_waits(rank, world):
         u = f.value()[0] * 2
         return dist.all_reduce(u, async_op=True).get_future().wait()[0]
 
-    return fut.then(then_another).wait()[0].tolist()
+    return fut.then(then_another).wait().tolist()
 
 
 def test_a_callback_may_wait_for_a_later_call_of_its_group():
