@@ -218,6 +218,26 @@ std::string shape_of(const at::Tensor& t) {
   return s + "]";
 }
 
+// The one list of `size` tensors a per-rank call takes (all_gather's outputs, reduce_scatter's
+// inputs), each of `like`'s dtype and element count. `role`: "output" or "input".
+const std::vector<at::Tensor>& rank_blocks(const std::vector<std::vector<at::Tensor>>& lists,
+                                           const at::Tensor& like, DataType dtype, int size,
+                                           int rank, const char* op, const std::string& role) {
+  if (lists.size() != 1 || lists[0].size() != static_cast<std::size_t>(size)) {
+    refuse("takes one list of " + std::to_string(size) + " " + role + " tensors", rank, op);
+  }
+  if (check_tensors(lists[0], rank, op) != dtype) {
+    refuse(role + " tensors of another dtype than the " + shape_of(like) + " tensor's", rank, op);
+  }
+  for (const auto& t : lists[0]) {
+    if (t.numel() != like.numel()) {
+      refuse(role + " tensor of shape " + shape_of(t) + " with a tensor of shape " + shape_of(like),
+             rank, op);
+    }
+  }
+  return lists[0];
+}
+
 }  // namespace
 
 CompletionPool::~CompletionPool() {
@@ -433,19 +453,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::allgather(
   const char* op = "allgather";
   const DataType dtype = check_tensors(inputs, rank_, op);
   expect_one(inputs, rank_, op);
-  if (outputs.size() != 1 || outputs[0].size() != static_cast<std::size_t>(size_)) {
-    refuse("takes one list of " + std::to_string(size_) + " output tensors", rank_, op);
-  }
-  auto& outs = outputs[0];
-  if (check_tensors(outs, rank_, op) != dtype)
-    refuse("outputs and input differ in dtype", rank_, op);
-  for (const auto& t : outs) {
-    if (t.numel() != inputs[0].numel()) {
-      refuse(
-          "output tensor of shape " + shape_of(t) + " for an input of shape " + shape_of(inputs[0]),
-          rank_, op);
-    }
-  }
+  const auto& outs = rank_blocks(outputs, inputs[0], dtype, size_, rank_, op, "output");
   auto input = std::make_shared<at::Tensor>(inputs[0].contiguous());
   auto gathered = std::make_shared<at::Tensor>(
       at::empty({static_cast<std::int64_t>(size_) * input->numel()}, input->options()));
@@ -520,18 +528,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::reduce_scatter(
   const char* op = "reduce_scatter";
   const DataType dtype = check_tensors(outputs, rank_, op);
   expect_one(outputs, rank_, op);
-  if (inputs.size() != 1 || inputs[0].size() != static_cast<std::size_t>(size_)) {
-    refuse("takes one list of " + std::to_string(size_) + " input tensors", rank_, op);
-  }
-  if (check_tensors(inputs[0], rank_, op) != dtype)
-    refuse("inputs and output differ in dtype", rank_, op);
-  for (const auto& t : inputs[0]) {
-    if (t.numel() != outputs[0].numel()) {
-      refuse("input tensor of shape " + shape_of(t) + " for an output of shape " +
-                 shape_of(outputs[0]),
-             rank_, op);
-    }
-  }
+  rank_blocks(inputs, outputs[0], dtype, size_, rank_, op, "input");
   auto flat = std::make_shared<at::Tensor>(flatten(inputs[0]));
   auto staged = std::make_shared<Staged>(outputs[0]);
   const ReduceOp rop = op_of(opts.reduceOp, rank_, op);
@@ -578,19 +575,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::gather(
   const int root = static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> outs;
   if (rank_ == root) {
-    if (outputs.size() != 1 || outputs[0].size() != static_cast<std::size_t>(size_)) {
-      refuse("the root takes one list of " + std::to_string(size_) + " output tensors", rank_, op);
-    }
-    outs = outputs[0];
-    if (check_tensors(outs, rank_, op) != dtype)
-      refuse("outputs and input differ in dtype", rank_, op);
-    for (const auto& t : outs) {
-      if (t.numel() != inputs[0].numel()) {
-        refuse("output tensor of shape " + shape_of(t) + " for an input of shape " +
-                   shape_of(inputs[0]),
-               rank_, op);
-      }
-    }
+    outs = rank_blocks(outputs, inputs[0], dtype, size_, rank_, op, "output");
   } else if (!outputs.empty() && !outputs[0].empty()) {
     refuse("only the root (rank " + std::to_string(root) + ") takes output tensors", rank_, op);
   }
@@ -622,18 +607,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::scatter(
   const int root = static_cast<int>(opts.rootRank);
   auto flat = std::make_shared<at::Tensor>();
   if (rank_ == root) {
-    if (inputs.size() != 1 || inputs[0].size() != static_cast<std::size_t>(size_)) {
-      refuse("the root takes one list of " + std::to_string(size_) + " input tensors", rank_, op);
-    }
-    if (check_tensors(inputs[0], rank_, op) != dtype)
-      refuse("inputs and output differ in dtype", rank_, op);
-    for (const auto& t : inputs[0]) {
-      if (t.numel() != outputs[0].numel()) {
-        refuse("input tensor of shape " + shape_of(t) + " for an output of shape " +
-                   shape_of(outputs[0]),
-               rank_, op);
-      }
-    }
+    rank_blocks(inputs, outputs[0], dtype, size_, rank_, op, "input");
     *flat = flatten(inputs[0]);
   } else if (!inputs.empty() && !inputs[0].empty()) {
     refuse("only the root (rank " + std::to_string(root) + ") takes input tensors", rank_, op);

@@ -51,13 +51,18 @@ def equal(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-def collectives_grid(rank, world):
-    failures = []
-
+def checker(failures):
+    """check(what, got, want) appends a failure (with the first values) unless equal."""
     def check(what, got, want):
         if not equal(got, want):
             failures.append(f"{what}: got {got.flatten()[:8].tolist()} want "
                             f"{want.flatten()[:8].tolist()} ({got.dtype}/{want.dtype})")
+    return check
+
+
+def collectives_grid(rank, world):
+    failures = []
+    check = checker(failures)
 
     for dtype in DTYPES:
         for count in COUNTS:
@@ -219,11 +224,7 @@ def test_a_callback_may_wait_for_a_later_call_of_its_group():
 
 def rooted_alltoall_p2p(rank, world):
     failures = []
-
-    def check(what, got, want):
-        if not equal(got, want):
-            failures.append(f"{what}: got {got.flatten()[:8].tolist()} want "
-                            f"{want.flatten()[:8].tolist()}")
+    check = checker(failures)
 
     for dtype in DTYPES:
         for count in COUNTS:
