@@ -10,7 +10,7 @@ build=build-fuzz
 targets=(frame_fuzz store_protocol_fuzz codec_fuzz)
 
 CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DGRADSYNC_FUZZ=ON -DGRADSYNC_BUILD_BENCH=OFF >/dev/null
+  -DGRADSYNC_FUZZ=ON -DGRADSYNC_BUILD_BENCH=OFF -DGRADSYNC_PYTHON=OFF >/dev/null
 cmake --build "$build" -j "$(nproc)" --target "${targets[@]}"
 
 mkdir -p "$build/artifacts"
