@@ -375,6 +375,138 @@ PYBIND11_MODULE(_gradsync, m) {
       "Root's recv receives the reduction of every rank's send; others may pass no recv.");
 
   ctx.def(
+      "gather",
+      [](Context& c, py::array send, std::optional<py::array> recv, int root, bool async_op,
+         std::optional<std::string> dtype, std::optional<double> timeout) {
+        const CallOf call_of(c);
+        const char* name = "gather";
+        const Buffer in = buffer_of(send, false, name, dtype);
+        Buffer res;
+        if (recv) {
+          res = buffer_of(*recv, true, name, dtype);
+          same_dtype(in, res, name);
+          if (res.count != in.count * static_cast<std::size_t>(c.size())) {
+            refuse("recv has " + std::to_string(res.count) + " elements, not size() x send's " +
+                       std::to_string(in.count),
+                   name);
+          }
+        }
+        const auto options = call_options(timeout);
+        py::tuple arrays = recv ? py::make_tuple(send, *recv) : py::make_tuple(send);
+        return issue(async_op, arrays, [&](bool async) {
+          return async ? c.gather_async(in.data, res.data, in.count, in.dtype, root, options)
+                       : (c.gather(in.data, res.data, in.count, in.dtype, root, options),
+                          gradsync::Work());
+        });
+      },
+      py::arg("send"), py::arg("recv") = py::none(), py::arg("root") = 0,
+      py::arg("async_op") = false, py::arg("dtype") = py::none(), py::arg("timeout") = py::none(),
+      "Root's recv receives every rank's send in rank order; others may pass no recv.");
+
+  ctx.def(
+      "scatter",
+      [](Context& c, std::optional<py::array> send, py::array recv, int root, bool async_op,
+         std::optional<std::string> dtype, std::optional<double> timeout) {
+        const CallOf call_of(c);
+        const char* name = "scatter";
+        const Buffer res = buffer_of(recv, true, name, dtype);
+        Buffer in;
+        if (send) {
+          in = buffer_of(*send, false, name, dtype);
+          same_dtype(in, res, name);
+          if (in.count != res.count * static_cast<std::size_t>(c.size())) {
+            refuse("send has " + std::to_string(in.count) + " elements, not size() x recv's " +
+                       std::to_string(res.count),
+                   name);
+          }
+        }
+        const auto options = call_options(timeout);
+        py::tuple arrays = send ? py::make_tuple(*send, recv) : py::make_tuple(recv);
+        return issue(async_op, arrays, [&](bool async) {
+          return async ? c.scatter_async(in.data, res.data, res.count, res.dtype, root, options)
+                       : (c.scatter(in.data, res.data, res.count, res.dtype, root, options),
+                          gradsync::Work());
+        });
+      },
+      py::arg("send"), py::arg("recv"), py::arg("root") = 0, py::arg("async_op") = false,
+      py::arg("dtype") = py::none(), py::arg("timeout") = py::none(),
+      "Rank r receives block r of root's send; others may pass send=None.");
+
+  ctx.def(
+      "alltoall",
+      [](Context& c, py::array send, py::array recv,
+         std::optional<std::vector<std::size_t>> send_counts,
+         std::optional<std::vector<std::size_t>> recv_counts, bool async_op,
+         std::optional<std::string> dtype, std::optional<double> timeout) {
+        const CallOf call_of(c);
+        const char* name = "alltoall";
+        const Buffer in = buffer_of(send, false, name, dtype);
+        const Buffer res = buffer_of(recv, true, name, dtype);
+        same_dtype(in, res, name);
+        const auto n = static_cast<std::size_t>(c.size());
+        if (send_counts.has_value() != recv_counts.has_value()) {
+          refuse("give both send_counts and recv_counts, or neither", name);
+        }
+        std::vector<std::size_t> sc =
+            send_counts.value_or(std::vector<std::size_t>(n, in.count / n));
+        std::vector<std::size_t> rc =
+            recv_counts.value_or(std::vector<std::size_t>(n, res.count / n));
+        std::size_t st = 0, rt = 0;
+        for (auto x : sc) st += x;
+        for (auto x : rc) rt += x;
+        if (st != in.count || rt != res.count) {
+          refuse("the counts cover " + std::to_string(st) + " of send's " +
+                     std::to_string(in.count) + " and " + std::to_string(rt) + " of recv's " +
+                     std::to_string(res.count) + " elements",
+                 name);
+        }
+        const auto options = call_options(timeout);
+        return issue(async_op, py::make_tuple(send, recv), [&](bool async) {
+          return async ? c.alltoallv_async(in.data, sc, res.data, rc, in.dtype, options)
+                       : (c.alltoallv(in.data, sc, res.data, rc, in.dtype, options),
+                          gradsync::Work());
+        });
+      },
+      py::arg("send"), py::arg("recv"), py::arg("send_counts") = py::none(),
+      py::arg("recv_counts") = py::none(), py::arg("async_op") = false,
+      py::arg("dtype") = py::none(), py::arg("timeout") = py::none(),
+      "Block j of send goes to rank j; recv's block i came from rank i. Equal blocks unless "
+      "send_counts and recv_counts give each rank's (elements, in rank order).");
+
+  ctx.def(
+      "send",
+      [](Context& c, py::array data, int peer, int tag, bool async_op,
+         std::optional<std::string> dtype, std::optional<double> timeout) {
+        const CallOf call_of(c);
+        const Buffer b = buffer_of(data, false, "send", dtype);
+        const auto options = call_options(timeout);
+        return issue(async_op, py::make_tuple(data), [&](bool async) {
+          return async ? c.send_async(b.data, b.count, b.dtype, peer, tag, options)
+                       : (c.send(b.data, b.count, b.dtype, peer, tag, options), gradsync::Work());
+        });
+      },
+      py::arg("data"), py::arg("peer"), py::arg("tag") = 0, py::arg("async_op") = false,
+      py::arg("dtype") = py::none(), py::arg("timeout") = py::none(),
+      "Sends `data` to `peer`, whose recv with the same tag takes it (see gradsync.h for the "
+      "order sends and receives must keep with collectives).");
+
+  ctx.def(
+      "recv",
+      [](Context& c, py::array data, int peer, int tag, bool async_op,
+         std::optional<std::string> dtype, std::optional<double> timeout) {
+        const CallOf call_of(c);
+        const Buffer b = buffer_of(data, true, "recv", dtype);
+        const auto options = call_options(timeout);
+        return issue(async_op, py::make_tuple(data), [&](bool async) {
+          return async ? c.recv_async(b.data, b.count, b.dtype, peer, tag, options)
+                       : (c.recv(b.data, b.count, b.dtype, peer, tag, options), gradsync::Work());
+        });
+      },
+      py::arg("data"), py::arg("peer"), py::arg("tag") = 0, py::arg("async_op") = false,
+      py::arg("dtype") = py::none(), py::arg("timeout") = py::none(),
+      "Receives into `data` what `peer` sends with the same tag.");
+
+  ctx.def(
       "barrier",
       [](Context& c, bool async_op, std::optional<double> timeout) {
         const CallOf call_of(c);

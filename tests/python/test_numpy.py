@@ -64,6 +64,19 @@ def grid(rank, world):
             if rank == 0:
                 check(f"reduce {dtype.__name__} {count}", red,
                       np.sum(np.stack(every), axis=0).astype(dtype))
+            root = world - 1
+            gathered = np.full(world * count, 9, dtype) if rank == root else None
+            ctx.gather(every[rank], gathered, root=root)
+            if rank == root:
+                check(f"gather {dtype.__name__} {count}", gathered, np.concatenate(every))
+            part = np.empty(count, dtype)
+            ctx.scatter(np.concatenate(every) if rank == 0 else None, part, root=0)
+            check(f"scatter {dtype.__name__} {count}", part, every[rank])
+            mine = np.concatenate([contribution(rank, count, dtype, j) for j in range(world)])
+            got = np.empty(world * count, dtype)
+            ctx.alltoall(mine, got)
+            check(f"alltoall {dtype.__name__} {count}", got,
+                  np.concatenate([contribution(i, count, dtype, rank) for i in range(world)]))
     counts = [r + 1 for r in range(world)]
     v = np.empty(sum(counts), np.float32)
     ctx.allgatherv(np.full(rank + 1, rank, np.float32), v, counts)
@@ -72,6 +85,21 @@ def grid(rank, world):
     ctx.allreduce(bf, dtype="bfloat16")
     want = {1: [0x3F80, 0x4000], 2: [0x4000, 0x4080], 3: [0x4040, 0x40C0], 4: [0x4080, 0x4100]}
     check("bfloat16", bf, np.array(want[world], np.uint16))
+    # Uneven all-to-all: rank i sends i + j + 1 elements to rank j.
+    send = np.concatenate([np.full(rank + j + 1, 10 * rank + j, np.int32) for j in range(world)])
+    recv = np.empty(sum(i + rank + 1 for i in range(world)), np.int32)
+    ctx.alltoall(send, recv, send_counts=[rank + j + 1 for j in range(world)],
+                 recv_counts=[i + rank + 1 for i in range(world)])
+    check("alltoallv", recv,
+          np.concatenate([np.full(i + rank + 1, 10 * i + rank, np.int32) for i in range(world)]))
+    if world > 1:  # a ring of async sends and receives
+        right, left = (rank + 1) % world, (rank - 1) % world
+        got = np.zeros(1000, np.float64)
+        works = [ctx.send(np.full(1000, rank, np.float64), right, tag=3, async_op=True),
+                 ctx.recv(got, left, tag=3, async_op=True)]
+        for w in works:
+            w.wait()
+        check("send/recv ring", got, np.full(1000, left, np.float64))
     ctx.barrier()
     return failures
 
