@@ -473,38 +473,32 @@ PYBIND11_MODULE(_gradsync, m) {
       "Block j of send goes to rank j; recv's block i came from rank i. Equal blocks unless "
       "send_counts and recv_counts give each rank's (elements, in rank order).");
 
-  ctx.def(
-      "send",
-      [](Context& c, py::array data, int peer, int tag, bool async_op,
-         std::optional<std::string> dtype, std::optional<double> timeout) {
-        const CallOf call_of(c);
-        const Buffer b = buffer_of(data, false, "send", dtype);
-        const auto options = call_options(timeout);
-        return issue(async_op, py::make_tuple(data), [&](bool async) {
-          return async ? c.send_async(b.data, b.count, b.dtype, peer, tag, options)
-                       : (c.send(b.data, b.count, b.dtype, peer, tag, options), gradsync::Work());
-        });
-      },
-      py::arg("data"), py::arg("peer"), py::arg("tag") = 0, py::arg("async_op") = false,
-      py::arg("dtype") = py::none(), py::arg("timeout") = py::none(),
-      "Sends `data` to `peer`, whose recv with the same tag takes it (see gradsync.h for the "
-      "order sends and receives must keep with collectives).");
-
-  ctx.def(
-      "recv",
-      [](Context& c, py::array data, int peer, int tag, bool async_op,
-         std::optional<std::string> dtype, std::optional<double> timeout) {
-        const CallOf call_of(c);
-        const Buffer b = buffer_of(data, true, "recv", dtype);
-        const auto options = call_options(timeout);
-        return issue(async_op, py::make_tuple(data), [&](bool async) {
-          return async ? c.recv_async(b.data, b.count, b.dtype, peer, tag, options)
-                       : (c.recv(b.data, b.count, b.dtype, peer, tag, options), gradsync::Work());
-        });
-      },
-      py::arg("data"), py::arg("peer"), py::arg("tag") = 0, py::arg("async_op") = false,
-      py::arg("dtype") = py::none(), py::arg("timeout") = py::none(),
-      "Receives into `data` what `peer` sends with the same tag.");
+  // send and recv take the same arguments: one reads the array, the other writes it.
+  for (const bool is_send : {true, false}) {
+    const char* name = is_send ? "send" : "recv";
+    ctx.def(
+        name,
+        [is_send, name](Context& c, py::array data, int peer, int tag, bool async_op,
+                        std::optional<std::string> dtype, std::optional<double> timeout) {
+          const CallOf call_of(c);
+          const Buffer b = buffer_of(data, !is_send, name, dtype);
+          const auto options = call_options(timeout);
+          return issue(async_op, py::make_tuple(data), [&](bool async) {
+            if (is_send) {
+              return async
+                         ? c.send_async(b.data, b.count, b.dtype, peer, tag, options)
+                         : (c.send(b.data, b.count, b.dtype, peer, tag, options), gradsync::Work());
+            }
+            return async ? c.recv_async(b.data, b.count, b.dtype, peer, tag, options)
+                         : (c.recv(b.data, b.count, b.dtype, peer, tag, options), gradsync::Work());
+          });
+        },
+        py::arg("data"), py::arg("peer"), py::arg("tag") = 0, py::arg("async_op") = false,
+        py::arg("dtype") = py::none(), py::arg("timeout") = py::none(),
+        is_send ? "Sends `data` to `peer`, whose recv with the same tag takes it (see gradsync.h "
+                  "for the order sends and receives must keep with collectives)."
+                : "Receives into `data` what `peer` sends with the same tag.");
+  }
 
   ctx.def(
       "barrier",
