@@ -39,19 +39,6 @@ void expect_same_everywhere(Context& ctx, const testing::Buffer& b, const std::s
   for (auto h : all) check(h == mine, what + ": output differs between ranks", ctx.rank());
 }
 
-// The bytes rank `src` has for rank `dst` in check `k`, as a plain pattern.
-testing::Buffer pattern(int src, int dst, std::size_t bytes, int k) {
-  testing::Buffer b(bytes);
-  std::uint32_t x = 2166136261u ^ (static_cast<std::uint32_t>(src) * 16777619u) ^
-                    (static_cast<std::uint32_t>(dst) * 40503u) ^
-                    (static_cast<std::uint32_t>(k) * 2654435761u);
-  for (auto& c : b) {
-    x = x * 1664525u + 1013904223u;
-    c = static_cast<std::uint8_t>(x >> 24);
-  }
-  return b;
-}
-
 bool block_is(const testing::Buffer& got, std::size_t offset, const testing::Buffer& want) {
   return std::equal(want.begin(), want.end(), got.begin() + static_cast<std::ptrdiff_t>(offset));
 }
@@ -65,34 +52,36 @@ void run_block_and_p2p_checks(Context& ctx) {
     const std::size_t bytes = count * 4, total = bytes * static_cast<std::size_t>(n);
     const std::string at = " count=" + std::to_string(count);
     for (int root : {0, n - 1}) {
-      testing::Buffer mine = pattern(r, root, bytes, k), all(total);
+      testing::Buffer mine = testing::pattern(r, root, bytes, k), all(total);
       ctx.gather(mine.data(), r == root ? all.data() : nullptr, count, DataType::kFloat32, root);
       for (int src = 0; r == root && src < n; ++src) {
-        check(block_is(all, static_cast<std::size_t>(src) * bytes, pattern(src, root, bytes, k)),
+        check(block_is(all, static_cast<std::size_t>(src) * bytes,
+                       testing::pattern(src, root, bytes, k)),
               "gather" + at, r);
       }
       ++k;
       testing::Buffer from_root;
       for (int dst = 0; r == root && dst < n; ++dst) {
-        testing::Buffer b = pattern(root, dst, bytes, k);
+        testing::Buffer b = testing::pattern(root, dst, bytes, k);
         from_root.insert(from_root.end(), b.begin(), b.end());
       }
       testing::Buffer got(bytes);
       ctx.scatter_async(r == root ? from_root.data() : nullptr, got.data(), count,
                         DataType::kFloat32, root)
           .wait();
-      check(got == pattern(root, r, bytes, k), "scatter" + at, r);
+      check(got == testing::pattern(root, r, bytes, k), "scatter" + at, r);
       ++k;
     }
     testing::Buffer in, out(total);
     for (int dst = 0; dst < n; ++dst) {
-      testing::Buffer b = pattern(r, dst, bytes, k);
+      testing::Buffer b = testing::pattern(r, dst, bytes, k);
       in.insert(in.end(), b.begin(), b.end());
     }
     ctx.alltoall(in.data(), out.data(), count, DataType::kFloat32);
     for (int src = 0; src < n; ++src) {
-      check(block_is(out, static_cast<std::size_t>(src) * bytes, pattern(src, r, bytes, k)),
-            "alltoall" + at, r);
+      check(
+          block_is(out, static_cast<std::size_t>(src) * bytes, testing::pattern(src, r, bytes, k)),
+          "alltoall" + at, r);
     }
     ++k;
     // Rank i sends rank j (i + j) % 3 * count elements: some pairs nothing.
@@ -101,7 +90,7 @@ void run_block_and_p2p_checks(Context& ctx) {
     for (int j = 0; j < n; ++j) {
       send_counts.push_back(static_cast<std::size_t>((r + j) % 3) * count);
       recv_counts.push_back(static_cast<std::size_t>((j + r) % 3) * count);
-      testing::Buffer b = pattern(r, j, send_counts.back(), k);
+      testing::Buffer b = testing::pattern(r, j, send_counts.back(), k);
       vin.insert(vin.end(), b.begin(), b.end());
     }
     testing::Buffer vout(std::accumulate(recv_counts.begin(), recv_counts.end(), std::size_t{0}));
@@ -109,17 +98,17 @@ void run_block_and_p2p_checks(Context& ctx) {
     std::size_t offset = 0;
     for (int src = 0; src < n; ++src) {
       const std::size_t b = recv_counts[static_cast<std::size_t>(src)];
-      check(block_is(vout, offset, pattern(src, r, b, k)), "alltoallv" + at, r);
+      check(block_is(vout, offset, testing::pattern(src, r, b, k)), "alltoallv" + at, r);
       offset += b;
     }
     ++k;
     const int next = (r + 1) % n, prev = (r + n - 1) % n;
-    testing::Buffer sent = pattern(r, next, bytes, k), received(bytes);
+    testing::Buffer sent = testing::pattern(r, next, bytes, k), received(bytes);
     Work s = ctx.send_async(sent.data(), count, DataType::kFloat32, next, 1);
     Work q = ctx.recv_async(received.data(), count, DataType::kFloat32, prev, 1);
     s.wait();
     q.wait();
-    check(received == pattern(prev, r, bytes, k), "send/recv ring" + at, r);
+    check(received == testing::pattern(prev, r, bytes, k), "send/recv ring" + at, r);
     ++k;
   }
 }

@@ -11,39 +11,23 @@
 #include <vector>
 
 #include "harness.h"
+#include "reference.h"
 
 namespace gradsync {
 namespace {
 
 using testing::contains;
-using Buffer = std::vector<std::uint8_t>;
-
-// The bytes rank `src` contributes for rank `dst` in call `k`: a pattern of their own, so a
-// block that lands at the wrong offset, from the wrong rank or cut short shows.
-Buffer block(int src, int dst, std::size_t bytes, int k) {
-  Buffer b(bytes);
-  std::uint32_t x = 2166136261u ^ (static_cast<std::uint32_t>(src) * 16777619u) ^
-                    (static_cast<std::uint32_t>(dst) * 40503u) ^
-                    (static_cast<std::uint32_t>(k) * 2654435761u);
-  for (auto& c : b) {
-    x = x * 1664525u + 1013904223u;
-    c = static_cast<std::uint8_t>(x >> 24);
-  }
-  return b;
-}
-
-constexpr std::size_t kGuard = 64;
-constexpr std::uint8_t kGuardByte = 0xEE;
+using Buffer = testing::Buffer;
+using testing::guard_intact;
+using testing::kGuard;
+using testing::kGuardByte;
+using testing::pattern;
 
 // `bytes` then guard bytes that must stay untouched.
 Buffer with_guard(std::size_t bytes, std::uint8_t fill = 0x5A) {
   Buffer b(bytes + kGuard, kGuardByte);
   std::fill(b.begin(), b.begin() + static_cast<std::ptrdiff_t>(bytes), fill);
   return b;
-}
-bool guard_intact(const Buffer& b, std::size_t bytes) {
-  return std::all_of(b.begin() + static_cast<std::ptrdiff_t>(bytes), b.end(),
-                     [](std::uint8_t c) { return c == kGuardByte; });
 }
 bool equal_at(const Buffer& got, std::size_t offset, const Buffer& want) {
   return std::equal(want.begin(), want.end(), got.begin() + static_cast<std::ptrdiff_t>(offset));
@@ -89,7 +73,7 @@ TEST_P(BlockGrid, GatherMatchesReference) {
         for (int root = 0; root < n; ++root) {
           if (count > 1000 && root != n - 1) continue;
           for (int form = 0; form < 3; ++form, ++k) {
-            const Buffer mine = block(r, root, bytes, k);
+            const Buffer mine = pattern(r, root, bytes, k);
             Buffer out = with_guard(total);
             const void* send = mine.data();
             if (form == 2 && r == root) {
@@ -105,8 +89,8 @@ TEST_P(BlockGrid, GatherMatchesReference) {
             }
             if (r != root) continue;
             for (int src = 0; src < n; ++src) {
-              EXPECT_TRUE(
-                  equal_at(out, static_cast<std::size_t>(src) * bytes, block(src, root, bytes, k)))
+              EXPECT_TRUE(equal_at(out, static_cast<std::size_t>(src) * bytes,
+                                   pattern(src, root, bytes, k)))
                   << what("gather", count, t, root, form) << ": block " << src;
             }
             EXPECT_TRUE(guard_intact(out, total)) << what("gather", count, t, root, form);
@@ -130,7 +114,7 @@ TEST_P(BlockGrid, ScatterMatchesReference) {
             Buffer all;
             if (r == root) {
               for (int dst = 0; dst < n; ++dst) {
-                const Buffer b = block(root, dst, bytes, k);
+                const Buffer b = pattern(root, dst, bytes, k);
                 all.insert(all.end(), b.begin(), b.end());
               }
             }
@@ -143,7 +127,7 @@ TEST_P(BlockGrid, ScatterMatchesReference) {
             } else {
               ctx.scatter(send, recv, count, t, root);
             }
-            const Buffer want = block(root, r, bytes, k);
+            const Buffer want = pattern(root, r, bytes, k);
             if (recv == out.data()) {
               EXPECT_TRUE(equal_at(out, 0, want)) << what("scatter", count, t, root, form);
               EXPECT_TRUE(guard_intact(out, bytes)) << what("scatter", count, t, root, form);
@@ -170,7 +154,7 @@ TEST_P(BlockGrid, AlltoallMatchesReference) {
         for (int form = 0; form < 3; ++form, ++k) {
           Buffer in;
           for (int dst = 0; dst < n; ++dst) {
-            const Buffer b = block(r, dst, bytes, k);
+            const Buffer b = pattern(r, dst, bytes, k);
             in.insert(in.end(), b.begin(), b.end());
           }
           Buffer out = with_guard(total);
@@ -184,7 +168,7 @@ TEST_P(BlockGrid, AlltoallMatchesReference) {
           }
           for (int src = 0; src < n; ++src) {
             EXPECT_TRUE(
-                equal_at(out, static_cast<std::size_t>(src) * bytes, block(src, r, bytes, k)))
+                equal_at(out, static_cast<std::size_t>(src) * bytes, pattern(src, r, bytes, k)))
                 << what("alltoall", count, t, -1, form) << ": block from " << src;
           }
           EXPECT_TRUE(guard_intact(out, total)) << what("alltoall", count, t, -1, form);
@@ -217,7 +201,7 @@ TEST_P(BlockGrid, AlltoallvMatchesReference) {
         for (int form = 0; form < 2; ++form, ++k) {
           Buffer in;
           for (int dst = 0; dst < n; ++dst) {
-            const Buffer b = block(r, dst, send_counts[static_cast<std::size_t>(dst)] * es, k);
+            const Buffer b = pattern(r, dst, send_counts[static_cast<std::size_t>(dst)] * es, k);
             in.insert(in.end(), b.begin(), b.end());
           }
           Buffer out = with_guard(recv_total * es);
@@ -229,7 +213,7 @@ TEST_P(BlockGrid, AlltoallvMatchesReference) {
           std::size_t at = 0;
           for (int src = 0; src < n; ++src) {
             const std::size_t b = recv_counts[static_cast<std::size_t>(src)] * es;
-            EXPECT_TRUE(equal_at(out, at, block(src, r, b, k)))
+            EXPECT_TRUE(equal_at(out, at, pattern(src, r, b, k)))
                 << what("alltoallv", count, t, -1, form) << ": block from " << src;
             at += b;
           }
@@ -243,7 +227,7 @@ TEST_P(BlockGrid, AlltoallvMatchesReference) {
     for (int i = 0; i < 4; ++i) {
       Buffer in;
       for (int dst = 0; dst < n; ++dst) {
-        const Buffer b = block(r, dst, 40, 1000 + i);
+        const Buffer b = pattern(r, dst, 40, 1000 + i);
         in.insert(in.end(), b.begin(), b.end());
       }
       ins.push_back(std::move(in));
@@ -258,7 +242,7 @@ TEST_P(BlockGrid, AlltoallvMatchesReference) {
     for (int i = 0; i < 4; ++i) {
       for (int src = 0; src < n; ++src) {
         EXPECT_TRUE(equal_at(outs[static_cast<std::size_t>(i)], static_cast<std::size_t>(src) * 40,
-                             block(src, r, 40, 1000 + i)))
+                             pattern(src, r, 40, 1000 + i)))
             << "queued alltoall " << i << " block from " << src;
       }
     }

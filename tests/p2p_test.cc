@@ -20,37 +20,19 @@
 
 #include "gradsync/store.h"
 #include "harness.h"
+#include "reference.h"
 
 namespace gradsync {
 namespace {
 
 using namespace std::chrono_literals;
 using testing::contains;
-using Buffer = std::vector<std::uint8_t>;
+using Buffer = testing::Buffer;
+using testing::guard_intact;
+using testing::kGuard;
+using testing::kGuardByte;
+using testing::pattern;
 
-// The bytes of message `k` from `src` to `dst`: a pattern of its own, so a message that lands
-// at the wrong rank, in the wrong order or cut short shows.
-Buffer message(int src, int dst, std::size_t bytes, int k = 0) {
-  Buffer b(bytes);
-  std::uint32_t x = 2166136261u ^ (static_cast<std::uint32_t>(src) * 16777619u) ^
-                    (static_cast<std::uint32_t>(dst) * 40503u) ^
-                    (static_cast<std::uint32_t>(k) * 2654435761u);
-  for (auto& c : b) {
-    x = x * 1664525u + 1013904223u;
-    c = static_cast<std::uint8_t>(x >> 24);
-  }
-  return b;
-}
-
-// A receive buffer with guard bytes behind it: nothing may be written past the message.
-constexpr std::size_t kGuard = 64;
-constexpr std::uint8_t kGuardByte = 0xEE;
-bool guard_intact(const Buffer& b, std::size_t bytes) {
-  for (std::size_t i = bytes; i < b.size(); ++i) {
-    if (b[i] != kGuardByte) return false;
-  }
-  return true;
-}
 bool holds(const Buffer& got, const Buffer& want) {
   return got.size() >= want.size() && std::equal(want.begin(), want.end(), got.begin());
 }
@@ -94,7 +76,7 @@ TEST_P(P2pGrid, RingExchangeMatchesReference) {
                                   [&] { ctx.send(b.data(), count, t, 0); });
             continue;
           }
-          const Buffer out = message(r, next, bytes, k);
+          const Buffer out = pattern(r, next, bytes, k);
           Buffer in(bytes + kGuard, kGuardByte);
           if (mode == 0) {
             Work s = ctx.send_async(out.data(), count, t, next);
@@ -119,7 +101,7 @@ TEST_P(P2pGrid, RingExchangeMatchesReference) {
             ctx.recv(in.data(), count, t, prev);
             s.wait();
           }
-          EXPECT_TRUE(holds(in, message(prev, r, bytes, k))) << what;
+          EXPECT_TRUE(holds(in, pattern(prev, r, bytes, k))) << what;
           EXPECT_TRUE(guard_intact(in, bytes)) << what;
         }
       }
@@ -153,7 +135,7 @@ TEST_P(P2p, PairExchangeCompletesForSmallAndLargeMessages) {
                  const int r = ctx.rank(), peer = 1 - r;
                  int k = 0;
                  for (std::size_t bytes : {std::size_t{4}, std::size_t{64} << 20}) {
-                   const Buffer out = message(r, peer, bytes, k);
+                   const Buffer out = pattern(r, peer, bytes, k);
                    for (int order = 0; order < 4; ++order, ++k) {
                      const bool send_first = order % 2 == 0, pause = order >= 2;
                      Buffer in(bytes + kGuard, kGuardByte);
@@ -172,7 +154,7 @@ TEST_P(P2p, PairExchangeCompletesForSmallAndLargeMessages) {
                      }
                      s.wait();
                      q.wait();
-                     EXPECT_TRUE(holds(in, message(peer, r, bytes, k - order)))
+                     EXPECT_TRUE(holds(in, pattern(peer, r, bytes, k - order)))
                          << bytes << " bytes";
                      EXPECT_TRUE(guard_intact(in, bytes));
                    }
@@ -191,7 +173,7 @@ TEST_P(P2p, SendsToOnePeerArriveInIssueOrder) {
     if (r == 0) {
       std::vector<Buffer> out;
       std::vector<Work> sent;
-      for (int i = 0; i < kMessages; ++i) out.push_back(message(0, 1, sizes[i], i));
+      for (int i = 0; i < kMessages; ++i) out.push_back(pattern(0, 1, sizes[i], i));
       for (int i = 0; i < kMessages; ++i) {
         auto& b = out[static_cast<std::size_t>(i)];
         if (i % 3 == 2) {
@@ -215,7 +197,7 @@ TEST_P(P2p, SendsToOnePeerArriveInIssueOrder) {
         ctx.recv(in[static_cast<std::size_t>(i)].data(), sizes[i], DataType::kUInt8, 0, 5);
       }
       for (int i = 0; i < kMessages; ++i) {
-        EXPECT_TRUE(holds(in[static_cast<std::size_t>(i)], message(0, 1, sizes[i], i)))
+        EXPECT_TRUE(holds(in[static_cast<std::size_t>(i)], pattern(0, 1, sizes[i], i)))
             << "message " << i;
         EXPECT_TRUE(guard_intact(in[static_cast<std::size_t>(i)], sizes[i])) << "message " << i;
       }
@@ -231,11 +213,11 @@ TEST_P(P2p, CollectivesStayNumberedAlikeOnEveryRank) {
     const int r = ctx.rank();
     if (r < 2) {
       for (int i = 0; i < 3; ++i) {
-        Buffer out = message(r, 1 - r, 100, i), in(100);
+        Buffer out = pattern(r, 1 - r, 100, i), in(100);
         Work s = ctx.send_async(out.data(), 100, DataType::kUInt8, 1 - r);
         ctx.recv(in.data(), 100, DataType::kUInt8, 1 - r);
         s.wait();
-        EXPECT_TRUE(in == message(1 - r, r, 100, i));
+        EXPECT_TRUE(in == pattern(1 - r, r, 100, i));
       }
     }
     std::vector<float> v(1000, static_cast<float>(r + 1));
@@ -256,7 +238,7 @@ TEST_P(P2p, SendsAndRecvsAroundCollectivesInAConsistentOrder) {
     const int r = ctx.rank();
     std::vector<float> v(5000, 1.0f);
     Buffer in(bytes + kGuard, kGuardByte), in2(bytes + kGuard, kGuardByte);
-    const Buffer out = message(r, 1 - r, bytes, 0), out2 = message(r, 1 - r, bytes, 1);
+    const Buffer out = pattern(r, 1 - r, bytes, 0), out2 = pattern(r, 1 - r, bytes, 1);
     std::vector<Work> works;
     if (r == 0) works.push_back(ctx.send_async(out.data(), bytes, DataType::kUInt8, 1));
     if (r == 1) works.push_back(ctx.recv_async(in.data(), bytes, DataType::kUInt8, 0));
@@ -269,10 +251,10 @@ TEST_P(P2p, SendsAndRecvsAroundCollectivesInAConsistentOrder) {
     for (auto& w : works) w.wait();
     EXPECT_EQ(v[4999], 3.0f);
     if (r == 1) {
-      EXPECT_TRUE(holds(in, message(0, 1, bytes, 0)));
+      EXPECT_TRUE(holds(in, pattern(0, 1, bytes, 0)));
     }
     if (r == 0) {
-      EXPECT_TRUE(holds(in2, message(1, 0, bytes, 1)));
+      EXPECT_TRUE(holds(in2, pattern(1, 0, bytes, 1)));
     }
   });
 }
@@ -420,11 +402,11 @@ TEST_P(P2p, PeersThatAreNotAnotherRankAreRefused) {
                           [&] { ctx.send(nullptr, 4, DataType::kFloat32, (r + 1) % 3); });
     // Nothing was queued: the ranks still agree on everything.
     const int next = (r + 1) % 3, prev = (r + 2) % 3;
-    Buffer out = message(r, next, 64), in(64);
+    Buffer out = pattern(r, next, 64), in(64);
     Work s = ctx.send_async(out.data(), 64, DataType::kUInt8, next);
     ctx.recv(in.data(), 64, DataType::kUInt8, prev);
     s.wait();
-    EXPECT_TRUE(in == message(prev, r, 64));
+    EXPECT_TRUE(in == pattern(prev, r, 64));
     ctx.barrier();
   });
 }
@@ -477,7 +459,7 @@ TEST_P(P2pProcesses, PairAndRingExchangesComplete) {
             const bool send_first = order % 2 == 0, pause = order >= 2;
             if (rank < 2) {
               const int peer = 1 - rank;
-              const Buffer out = message(rank, peer, bytes, k);
+              const Buffer out = pattern(rank, peer, bytes, k);
               Buffer in(bytes + kGuard, kGuardByte);
               Work s, q;
               if (send_first) s = ctx->send_async(out.data(), bytes, DataType::kUInt8, peer);
@@ -487,7 +469,7 @@ TEST_P(P2pProcesses, PairAndRingExchangesComplete) {
               if (!send_first) s = ctx->send_async(out.data(), bytes, DataType::kUInt8, peer);
               s.wait();
               q.wait();
-              require(holds(in, message(peer, rank, bytes, k)) && guard_intact(in, bytes),
+              require(holds(in, pattern(peer, rank, bytes, k)) && guard_intact(in, bytes),
                       "pair exchange of " + std::to_string(bytes) + " bytes");
             }
             ++k;
@@ -495,12 +477,12 @@ TEST_P(P2pProcesses, PairAndRingExchangesComplete) {
         }
         const int next = (rank + 1) % 3, prev = (rank + 2) % 3;
         for (std::size_t count : {std::size_t{0}, std::size_t{7}, std::size_t{1000003}}) {
-          const Buffer out = message(rank, next, count * 4, k);
+          const Buffer out = pattern(rank, next, count * 4, k);
           Buffer in(count * 4 + kGuard, kGuardByte);
           Work s = ctx->send_async(out.data(), count, DataType::kFloat32, next, 3);
           ctx->recv(in.data(), count, DataType::kFloat32, prev, 3);
           s.wait();
-          require(holds(in, message(prev, rank, count * 4, k)) && guard_intact(in, count * 4),
+          require(holds(in, pattern(prev, rank, count * 4, k)) && guard_intact(in, count * 4),
                   "ring exchange of " + std::to_string(count));
           ++k;
         }

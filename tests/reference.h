@@ -13,6 +13,30 @@ namespace gradsync::testing {
 
 using Buffer = std::vector<std::uint8_t>;
 
+// The bytes rank `src` has for rank `dst` in message or call `k`: a pattern of their own, so
+// a block that lands at the wrong rank or offset, in the wrong order or cut short shows.
+inline Buffer pattern(int src, int dst, std::size_t bytes, int k = 0) {
+  Buffer b(bytes);
+  std::uint32_t x = 2166136261u ^ (static_cast<std::uint32_t>(src) * 16777619u) ^
+                    (static_cast<std::uint32_t>(dst) * 40503u) ^
+                    (static_cast<std::uint32_t>(k) * 2654435761u);
+  for (auto& c : b) {
+    x = x * 1664525u + 1013904223u;
+    c = static_cast<std::uint8_t>(x >> 24);
+  }
+  return b;
+}
+
+// Receive buffers carry kGuard bytes of kGuardByte behind what a call may write.
+inline constexpr std::size_t kGuard = 64;
+inline constexpr std::uint8_t kGuardByte = 0xEE;
+inline bool guard_intact(const Buffer& b, std::size_t bytes) {
+  for (std::size_t i = bytes; i < b.size(); ++i) {
+    if (b[i] != kGuardByte) return false;
+  }
+  return true;
+}
+
 inline bool is_bitwise(ReduceOp op) {
   return op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor;
 }
