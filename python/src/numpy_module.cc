@@ -103,6 +103,16 @@ void same_dtype(const Buffer& a, const Buffer& b, const char* op) {
   }
 }
 
+// `whole` (named `whole_name`) must hold one `block` per rank.
+void one_block_per_rank(const Buffer& whole, const char* whole_name, const Buffer& block,
+                        const char* block_name, int ranks, const char* op) {
+  if (whole.count != block.count * static_cast<std::size_t>(ranks)) {
+    refuse(std::string(whole_name) + " has " + std::to_string(whole.count) +
+               " elements, not size() x " + block_name + "'s " + std::to_string(block.count),
+           op);
+  }
+}
+
 // An async call: its C++ handle, and the arrays it reads and writes, kept alive until the
 // handle is dropped (a caller who drops it early must not free what the call still uses).
 class PyWork {
@@ -259,11 +269,7 @@ PYBIND11_MODULE(_gradsync, m) {
         const Buffer in = buffer_of(send, false, name, dtype);
         const Buffer res = buffer_of(recv, true, name, dtype);
         same_dtype(in, res, name);
-        if (in.count != res.count * static_cast<std::size_t>(c.size())) {
-          refuse("send has " + std::to_string(in.count) + " elements, not size() x recv's " +
-                     std::to_string(res.count),
-                 name);
-        }
+        one_block_per_rank(in, "send", res, "recv", c.size(), name);
         const ReduceOp rop = op_of(op, name);
         const auto options = call_options(timeout);
         return issue(async_op, py::make_tuple(send, recv), [&](bool async) {
@@ -286,11 +292,7 @@ PYBIND11_MODULE(_gradsync, m) {
         const Buffer in = buffer_of(send, false, name, dtype);
         const Buffer res = buffer_of(recv, true, name, dtype);
         same_dtype(in, res, name);
-        if (res.count != in.count * static_cast<std::size_t>(c.size())) {
-          refuse("recv has " + std::to_string(res.count) + " elements, not size() x send's " +
-                     std::to_string(in.count),
-                 name);
-        }
+        one_block_per_rank(res, "recv", in, "send", c.size(), name);
         const auto options = call_options(timeout);
         return issue(async_op, py::make_tuple(send, recv), [&](bool async) {
           return async ? c.allgather_async(in.data, res.data, in.count, in.dtype, options)
@@ -385,11 +387,7 @@ PYBIND11_MODULE(_gradsync, m) {
         if (recv) {
           res = buffer_of(*recv, true, name, dtype);
           same_dtype(in, res, name);
-          if (res.count != in.count * static_cast<std::size_t>(c.size())) {
-            refuse("recv has " + std::to_string(res.count) + " elements, not size() x send's " +
-                       std::to_string(in.count),
-                   name);
-          }
+          one_block_per_rank(res, "recv", in, "send", c.size(), name);
         }
         const auto options = call_options(timeout);
         py::tuple arrays = recv ? py::make_tuple(send, *recv) : py::make_tuple(send);
@@ -414,11 +412,7 @@ PYBIND11_MODULE(_gradsync, m) {
         if (send) {
           in = buffer_of(*send, false, name, dtype);
           same_dtype(in, res, name);
-          if (in.count != res.count * static_cast<std::size_t>(c.size())) {
-            refuse("send has " + std::to_string(in.count) + " elements, not size() x recv's " +
-                       std::to_string(res.count),
-                   name);
-          }
+          one_block_per_rank(in, "send", res, "recv", c.size(), name);
         }
         const auto options = call_options(timeout);
         py::tuple arrays = send ? py::make_tuple(*send, recv) : py::make_tuple(recv);
