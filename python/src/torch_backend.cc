@@ -326,9 +326,11 @@ void ProcessGroupGradsync::record(c10d::OpType type, std::size_t bytes, std::int
   if (timeline::enabled()) {
     timeline::record(name + " " + std::to_string(bytes >> 10) + " KiB", "comm", started, done);
   }
-  if (records_.size() < kMaxRecords) {
-    records_.push_back({name, bytes, issued_us, started, done, ctx_->total_traffic().bytes_sent});
+  // A job that never asks for stats() keeps only the latest calls: the older half goes.
+  if (records_.size() >= kMaxRecords) {
+    records_.erase(records_.begin(), records_.begin() + kMaxRecords / 2);
   }
+  records_.push_back({name, bytes, issued_us, started, done, ctx_->total_traffic().bytes_sent});
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::launch(
