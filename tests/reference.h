@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "gradsync/types.h"
@@ -196,6 +197,26 @@ inline Buffer reference_reduce(DataType t, ReduceOp op, int n, std::size_t count
   return b;
 }
 
+// Large inputs repeat the first kInputPeriod elements of make_input, so exact references of a
+// million elements cost milliseconds. The period is prime: no chunk or sub-block boundary of
+// the algorithm lines up with it, so a misplaced block still shows.
+constexpr std::size_t kInputPeriod = 99991;
+
+inline Buffer repeat_to(const Buffer& period, std::size_t bytes) {
+  Buffer out(bytes);
+  for (std::size_t at = 0; at < bytes; at += period.size()) {
+    std::memcpy(out.data() + at, period.data(), std::min(period.size(), bytes - at));
+  }
+  return out;
+}
+inline Buffer periodic_input(DataType t, ReduceOp op, int rank, std::size_t count) {
+  return repeat_to(make_input(t, op, rank, std::min(count, kInputPeriod)), count * dtype_size(t));
+}
+inline Buffer periodic_reference(DataType t, ReduceOp op, int n, std::size_t count) {
+  return repeat_to(reference_reduce(t, op, n, std::min(count, kInputPeriod)),
+                   count * dtype_size(t));
+}
+
 constexpr DataType kAllDtypes[] = {DataType::kFloat32,  DataType::kFloat64, DataType::kFloat16,
                                    DataType::kBFloat16, DataType::kInt32,   DataType::kInt64,
                                    DataType::kUInt8,    DataType::kInt8,    DataType::kInt16,
@@ -203,5 +224,29 @@ constexpr DataType kAllDtypes[] = {DataType::kFloat32,  DataType::kFloat64, Data
 // Not every pair is valid: loops over both skip !dtype_op_valid(t, op) (bitwise on floats).
 constexpr ReduceOp kAllOps[] = {ReduceOp::kSum,  ReduceOp::kAvg,  ReduceOp::kMin, ReduceOp::kMax,
                                 ReduceOp::kProd, ReduceOp::kBand, ReduceOp::kBor, ReduceOp::kBxor};
+
+using DtypeOp = std::pair<DataType, ReduceOp>;
+
+// Every valid dtype x op pair: the kernels' grid.
+inline std::vector<DtypeOp> every_dtype_op_pair() {
+  std::vector<DtypeOp> cases;
+  for (DataType t : kAllDtypes)
+    for (ReduceOp op : kAllOps)
+      if (dtype_op_valid(t, op)) cases.emplace_back(t, op);
+  return cases;
+}
+
+// Every dtype once (each element size meets a collective's chunking and partition among
+// ranks) and every op once: what a collective adds to the kernels, without repeating the
+// kernels' grid at every count and algorithm (minutes under ThreadSanitizer).
+inline std::vector<DtypeOp> each_dtype_and_each_op() {
+  std::vector<DtypeOp> cases;
+  for (DataType t : kAllDtypes)
+    cases.emplace_back(t, is_floating(t) ? ReduceOp::kSum : ReduceOp::kBxor);
+  for (ReduceOp op : kAllOps)
+    cases.emplace_back(
+        dtype_op_valid(DataType::kFloat32, op) ? DataType::kFloat32 : DataType::kInt32, op);
+  return cases;
+}
 
 }  // namespace gradsync::testing
