@@ -70,23 +70,8 @@ for b in $backends; do
 done
 [[ -n $available ]] || { echo "run.sh: no backend to run" >&2; exit 1; }
 
-# One job: torchrun with the flags Debian's 1.13 needs under Python 3.11 (--redirects,
-# --tee, --log_dir), on a free port (--standalone), bounded by --timeout so that a hung
-# backend costs one cell, not the run. A failure is reported and the table goes on.
-job() {  # name ranks script args...
-  local name=$1 n=$2 script=$3
-  shift 3
-  local rc=0
-  timeout "$timeout_s" "$python" -m torch.distributed.run --standalone \
-    --nproc_per_node "$n" --redirects 1 --tee 1 --log_dir "$out/logs" \
-    "$here/$script" "$@" --json "$out/$name.json" >"$out/logs/$name.txt" 2>&1 || rc=$?
-  if ((rc)); then
-    local what="failed (status $rc)"
-    ((rc == 124)) && what="timed out after $timeout_s s"
-    echo "run.sh: $name $what; its output: $out/logs/$name.txt" >&2
-    rm -f "$out/$name.json"
-  fi
-}
+source "$here/torchrun.sh"
+job() { torch_job "$out" "$timeout_s" "$1" "$2" "$here/$3" "${@:4}"; }
 
 exec 9>/tmp/gradsync-bench.lock
 flock -n 9 || { echo "run.sh: waiting for /tmp/gradsync-bench.lock" >&2; flock 9; }

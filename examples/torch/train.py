@@ -69,7 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=64, help="samples per rank per micro-batch")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"],
-                   help="sgd (momentum 0.9) or adamw (weight decay 0.01)")
+                   help="sgd (momentum 0.9; none when the hook's codec has momentum=M) "
+                        "or adamw (weight decay 0.01)")
     p.add_argument("--lr", type=float, default=None, help="default 0.05 sgd, 0.001 adamw")
     p.add_argument("--seed", type=int, default=1, help="weights and data order")
     p.add_argument("--hook", default="none", metavar="SPEC",
@@ -134,6 +135,9 @@ def check_args(p, args):
         p.error(f"--loss-scale must be a positive number, not {args.loss_scale}")
     if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
         p.error(f"--bucket-cap-mb must be positive, not {args.bucket_cap_mb}")
+    if args.optimizer != "sgd" and codec_momentum(args.hook):
+        p.error(f"--hook {args.hook}: a codec with momentum= takes the place of SGD's momentum: "
+                "use --optimizer sgd")
     if args.resume and not args.checkpoint:
         p.error("--resume needs --checkpoint DIR")
     if args.fail_once_after_epoch is not None and not args.checkpoint:
@@ -228,6 +232,21 @@ def gradsync_codec_hook(spec):
             fail(f"--hook {spec}: {e}")
         return tuple(made) if isinstance(made, (tuple, list)) else (None, made)
     return make
+
+
+def codec_momentum(spec):
+    """The momentum=M of a gradsync codec's SPEC, 0 without. Such a codec applies momentum
+    itself (momentum correction, on what it sends and what it holds back), in place of SGD's,
+    as gradsync-train does: both at once would compound them."""
+    text = spec[len("gradsync:"):] if spec.startswith("gradsync:") else spec
+    for item in text.partition(":")[2].split(","):
+        key, _, value = item.partition("=")
+        if key == "momentum":
+            try:
+                return float(value)
+            except ValueError:
+                return 0.0  # the codec itself names the bad value
+    return 0.0
 
 
 def bucket_cap_mb(args):
@@ -332,7 +351,8 @@ def build_model(args):
 
 def make_optimizer(params, args):
     if args.optimizer == "sgd":
-        cls, options = torch.optim.SGD, dict(lr=args.lr, momentum=0.9)
+        momentum = 0.0 if codec_momentum(args.hook) else 0.9
+        cls, options = torch.optim.SGD, dict(lr=args.lr, momentum=momentum)
     else:
         cls, options = torch.optim.AdamW, dict(lr=args.lr, weight_decay=0.01)
     if args.zero:
