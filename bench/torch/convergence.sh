@@ -8,13 +8,15 @@
 # autocast.
 # Holds /tmp/gradsync-bench.lock, as the other benchmarks do.
 #
-#   bench/torch/convergence.sh [--ranks 4] [--epochs 15] [--seeds "1 2 3"] [--width 256]
-#                              [--depth 2] [--configs "NAME ..."] [--timeout 900] [--out DIR]
+#   bench/torch/convergence.sh [--ranks 4] [--epochs 15] [--seeds "1 2 3"] [--batch 64]
+#                              [--width 256] [--depth 2] [--configs "NAME ..."] [--timeout 900]
+#                              [--out DIR]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 ranks=4
 epochs=15
 seeds="1 2 3"
+batch=64
 width=256
 depth=2
 timeout_s=900
@@ -40,12 +42,13 @@ while [[ $# -gt 0 ]]; do
     --ranks) ranks=$2; shift 2 ;;
     --epochs) epochs=$2; shift 2 ;;
     --seeds) seeds=$2; shift 2 ;;
+    --batch) batch=$2; shift 2 ;;
     --width) width=$2; shift 2 ;;
     --depth) depth=$2; shift 2 ;;
     --configs) configs=$2; shift 2 ;;
     --timeout) timeout_s=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    *) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+    *) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
   esac
 done
 for c in $configs; do
@@ -66,7 +69,7 @@ for seed in $seeds; do
     # shellcheck disable=SC2086  # the configuration's arguments are words
     torch_job "$out" "$timeout_s" "$c~$seed" "$ranks" "$here/../../examples/torch/train.py" \
       --backend gradsync --model mlp --width "$width" --depth "$depth" --epochs "$epochs" \
-      --seed "$seed" --no-progress ${config_args[$c]}
+      --batch "$batch" --seed "$seed" --no-progress ${config_args[$c]}
   done
 done
 flock -u 9
