@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """The table bench/torch/convergence.sh prints: for each configuration, the final test
-accuracy of each seed, their mean, and the mean's difference from float32 without a hook
-(the configuration named float32), in percentage points.
+accuracy (mean over the seeds, min-max), and its difference from float32 without a hook (the
+configuration named float32) in percentage points: the mean over the seeds both ran, and
+seed by seed.
 
   bench/torch/convergence_summary.py DIR
 """
@@ -23,16 +24,21 @@ def main(directory):
     if not runs:
         sys.exit("convergence_summary.py: no runs in " + directory)
     seeds = sorted({s for r in runs.values() for s in r})
-    base = statistics.mean(runs["float32"].values()) if runs.get("float32") else None
-    print("| configuration | " + " | ".join(f"seed {s}" for s in seeds) +
-          " | mean | vs float32 (points) |")
-    print("|---" * (len(seeds) + 3) + "|")
-    for config, by_seed in runs.items():
-        cells = [f"{by_seed[s]:.2f}" if s in by_seed else "-" for s in seeds]
-        mean = statistics.mean(by_seed.values())
-        delta = "-" if base is None or config == "float32" else f"{mean - base:+.2f}"
-        print(f"| {config} | " + " | ".join(cells) + f" | {mean:.2f} | {delta} |")
-
+    base = runs.get("float32", {})
+    print("| configuration | test accuracy (mean, min-max) | vs float32 (points) | seed by seed |")
+    print("|:---|---:|---:|:---|")
+    for config in sorted(runs, key=lambda c: (c != "float32", c)):
+        by_seed = runs[config]
+        values = list(by_seed.values())
+        mean = statistics.mean(values)
+        cell = f"{mean:.2f}% ({min(values):.2f}-{max(values):.2f})"
+        paired = [s for s in seeds if s in by_seed and s in base]
+        if config == "float32" or not paired:
+            print(f"| {config} | {cell} | | |")
+            continue
+        deltas = [by_seed[s] - base[s] for s in paired]
+        print(f"| {config} | {cell} | {statistics.mean(deltas):+.2f} | " +
+              ", ".join(f"{d:+.2f}" for d in deltas) + " |")
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
