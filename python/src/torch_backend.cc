@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <Python.h>
+#include <sched.h>
 
 #include <limits>
 #include <numeric>
@@ -75,6 +76,13 @@ class GradsyncWork final : public c10d::Work {
     }
     finish(error);
   }
+  // Spin briefly, then block (src/core/handoff_spin.h says why): a small call is often
+  // done within microseconds, before a sleeping waiter could even be woken.
+  bool wait(std::chrono::milliseconds timeout) override {
+    const auto start = std::chrono::steady_clock::now();
+    while (!isCompleted() && std::chrono::steady_clock::now() - start < kSpin) ::sched_yield();
+    return c10d::Work::wait(timeout);
+  }
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     std::lock_guard lock(handout_mu_);
@@ -83,6 +91,8 @@ class GradsyncWork final : public c10d::Work {
   }
 
  private:
+  // As the engine's kHandoffSpin (src/core/handoff_spin.h).
+  static constexpr std::chrono::microseconds kSpin{50};
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::mutex handout_mu_;

@@ -7,6 +7,7 @@
 
 #include "core/context_impl.h"
 #include "core/env.h"
+#include "core/handoff_spin.h"
 #include "kernels/kernels.h"
 #include "transport/shared_arena.h"
 
@@ -20,6 +21,7 @@ using collectives::Comm;
 
 void Work::wait() {
   if (!state_) return;
+  detail::spin_until([&] { return test(); });
   std::unique_lock lock(state_->mu);
   state_->cv.wait(lock, [&] { return state_->done; });
   state_->rethrow_if_failed();
@@ -27,6 +29,7 @@ void Work::wait() {
 
 bool Work::wait(std::chrono::milliseconds timeout) {
   if (!state_) return true;
+  detail::spin_until([&] { return test(); });
   std::unique_lock lock(state_->mu);
   if (!state_->cv.wait_for(lock, timeout, [&] { return state_->done; })) return false;
   state_->rethrow_if_failed();

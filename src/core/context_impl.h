@@ -2,6 +2,7 @@
 // the async worker, and the sticky failure that stops a broken communicator for good.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -148,6 +149,8 @@ struct Context::Impl {
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;
   std::deque<Task> queue_;  // guarded by queue_mu_
+  // Calls ever enqueued: a worker spinning for the next call watches it without the lock.
+  std::atomic<std::uint64_t> enqueued_{0};
   // Worker is running a task or has point-to-point calls in flight; guarded by queue_mu_.
   bool busy_ = false;
   int draining_ = 0;  // threads in drain(), guarded by queue_mu_

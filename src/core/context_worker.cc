@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "core/context_impl.h"
+#include "core/handoff_spin.h"
 
 namespace gradsync {
 
@@ -41,6 +42,12 @@ void Context::Impl::worker_loop() {
       std::unique_lock lock(queue_mu_);
       auto something_to_do = [&] { return stopping_ || draining_ > 0 || !queue_.empty(); };
       if (in_flight_.empty()) {
+        if (queue_.empty() && !stopping_) {
+          const std::uint64_t seen = enqueued_.load(std::memory_order_relaxed);
+          lock.unlock();
+          detail::spin_until([&] { return enqueued_.load(std::memory_order_acquire) != seen; });
+          lock.lock();
+        }
         queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
         if (queue_.empty()) return;  // stopping with nothing left
       } else if (!something_to_do()) {
@@ -101,6 +108,7 @@ void Context::Impl::enqueue(Task task) {
   std::lock_guard lock(queue_mu_);
   if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
   queue_.push_back(std::move(task));
+  enqueued_.fetch_add(1, std::memory_order_release);
   queue_cv_.notify_all();
 }
 
