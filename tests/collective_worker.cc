@@ -27,10 +27,6 @@ void check(bool ok, const std::string& what, int rank) {
   }
 }
 
-bool block_is(const testing::Buffer& got, std::size_t offset, const testing::Buffer& want) {
-  return std::equal(want.begin(), want.end(), got.begin() + static_cast<std::ptrdiff_t>(offset));
-}
-
 // gather, scatter, alltoall(v) and a ring of sends and recvs, async where the call has a form
 // that is, at sizes that fit the transports' buffers and sizes that do not.
 void run_block_and_p2p_checks(Context& ctx) {
@@ -43,8 +39,8 @@ void run_block_and_p2p_checks(Context& ctx) {
       testing::Buffer mine = testing::pattern(r, root, bytes, k), all(total);
       ctx.gather(mine.data(), r == root ? all.data() : nullptr, count, DataType::kFloat32, root);
       for (int src = 0; r == root && src < n; ++src) {
-        check(block_is(all, static_cast<std::size_t>(src) * bytes,
-                       testing::pattern(src, root, bytes, k)),
+        check(testing::holds_at(all, static_cast<std::size_t>(src) * bytes,
+                                testing::pattern(src, root, bytes, k)),
               "gather" + at, r);
       }
       ++k;
@@ -67,9 +63,9 @@ void run_block_and_p2p_checks(Context& ctx) {
     }
     ctx.alltoall(in.data(), out.data(), count, DataType::kFloat32);
     for (int src = 0; src < n; ++src) {
-      check(
-          block_is(out, static_cast<std::size_t>(src) * bytes, testing::pattern(src, r, bytes, k)),
-          "alltoall" + at, r);
+      check(testing::holds_at(out, static_cast<std::size_t>(src) * bytes,
+                              testing::pattern(src, r, bytes, k)),
+            "alltoall" + at, r);
     }
     ++k;
     // Rank i sends rank j (i + j) % 3 * count elements: some pairs nothing.
@@ -86,7 +82,7 @@ void run_block_and_p2p_checks(Context& ctx) {
     std::size_t offset = 0;
     for (int src = 0; src < n; ++src) {
       const std::size_t b = recv_counts[static_cast<std::size_t>(src)];
-      check(block_is(vout, offset, testing::pattern(src, r, b, k)), "alltoallv" + at, r);
+      check(testing::holds_at(vout, offset, testing::pattern(src, r, b, k)), "alltoallv" + at, r);
       offset += b;
     }
     ++k;

@@ -439,14 +439,14 @@ TEST_P(SharedMemoryGrid, MisalignedBuffersOfStreamedResults) {
     std::memcpy(send.data() + 1, input.data(), count);
     ctx.allreduce(send.data() + 1, recv.data() + 3, count, DataType::kUInt8, ReduceOp::kSum,
                   {.algorithm = Algorithm::kSharedMemory});
-    EXPECT_TRUE(std::equal(want.begin(), want.end(), recv.begin() + 3)) << "n=" << n;
+    EXPECT_TRUE(testing::holds_at(recv, 3, want)) << "n=" << n;
     EXPECT_EQ(recv[0], 0xEE);  // nothing written before the output
     // In place, at yet another offset.
     Buffer both(count + 7);
     std::memcpy(both.data() + 7, input.data(), count);
     ctx.allreduce(both.data() + 7, both.data() + 7, count, DataType::kUInt8, ReduceOp::kSum,
                   {.algorithm = Algorithm::kSharedMemory});
-    EXPECT_TRUE(std::equal(want.begin(), want.end(), both.begin() + 7)) << "in place, n=" << n;
+    EXPECT_TRUE(testing::holds_at(both, 7, want)) << "in place, n=" << n;
   });
 }
 

@@ -19,6 +19,7 @@ namespace {
 using testing::contains;
 using Buffer = testing::Buffer;
 using testing::guard_intact;
+using testing::holds_at;
 using testing::kGuard;
 using testing::kGuardByte;
 using testing::pattern;
@@ -28,9 +29,6 @@ Buffer with_guard(std::size_t bytes, std::uint8_t fill = 0x5A) {
   Buffer b(bytes + kGuard, kGuardByte);
   std::fill(b.begin(), b.begin() + static_cast<std::ptrdiff_t>(bytes), fill);
   return b;
-}
-bool equal_at(const Buffer& got, std::size_t offset, const Buffer& want) {
-  return std::equal(want.begin(), want.end(), got.begin() + static_cast<std::ptrdiff_t>(offset));
 }
 
 void run_contexts(const std::string& transport, int n, const std::function<void(Context&)>& fn) {
@@ -90,7 +88,7 @@ TEST_P(BlockGrid, GatherMatchesReference) {
             }
             if (r != root) continue;
             for (int src = 0; src < n; ++src) {
-              EXPECT_TRUE(equal_at(out, static_cast<std::size_t>(src) * bytes,
+              EXPECT_TRUE(holds_at(out, static_cast<std::size_t>(src) * bytes,
                                    pattern(src, root, bytes, k)))
                   << what("gather", count, t, root, form) << ": block " << src;
             }
@@ -130,10 +128,10 @@ TEST_P(BlockGrid, ScatterMatchesReference) {
             }
             const Buffer want = pattern(root, r, bytes, k);
             if (recv == out.data()) {
-              EXPECT_TRUE(equal_at(out, 0, want)) << what("scatter", count, t, root, form);
+              EXPECT_TRUE(holds_at(out, 0, want)) << what("scatter", count, t, root, form);
               EXPECT_TRUE(guard_intact(out, bytes)) << what("scatter", count, t, root, form);
             } else {
-              EXPECT_TRUE(equal_at(all, static_cast<std::size_t>(r) * bytes, want))
+              EXPECT_TRUE(holds_at(all, static_cast<std::size_t>(r) * bytes, want))
                   << what("scatter", count, t, root, form);
             }
           }
@@ -169,7 +167,7 @@ TEST_P(BlockGrid, AlltoallMatchesReference) {
           }
           for (int src = 0; src < n; ++src) {
             EXPECT_TRUE(
-                equal_at(out, static_cast<std::size_t>(src) * bytes, pattern(src, r, bytes, k)))
+                holds_at(out, static_cast<std::size_t>(src) * bytes, pattern(src, r, bytes, k)))
                 << what("alltoall", count, t, -1, form) << ": block from " << src;
           }
           EXPECT_TRUE(guard_intact(out, total)) << what("alltoall", count, t, -1, form);
@@ -214,7 +212,7 @@ TEST_P(BlockGrid, AlltoallvMatchesReference) {
           std::size_t at = 0;
           for (int src = 0; src < n; ++src) {
             const std::size_t b = recv_counts[static_cast<std::size_t>(src)] * es;
-            EXPECT_TRUE(equal_at(out, at, pattern(src, r, b, k)))
+            EXPECT_TRUE(holds_at(out, at, pattern(src, r, b, k)))
                 << what("alltoallv", count, t, -1, form) << ": block from " << src;
             at += b;
           }
@@ -242,7 +240,7 @@ TEST_P(BlockGrid, AlltoallvMatchesReference) {
     for (auto& w : works) w.wait();
     for (int i = 0; i < 4; ++i) {
       for (int src = 0; src < n; ++src) {
-        EXPECT_TRUE(equal_at(outs[static_cast<std::size_t>(i)], static_cast<std::size_t>(src) * 40,
+        EXPECT_TRUE(holds_at(outs[static_cast<std::size_t>(i)], static_cast<std::size_t>(src) * 40,
                              pattern(src, r, 40, 1000 + i)))
             << "queued alltoall " << i << " block from " << src;
       }

@@ -29,13 +29,10 @@ using namespace std::chrono_literals;
 using testing::contains;
 using Buffer = testing::Buffer;
 using testing::guard_intact;
+using testing::holds_at;
 using testing::kGuard;
 using testing::kGuardByte;
 using testing::pattern;
-
-bool holds(const Buffer& got, const Buffer& want) {
-  return got.size() >= want.size() && std::equal(want.begin(), want.end(), got.begin());
-}
 
 void run_contexts(const std::string& transport, int n, const std::function<void(Context&)>& fn,
                   const Options& options = {}) {
@@ -101,7 +98,7 @@ TEST_P(P2pGrid, RingExchangeMatchesReference) {
             ctx.recv(in.data(), count, t, prev);
             s.wait();
           }
-          EXPECT_TRUE(holds(in, pattern(prev, r, bytes, k))) << what;
+          EXPECT_TRUE(holds_at(in, 0, pattern(prev, r, bytes, k))) << what;
           EXPECT_TRUE(guard_intact(in, bytes)) << what;
         }
       }
@@ -154,7 +151,7 @@ TEST_P(P2p, PairExchangeCompletesForSmallAndLargeMessages) {
                      }
                      s.wait();
                      q.wait();
-                     EXPECT_TRUE(holds(in, pattern(peer, r, bytes, k - order)))
+                     EXPECT_TRUE(holds_at(in, 0, pattern(peer, r, bytes, k - order)))
                          << bytes << " bytes";
                      EXPECT_TRUE(guard_intact(in, bytes));
                    }
@@ -197,7 +194,7 @@ TEST_P(P2p, SendsToOnePeerArriveInIssueOrder) {
         ctx.recv(in[static_cast<std::size_t>(i)].data(), sizes[i], DataType::kUInt8, 0, 5);
       }
       for (int i = 0; i < kMessages; ++i) {
-        EXPECT_TRUE(holds(in[static_cast<std::size_t>(i)], pattern(0, 1, sizes[i], i)))
+        EXPECT_TRUE(holds_at(in[static_cast<std::size_t>(i)], 0, pattern(0, 1, sizes[i], i)))
             << "message " << i;
         EXPECT_TRUE(guard_intact(in[static_cast<std::size_t>(i)], sizes[i])) << "message " << i;
       }
@@ -251,10 +248,10 @@ TEST_P(P2p, SendsAndRecvsAroundCollectivesInAConsistentOrder) {
     for (auto& w : works) w.wait();
     EXPECT_EQ(v[4999], 3.0f);
     if (r == 1) {
-      EXPECT_TRUE(holds(in, pattern(0, 1, bytes, 0)));
+      EXPECT_TRUE(holds_at(in, 0, pattern(0, 1, bytes, 0)));
     }
     if (r == 0) {
-      EXPECT_TRUE(holds(in2, pattern(1, 0, bytes, 1)));
+      EXPECT_TRUE(holds_at(in2, 0, pattern(1, 0, bytes, 1)));
     }
   });
 }
@@ -469,7 +466,7 @@ TEST_P(P2pProcesses, PairAndRingExchangesComplete) {
               if (!send_first) s = ctx->send_async(out.data(), bytes, DataType::kUInt8, peer);
               s.wait();
               q.wait();
-              require(holds(in, pattern(peer, rank, bytes, k)) && guard_intact(in, bytes),
+              require(holds_at(in, 0, pattern(peer, rank, bytes, k)) && guard_intact(in, bytes),
                       "pair exchange of " + std::to_string(bytes) + " bytes");
             }
             ++k;
@@ -482,7 +479,7 @@ TEST_P(P2pProcesses, PairAndRingExchangesComplete) {
           Work s = ctx->send_async(out.data(), count, DataType::kFloat32, next, 3);
           ctx->recv(in.data(), count, DataType::kFloat32, prev, 3);
           s.wait();
-          require(holds(in, pattern(prev, rank, count * 4, k)) && guard_intact(in, count * 4),
+          require(holds_at(in, 0, pattern(prev, rank, count * 4, k)) && guard_intact(in, count * 4),
                   "ring exchange of " + std::to_string(count));
           ++k;
         }

@@ -2,6 +2,7 @@
 // collective's output can be compared bit for bit.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -36,6 +37,12 @@ inline bool guard_intact(const Buffer& b, std::size_t bytes) {
     if (b[i] != kGuardByte) return false;
   }
   return true;
+}
+
+// `got` holds `want` at byte `offset` (and is long enough to).
+inline bool holds_at(const Buffer& got, std::size_t offset, const Buffer& want) {
+  return offset <= got.size() && want.size() <= got.size() - offset &&
+         std::equal(want.begin(), want.end(), got.begin() + static_cast<std::ptrdiff_t>(offset));
 }
 
 inline bool is_bitwise(ReduceOp op) {

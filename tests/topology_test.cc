@@ -129,8 +129,7 @@ TEST_P(PermutedRing, RingCollectivesMatchReferenceAndSendOnlyToTheSuccessor) {
         for (int src = 0; src < n; ++src) {
           Buffer want = testing::make_input(DataType::kInt32, ReduceOp::kSum, src,
                                             counts[static_cast<std::size_t>(src)]);
-          EXPECT_TRUE(
-              std::equal(want.begin(), want.end(), all.begin() + static_cast<long>(off * 4)))
+          EXPECT_TRUE(testing::holds_at(all, off * 4, want))
               << "allgatherv n=" << n << " block " << src;
           off += counts[static_cast<std::size_t>(src)];
         }
@@ -229,8 +228,7 @@ TEST_P(Hierarchical, MatchesReferenceForEveryDtypeAndOp) {
         for (int src = 0; src < n; ++src) {
           Buffer want = testing::make_input(DataType::kUInt8, ReduceOp::kSum, src,
                                             counts[static_cast<std::size_t>(src)]);
-          EXPECT_TRUE(std::equal(want.begin(), want.end(), all.begin() + static_cast<long>(off)))
-              << spec << " allgatherv block " << src;
+          EXPECT_TRUE(testing::holds_at(all, off, want)) << spec << " allgatherv block " << src;
           off += counts[static_cast<std::size_t>(src)];
         }
       },
