@@ -160,7 +160,7 @@ def load_example():
     return module
 
 
-def test_the_example_leaves_momentum_to_a_codec_that_has_its_own():
+def test_the_example_leaves_momentum_to_a_codec_that_has_its_own(capsys):
     """A codec with momentum= (momentum correction) applies momentum itself: SGD's on top
     compounded the two and diverged (sign with block scales at lr 0.05: 10% accuracy)."""
     train = load_example()
@@ -172,3 +172,5 @@ def test_the_example_leaves_momentum_to_a_codec_that_has_its_own():
         assert optimizer.param_groups[0]["momentum"] == momentum, hook
     with pytest.raises(SystemExit):
         train.parse_args(["--hook", "gradsync:sign:momentum=0.9", "--optimizer", "adamw"])
+    assert ("--hook gradsync:sign:momentum=0.9: a codec with momentum= takes the place of "
+            "SGD's momentum: use --optimizer sgd") in capsys.readouterr().err
