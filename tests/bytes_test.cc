@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "gradsync/compress.h"
 #include "gradsync/optim.h"
 #include "harness.h"
@@ -58,6 +60,52 @@ TEST(Bytes, AnythingElseIsRefusedNamingWhatIsWrong) {
   longer.push_back(0);
   refused(longer, "GSXX", 3, "1 bytes left over");
   refused({}, "GSXX", 3, "not one");
+}
+
+// Maps are written in key order, each key once: a repeated or reordered key would be merged
+// silently on load (the state would not re-save to the same bytes), so it is refused.
+TEST(Bytes, MapKeysMustComeInOrderEachOnce) {
+  auto read_keys = [](std::initializer_list<const char*> keys) {
+    ByteWriter w("GSXX", 1);
+    for (const char* k : keys) w.string(k);
+    const auto bytes = w.take();
+    ByteReader r(bytes, "GSXX", 1, "map");
+    std::map<std::string, int> m;
+    for (std::size_t i = 0; i < keys.size(); ++i) m[r.key_after(m)] = 0;
+    r.finish();
+    return m.size();
+  };
+  EXPECT_EQ(read_keys({"", "a", "b"}), 3u);
+  Error e = expect_error(ErrorKind::kProtocol, [&] { read_keys({"a", "a"}); });
+  EXPECT_TRUE(contains(e.what(), "map: entry 'a' repeated or out of order")) << e.what();
+  expect_error(ErrorKind::kProtocol, [&] { read_keys({"b", "a"}); });
+  expect_error(ErrorKind::kProtocol, [&] { read_keys({"", ""}); });
+}
+
+// The codec fuzzer's finding: an error-feedback state naming one tensor four times loaded as
+// one entry. Every map-holding state refuses it.
+TEST(Bytes, ARepeatedTensorInASavedStateIsRefused) {
+  ByteWriter feedback("GSEW", 2);
+  feedback.bytes({});  // the inner codec's state: none
+  feedback.put<std::uint32_t>(2);
+  for (int i = 0; i < 2; ++i) {
+    feedback.string("w");
+    feedback.floats({});
+    feedback.floats({});
+  }
+  Error e = expect_error(ErrorKind::kProtocol, [&] {
+    compress::make_codec("int8:block=16")->load_state(feedback.data());
+  });
+  EXPECT_TRUE(contains(e.what(), "entry 'w' repeated")) << e.what();
+
+  ByteWriter tensors("GSRK", 1);
+  tensors.put<std::uint32_t>(2);
+  tensors.string("w");
+  tensors.floats(std::vector<float>{0, 0});
+  tensors.string("w");
+  tensors.floats(std::vector<float>{0, 0});
+  expect_error(ErrorKind::kProtocol,
+               [&] { compress::make_codec("randomk:ratio=0.5,ef=0")->load_state(tensors.data()); });
 }
 
 // Every saved state of the library uses the format: a codec's state is refused by an

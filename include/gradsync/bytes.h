@@ -65,6 +65,17 @@ class ByteReader {
     return value;
   }
   std::string string();
+  // Reads the next key of a map written in key order (each key once): throws unless it sorts
+  // after every key already in `so_far`, so a repeated or reordered entry is refused rather
+  // than silently merged.
+  template <typename Map>
+  std::string key_after(const Map& so_far) {
+    std::string key = string();
+    if (!so_far.empty() && !(so_far.rbegin()->first < key)) {
+      fail("entry '" + key + "' repeated or out of order");
+    }
+    return key;
+  }
   std::span<const std::uint8_t> bytes();  // a view into the input
   std::vector<float> floats();
   // Reads floats stored by ByteWriter::floats into `out`; the stored count must be out.size().

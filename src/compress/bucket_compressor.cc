@@ -164,7 +164,7 @@ void BucketCompressor::load_state(std::span<const std::uint8_t> state) {
   std::map<std::string, State::Held> held;
   const auto n = r.get<std::uint64_t>();
   for (std::uint64_t i = 0; i < n; ++i) {
-    std::string name = r.string();
+    std::string name = r.key_after(held);
     State::Held h;
     h.residual = r.floats();
     h.momentum = r.floats();

@@ -123,11 +123,7 @@ std::map<std::string, std::vector<float>> load_tensor_state(const char magic[4],
   const auto entries = r.get<std::uint32_t>();
   std::map<std::string, std::vector<float>> loaded;
   for (std::uint32_t t = 0; t < entries; ++t) {
-    std::string name = r.string();
-    // Written in name order, each once: anything else is not a state this wrote.
-    if (!loaded.empty() && name <= loaded.rbegin()->first) {
-      r.fail("entry '" + name + "' out of order");
-    }
+    std::string name = r.key_after(loaded);
     loaded[std::move(name)] = r.floats();
   }
   r.finish();
@@ -240,7 +236,7 @@ void ErrorFeedback::load_state(std::span<const std::uint8_t> state) {
   const auto entries = r.get<std::uint32_t>();
   std::map<std::string, Owned> loaded;
   for (std::uint32_t t = 0; t < entries; ++t) {
-    std::string name = r.string();
+    std::string name = r.key_after(loaded);
     Owned own{r.floats(), r.floats()};
     if (momentum_ == 0 && !own.momentum.empty()) {
       r.fail("tensor '" + name + "' holds momentum, but " + spec() + " has none");
