@@ -89,6 +89,20 @@ TEST(Mismatch, DifferentDtypeOpOrCollective) {
          }
        },
        "allreduce #1", "broadcast #1"},
+      {"fingerprint (same count, different shapes)",
+       [](Context& ctx) {
+         std::vector<float> buf(16, 1.0f);
+         ctx.allreduce(buf.data(), buf.data(), 16, DataType::kFloat32, ReduceOp::kSum,
+                       {.fingerprint = ctx.rank() == 0 ? 11u : 22u});
+       },
+       "fingerprint=11)", "fingerprint=22)"},
+      {"fingerprint given on one rank only",
+       [](Context& ctx) {
+         std::vector<float> buf(32, 1.0f);
+         ctx.allgather(buf.data(), buf.data() + 16, 8, DataType::kFloat32,
+                       {.fingerprint = ctx.rank() == 0 ? 0u : 33u});
+       },
+       "allgather #1 (count=16 float32)", "fingerprint=33)"},
   };
   for (const auto& c : cases) {
     auto msgs = expect_all_fail(2, c.call);

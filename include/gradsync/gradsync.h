@@ -87,6 +87,10 @@ struct CallOptions {
   // How long the call may take once it starts running (0: Options::timeout). Past it, the
   // call fails with kTimeout and the communicator is aborted on every rank.
   std::chrono::milliseconds timeout{0};
+  // What the caller knows of the data beyond count and dtype, hashed (e.g. a tensor's shape):
+  // compared across ranks like the count, so ranks whose calls carry different fingerprints
+  // fail with kMismatch instead of silently combining differently shaped data. 0: none.
+  std::uint32_t fingerprint = 0;
 };
 
 // Handle of an async call. Copies share the call.

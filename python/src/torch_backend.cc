@@ -15,6 +15,7 @@
 
 #include "gradsync/error.h"
 #include "gradsync/timeline.h"
+#include "torch_tensors.h"
 
 namespace gradsync::torch_backend {
 namespace {
@@ -99,155 +100,6 @@ class GradsyncWork final : public c10d::Work {
   bool handed_out_ = false;  // guarded by handout_mu_
 };
 
-[[noreturn]] void refuse(const std::string& what, int rank, const char* op) {
-  throw Error(ErrorKind::kInvalidArgument, what, rank, Error::kNoPeer, op);
-}
-
-DataType dtype_of(const at::Tensor& t, int rank, const char* op) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return DataType::kFloat32;
-    case at::kDouble:
-      return DataType::kFloat64;
-    case at::kHalf:
-      return DataType::kFloat16;
-    case at::kBFloat16:
-      return DataType::kBFloat16;
-    case at::kInt:
-      return DataType::kInt32;
-    case at::kLong:
-      return DataType::kInt64;
-    case at::kByte:
-      return DataType::kUInt8;
-    case at::kChar:
-      return DataType::kInt8;
-    case at::kShort:
-      return DataType::kInt16;
-    case at::kBool:
-      return DataType::kBool;
-    default:
-      refuse(std::string("gradsync has no dtype for torch.") + c10::toString(t.scalar_type()), rank,
-             op);
-  }
-}
-
-ReduceOp op_of(const c10d::ReduceOp& op, int rank, const char* name) {
-  switch (op.op_) {
-    case c10d::ReduceOp::SUM:
-      return ReduceOp::kSum;
-    case c10d::ReduceOp::AVG:
-      return ReduceOp::kAvg;
-    case c10d::ReduceOp::PRODUCT:
-      return ReduceOp::kProd;
-    case c10d::ReduceOp::MIN:
-      return ReduceOp::kMin;
-    case c10d::ReduceOp::MAX:
-      return ReduceOp::kMax;
-    case c10d::ReduceOp::BAND:
-      return ReduceOp::kBand;
-    case c10d::ReduceOp::BOR:
-      return ReduceOp::kBor;
-    case c10d::ReduceOp::BXOR:
-      return ReduceOp::kBxor;
-    default:
-      refuse("reduce op " + std::to_string(static_cast<int>(op.op_)) +
-                 " (PREMUL_SUM, NCCL's alone) is not supported",
-             rank, name);
-  }
-}
-
-// Every tensor a CPU dense tensor of one dtype; returns the dtype.
-DataType check_tensors(const std::vector<at::Tensor>& tensors, int rank, const char* op) {
-  if (tensors.empty()) refuse("no tensor given", rank, op);
-  const DataType dtype = dtype_of(tensors.front(), rank, op);
-  for (const auto& t : tensors) {
-    if (!t.device().is_cpu()) {
-      refuse("gradsync's torch backend takes CPU tensors; this one is on " + t.device().str(), rank,
-             op);
-    }
-    if (t.layout() != c10::kStrided) refuse("sparse tensors are not supported", rank, op);
-    if (dtype_of(t, rank, op) != dtype) {
-      refuse(std::string("tensors of different dtypes: ") +
-                 c10::toString(tensors.front().scalar_type()) + " and " +
-                 c10::toString(t.scalar_type()),
-             rank, op);
-    }
-  }
-  return dtype;
-}
-
-void expect_one(const std::vector<at::Tensor>& tensors, int rank, const char* op) {
-  if (tensors.size() != 1) {
-    refuse("takes one tensor per call (a CPU process has one device); got " +
-               std::to_string(tensors.size()),
-           rank, op);
-  }
-}
-
-// A contiguous buffer for `user`: the tensor itself when it is contiguous, else a copy that
-// finish() writes back.
-struct Staged {
-  at::Tensor user;
-  at::Tensor buffer;
-  explicit Staged(const at::Tensor& t) : user(t), buffer(t.is_contiguous() ? t : t.contiguous()) {}
-  void write_back() const {
-    if (!buffer.is_same(user)) user.copy_(buffer);
-  }
-  void* data() const { return buffer.data_ptr(); }
-  std::size_t count() const { return static_cast<std::size_t>(buffer.numel()); }
-};
-
-CallOptions call_options(std::chrono::milliseconds timeout) {
-  CallOptions o;
-  if (timeout != c10d::kUnsetTimeout) o.timeout = timeout;
-  return o;
-}
-
-// One flat contiguous tensor holding `tensors` back to back (their dtype).
-at::Tensor flatten(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> flat;
-  flat.reserve(tensors.size());
-  for (const auto& t : tensors) flat.push_back(t.reshape({-1}));
-  return at::cat(flat);
-}
-
-// Copies consecutive pieces of `flat` into `tensors`.
-void unflatten(const at::Tensor& flat, const std::vector<at::Tensor>& tensors) {
-  std::int64_t offset = 0;
-  for (const auto& t : tensors) {
-    t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-    offset += t.numel();
-  }
-}
-
-std::string shape_of(const at::Tensor& t) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < t.sizes().size(); ++i) {
-    s += (i ? ", " : "") + std::to_string(t.sizes()[i]);
-  }
-  return s + "]";
-}
-
-// The one list of `size` tensors a per-rank call takes (all_gather's outputs, reduce_scatter's
-// inputs), each of `like`'s dtype and element count. `role`: "output" or "input".
-const std::vector<at::Tensor>& rank_blocks(const std::vector<std::vector<at::Tensor>>& lists,
-                                           const at::Tensor& like, DataType dtype, int size,
-                                           int rank, const char* op, const std::string& role) {
-  if (lists.size() != 1 || lists[0].size() != static_cast<std::size_t>(size)) {
-    refuse("takes one list of " + std::to_string(size) + " " + role + " tensors", rank, op);
-  }
-  if (check_tensors(lists[0], rank, op) != dtype) {
-    refuse(role + " tensors of another dtype than the " + shape_of(like) + " tensor's", rank, op);
-  }
-  for (const auto& t : lists[0]) {
-    if (t.numel() != like.numel()) {
-      refuse(role + " tensor of shape " + shape_of(t) + " with a tensor of shape " + shape_of(like),
-             rank, op);
-    }
-  }
-  return lists[0];
-}
-
 }  // namespace
 
 CompletionPool::~CompletionPool() {
@@ -294,6 +146,7 @@ ProcessGroupGradsync::ProcessGroupGradsync(const c10::intrusive_ptr<c10d::Store>
   options.size = size;
   options.store = std::make_shared<TorchStore>(store);
   options.timeout = timeout;
+  store_ = store;
   completions_ = std::make_unique<CompletionPool>();
   ctx_ = gradsync::init(options);
 }
@@ -344,15 +197,17 @@ void ProcessGroupGradsync::record(c10d::OpType type, std::size_t bytes, std::int
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::launch(
-    c10d::OpType type, std::vector<at::Tensor> outputs,
+    c10d::OpType type, std::vector<at::Tensor> outputs, const Shapes& shapes,
     const std::function<std::vector<Work>()>& issue, std::function<void()> finish) {
   std::size_t bytes = 0;
   for (const auto& t : outputs) bytes += static_cast<std::size_t>(t.nbytes());
   const std::int64_t issued = timeline::now_us();
   auto work = c10::make_intrusive<GradsyncWork>(rank_, type, std::move(outputs));
   std::vector<Work> calls;
+  std::uint64_t number = 0;
   {
     std::lock_guard lock(issue_mu_);
+    number = launched_++;
     calls = issue();
   }
   if (calls.empty()) {  // nothing to move (empty tensors)
@@ -362,26 +217,60 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::launch(
   // The calls run in order on one worker: the last one done means all are. The first error
   // is the one to report (later calls fail only because the communicator was aborted).
   Work last = calls.back();
-  last.on_done(
-      [this, type, bytes, issued, work, calls = std::move(calls), finish = std::move(finish)] {
-        record(type, bytes, issued);
-        std::exception_ptr error;
-        for (const auto& c : calls) {
-          if ((error = c.error())) break;
-        }
-        if (!error && finish) {
-          try {
-            at::NoGradGuard no_grad;  // writing results back is not part of any graph
-            finish();
-          } catch (...) {
-            error = std::current_exception();
-          }
-        }
-        if (!work->complete_if_private(error)) {
-          completions_->post([work, error] { work->complete(error); });
-        }
-      });
+  last.on_done([this, type, bytes, issued, work, number, shapes, calls = std::move(calls),
+                finish = std::move(finish)] {
+    record(type, bytes, issued);
+    std::exception_ptr error;
+    for (const auto& c : calls) {
+      if ((error = c.error())) break;
+    }
+    if (error) error = name_both_sides(error, number, shapes);
+    if (!error && finish) {
+      try {
+        at::NoGradGuard no_grad;  // writing results back is not part of any graph
+        finish();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    if (!work->complete_if_private(error)) {
+      completions_->post([work, error] { work->complete(error); });
+    }
+  });
   return work;
+}
+
+// The mismatch error says which call and peer disagree, and that the shapes do (the
+// fingerprint): each rank that sees it or is aborted by it leaves its own shapes in torch's
+// store, and a rank that saw it reads its peer's, so the message names both. Only a failed
+// call touches the store.
+std::exception_ptr ProcessGroupGradsync::name_both_sides(std::exception_ptr error,
+                                                         std::uint64_t call, const Shapes& shapes) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const Error& e) {
+    const bool saw_it = e.kind() == ErrorKind::kMismatch && e.peer() != Error::kNoPeer;
+    if (!saw_it && e.kind() != ErrorKind::kAborted) return error;
+    const std::string key = "gradsync/mismatch/" + std::to_string(call) + "/";
+    const std::string mine = shapes.describe();
+    if (mine.empty()) return error;
+    std::string detail = e.detail() + "; this rank's tensors: " + mine;
+    try {
+      store_->set(key + std::to_string(rank_), std::vector<std::uint8_t>(mine.begin(), mine.end()));
+      if (saw_it) {
+        const std::string peer_key = key + std::to_string(e.peer());
+        store_->wait({peer_key}, kPeerReportWait);
+        const auto theirs = store_->get(peer_key);
+        detail += ", rank " + std::to_string(e.peer()) +
+                  "'s: " + std::string(theirs.begin(), theirs.end());
+      }
+    } catch (const std::exception&) {
+      // The peer did not report in time, or the store is gone: name this side only.
+    }
+    return std::make_exception_ptr(Error(e.kind(), detail, e.rank(), e.peer(), e.op(), e.bytes()));
+  } catch (...) {
+    return error;
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::broadcast(std::vector<at::Tensor>& tensors,
@@ -391,9 +280,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::broadcast(std::vector<at::T
   expect_one(tensors, rank_, op);
   auto staged = std::make_shared<Staged>(tensors[0]);
   const int root = static_cast<int>(opts.rootRank);
-  const auto options = call_options(opts.timeout);
+  const Shapes shapes(tensors);
+  const auto options = call_options(opts.timeout, shapes);
   return launch(
-      c10d::OpType::BROADCAST, tensors,
+      c10d::OpType::BROADCAST, tensors, shapes,
       [&]() -> std::vector<Work> {
         if (staged->count() == 0) return {};
         return {ctx_->broadcast_async(staged->data(), staged->count(), dtype, root, options)};
@@ -408,9 +298,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::allreduce(std::vector<at::T
   expect_one(tensors, rank_, op);
   const ReduceOp rop = op_of(opts.reduceOp, rank_, op);
   auto staged = std::make_shared<Staged>(tensors[0]);
-  const auto options = call_options(opts.timeout);
+  const Shapes shapes(tensors);
+  const auto options = call_options(opts.timeout, shapes);
   return launch(
-      c10d::OpType::ALLREDUCE, tensors,
+      c10d::OpType::ALLREDUCE, tensors, shapes,
       [&]() -> std::vector<Work> {
         if (staged->count() == 0) return {};
         return {ctx_->allreduce_async(staged->data(), staged->data(), staged->count(), dtype, rop,
@@ -425,9 +316,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::allreduce_coalesced(
   const DataType dtype = check_tensors(tensors, rank_, op);
   const ReduceOp rop = op_of(opts.reduceOp, rank_, op);
   auto flat = std::make_shared<at::Tensor>(flatten(tensors));
-  const auto options = call_options(opts.timeout);
+  const Shapes shapes(tensors);
+  const auto options = call_options(opts.timeout, shapes);
   return launch(
-      c10d::OpType::ALLREDUCE_COALESCED, tensors,
+      c10d::OpType::ALLREDUCE_COALESCED, tensors, shapes,
       [&]() -> std::vector<Work> {
         if (flat->numel() == 0) return {};
         return {ctx_->allreduce_async(flat->data_ptr(), flat->data_ptr(),
@@ -445,9 +337,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::reduce(std::vector<at::Tens
   const ReduceOp rop = op_of(opts.reduceOp, rank_, op);
   auto staged = std::make_shared<Staged>(tensors[0]);
   const int root = static_cast<int>(opts.rootRank);
-  const auto options = call_options(opts.timeout);
+  const Shapes shapes(tensors);
+  const auto options = call_options(opts.timeout, shapes);
   return launch(
-      c10d::OpType::REDUCE, tensors,
+      c10d::OpType::REDUCE, tensors, shapes,
       [&]() -> std::vector<Work> {
         if (staged->count() == 0) return {};
         // In place on the root, as torch's reduce is; the other ranks' tensors are inputs only.
@@ -469,9 +362,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::allgather(
   auto input = std::make_shared<at::Tensor>(inputs[0].contiguous());
   auto gathered = std::make_shared<at::Tensor>(
       at::empty({static_cast<std::int64_t>(size_) * input->numel()}, input->options()));
-  const auto options = call_options(opts.timeout);
+  const Shapes shapes(inputs);
+  const auto options = call_options(opts.timeout, shapes);
   return launch(
-      c10d::OpType::ALLGATHER, outs,
+      c10d::OpType::ALLGATHER, outs, shapes,
       [&]() -> std::vector<Work> {
         if (input->numel() == 0) return {};
         return {ctx_->allgather_async(input->data_ptr(), gathered->data_ptr(),
@@ -491,9 +385,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::_allgather_base(
   }
   auto in = std::make_shared<at::Tensor>(input.contiguous());
   auto staged = std::make_shared<Staged>(output);
-  const auto options = call_options(opts.timeout);
+  const Shapes shapes(std::vector<at::Tensor>{input});
+  const auto options = call_options(opts.timeout, shapes);
   return launch(
-      c10d::OpType::_ALLGATHER_BASE, {output},
+      c10d::OpType::_ALLGATHER_BASE, {output}, shapes,
       [&]() -> std::vector<Work> {
         if (in->numel() == 0) return {};
         return {ctx_->allgather_async(in->data_ptr(), staged->data(),
@@ -523,9 +418,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::allgather_coalesced(
   auto flat = std::make_shared<at::Tensor>(flatten(inputs));
   auto gathered = std::make_shared<at::Tensor>(
       at::empty({static_cast<std::int64_t>(size_) * flat->numel()}, flat->options()));
-  const auto options = call_options(opts.timeout);
+  const Shapes shapes(inputs);
+  const auto options = call_options(opts.timeout, shapes);
   return launch(
-      c10d::OpType::ALLGATHER_COALESCED, all_outputs,
+      c10d::OpType::ALLGATHER_COALESCED, all_outputs, shapes,
       [&]() -> std::vector<Work> {
         if (flat->numel() == 0) return {};
         return {ctx_->allgather_async(flat->data_ptr(), gathered->data_ptr(),
@@ -544,9 +440,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::reduce_scatter(
   auto flat = std::make_shared<at::Tensor>(flatten(inputs[0]));
   auto staged = std::make_shared<Staged>(outputs[0]);
   const ReduceOp rop = op_of(opts.reduceOp, rank_, op);
-  const auto options = call_options(opts.timeout);
+  const Shapes shapes(outputs);
+  const auto options = call_options(opts.timeout, shapes);
   return launch(
-      c10d::OpType::REDUCE_SCATTER, outputs,
+      c10d::OpType::REDUCE_SCATTER, outputs, shapes,
       [&]() -> std::vector<Work> {
         if (staged->count() == 0) return {};
         return {ctx_->reduce_scatter_async(flat->data_ptr(), staged->data(), staged->count(), dtype,
@@ -567,9 +464,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::_reduce_scatter_base(
   auto in = std::make_shared<at::Tensor>(input.contiguous());
   auto staged = std::make_shared<Staged>(output);
   const ReduceOp rop = op_of(opts.reduceOp, rank_, op);
-  const auto options = call_options(opts.timeout);
+  const Shapes shapes(std::vector<at::Tensor>{output});
+  const auto options = call_options(opts.timeout, shapes);
   return launch(
-      c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+      c10d::OpType::_REDUCE_SCATTER_BASE, {output}, shapes,
       [&]() -> std::vector<Work> {
         if (staged->count() == 0) return {};
         return {ctx_->reduce_scatter_async(in->data_ptr(), staged->data(), staged->count(), dtype,
@@ -596,9 +494,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::gather(
       rank_ == root
           ? at::empty({static_cast<std::int64_t>(size_) * input->numel()}, input->options())
           : at::Tensor());
-  const auto options = call_options(opts.timeout);
+  const Shapes shapes(inputs);
+  const auto options = call_options(opts.timeout, shapes);
   return launch(
-      c10d::OpType::GATHER, outs,
+      c10d::OpType::GATHER, outs, shapes,
       [&]() -> std::vector<Work> {
         if (input->numel() == 0) return {};
         return {ctx_->gather_async(input->data_ptr(),
@@ -625,9 +524,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::scatter(
     refuse("only the root (rank " + std::to_string(root) + ") takes input tensors", rank_, op);
   }
   auto staged = std::make_shared<Staged>(outputs[0]);
-  const auto options = call_options(opts.timeout);
+  const Shapes shapes(outputs);
+  const auto options = call_options(opts.timeout, shapes);
   return launch(
-      c10d::OpType::SCATTER, outputs,
+      c10d::OpType::SCATTER, outputs, shapes,
       [&]() -> std::vector<Work> {
         if (staged->count() == 0) return {};
         return {ctx_->scatter_async(flat->defined() ? flat->data_ptr() : nullptr, staged->data(),
@@ -635,44 +535,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::scatter(
       },
       [flat, staged] { staged->write_back(); });
 }
-
-namespace {
-
-// Element counts per rank for alltoall_base: `splits` (rows of dim 0 per rank) or equal.
-std::vector<std::size_t> split_counts(const at::Tensor& t, const std::vector<std::int64_t>& splits,
-                                      int size, int rank, const char* what) {
-  std::vector<std::size_t> counts(static_cast<std::size_t>(size));
-  const std::int64_t rows = t.dim() ? t.size(0) : 1;
-  const std::int64_t row = rows ? t.numel() / rows : 0;
-  if (splits.empty()) {
-    if (rows % size) {
-      refuse(std::string(what) + " of shape " + shape_of(t) + " does not split into " +
-                 std::to_string(size) + " equal parts",
-             rank, "alltoall_base");
-    }
-    for (auto& c : counts) c = static_cast<std::size_t>(rows / size * row);
-    return counts;
-  }
-  if (splits.size() != static_cast<std::size_t>(size)) {
-    refuse(std::string(what) + " splits have " + std::to_string(splits.size()) + " entries for " +
-               std::to_string(size) + " ranks",
-           rank, "alltoall_base");
-  }
-  std::int64_t total = 0;
-  for (std::size_t i = 0; i < counts.size(); ++i) {
-    if (splits[i] < 0) refuse("negative split", rank, "alltoall_base");
-    counts[i] = static_cast<std::size_t>(splits[i] * row);
-    total += splits[i];
-  }
-  if (total != rows) {
-    refuse(
-        std::string(what) + " splits sum to " + std::to_string(total) + " rows of " + shape_of(t),
-        rank, "alltoall_base");
-  }
-  return counts;
-}
-
-}  // namespace
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<std::int64_t>& output_splits,
@@ -683,9 +545,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::alltoall_base(
   auto recv_counts = split_counts(output, output_splits, size_, rank_, "output");
   auto in = std::make_shared<at::Tensor>(input.contiguous());
   auto staged = std::make_shared<Staged>(output);
-  const auto options = call_options(opts.timeout);
+  const auto options = call_options(opts.timeout, Shapes{});
   return launch(
-      c10d::OpType::ALLTOALL_BASE, {output},
+      c10d::OpType::ALLTOALL_BASE, {output}, Shapes{},
       [&]() -> std::vector<Work> {
         return {ctx_->alltoallv_async(in->data_ptr(), send_counts, staged->data(), recv_counts,
                                       dtype, options)};
@@ -711,9 +573,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::alltoall(std::vector<at::Te
   std::int64_t total = 0;
   for (auto c : recv_counts) total += static_cast<std::int64_t>(c);
   auto flat_out = std::make_shared<at::Tensor>(at::empty({total}, flat_in->options()));
-  const auto options = call_options(opts.timeout);
+  const auto options = call_options(opts.timeout, Shapes{});
   return launch(
-      c10d::OpType::ALLTOALL, outputs,
+      c10d::OpType::ALLTOALL, outputs, Shapes{},
       [&]() -> std::vector<Work> {
         return {ctx_->alltoallv_async(flat_in->data_ptr(), send_counts, flat_out->data_ptr(),
                                       recv_counts, dtype, options)};
@@ -727,11 +589,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::send(std::vector<at::Tensor
   const DataType dtype = check_tensors(tensors, rank_, op);
   expect_one(tensors, rank_, op);
   auto in = std::make_shared<at::Tensor>(tensors[0].contiguous());
+  const Shapes shapes(tensors);
+  const auto options = call_options(c10d::kUnsetTimeout, shapes);
   return launch(
-      c10d::OpType::SEND, tensors,
+      c10d::OpType::SEND, tensors, shapes,
       [&]() -> std::vector<Work> {
         return {ctx_->send_async(in->data_ptr(), static_cast<std::size_t>(in->numel()), dtype, dst,
-                                 tag)};
+                                 tag, options)};
       },
       [in] {});
 }
@@ -742,10 +606,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::recv(std::vector<at::Tensor
   const DataType dtype = check_tensors(tensors, rank_, op);
   expect_one(tensors, rank_, op);
   auto staged = std::make_shared<Staged>(tensors[0]);
+  const Shapes shapes(tensors);
+  const auto options = call_options(c10d::kUnsetTimeout, shapes);
   return launch(
-      c10d::OpType::RECV, tensors,
+      c10d::OpType::RECV, tensors, shapes,
       [&]() -> std::vector<Work> {
-        return {ctx_->recv_async(staged->data(), staged->count(), dtype, src, tag)};
+        return {ctx_->recv_async(staged->data(), staged->count(), dtype, src, tag, options)};
       },
       [staged] { staged->write_back(); });
 }
@@ -755,8 +621,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::recvAnysource(std::vector<a
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::barrier(const c10d::BarrierOptions& opts) {
-  const auto options = call_options(opts.timeout);
-  return launch(c10d::OpType::BARRIER, {},
+  const auto options = call_options(opts.timeout, Shapes{});
+  return launch(c10d::OpType::BARRIER, {}, Shapes{},
                 [&]() -> std::vector<Work> { return {ctx_->barrier_async(options)}; });
 }
 
@@ -786,7 +652,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::compressed_allreduce(
   const auto non_finite =
       skip_non_finite ? compress::NonFinite::kSkip : compress::NonFinite::kThrow;
   return launch(
-      c10d::OpType::ALLREDUCE, {bucket},
+      c10d::OpType::ALLREDUCE, {bucket}, Shapes{},
       [&]() -> std::vector<Work> {
         if (data.empty()) return {};
         *call = compressor->allreduce_async(*ctx_, data, parts, ReduceOp::kAvg, non_finite);

@@ -22,6 +22,7 @@
 
 #include "gradsync/compress.h"
 #include "gradsync/gradsync.h"
+#include "torch_tensors.h"
 
 // torch 2 moved the collectives to c10d::Backend (ProcessGroup dispatches to it); 1.13 has
 // them on ProcessGroup. The class is the same on both.
@@ -134,15 +135,24 @@ class ProcessGroupGradsync : public GRADSYNC_C10D_BASE {
   // order is the same on every rank whichever thread calls), `finish` (on the worker, once
   // they are done) copies results to where torch wants them. The Work's future holds
   // `outputs`.
+  // `shapes`: what the ranks' calls must agree on, named in a mismatch error.
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                        const Shapes& shapes,
                                         const std::function<std::vector<Work>()>& issue,
                                         std::function<void()> finish = {});
+  std::exception_ptr name_both_sides(std::exception_ptr error, std::uint64_t call,
+                                     const Shapes& shapes);
 
   void record(c10d::OpType type, std::size_t bytes, std::int64_t issued_us);
 
   std::unique_ptr<CompletionPool> completions_;  // before ctx_: its calls post here
   std::unique_ptr<Context> ctx_;
   std::mutex issue_mu_;
+  std::uint64_t launched_ = 0;  // calls issued, the same on every rank; guarded by issue_mu_
+  // How long a rank that saw a mismatch waits for its peer's shapes in the store: the peer
+  // sees the mismatch within microseconds of it, or never (then it saw the abort).
+  static constexpr std::chrono::milliseconds kPeerReportWait{1000};
+  c10::intrusive_ptr<c10d::Store> store_;
   static constexpr std::size_t kMaxRecords = 1 << 16;
   std::mutex records_mu_;
   std::vector<CallRecord> records_;  // guarded by records_mu_

@@ -40,9 +40,10 @@ const char* to_string(CollectiveKind kind) {
 }
 
 // Layout: word0 = seq; word1 = kind | dtype<<8 | op<<16 | algorithm<<24 | root<<32;
-// word2 = count; word3 = a marker so a stray tag is recognisably not a signature, whose low
-// 16 bits carry the step. dtype and op are uint8_t enums: their 8 bits hold every value.
-constexpr std::uint64_t kSignatureMarker = 0x6772616473790000ull;  // "gradsy", then the step
+// word2 = count; word3 = a 16-bit marker so a stray tag is recognisably not a signature, the
+// caller's fingerprint, the step. dtype and op are uint8_t enums: their 8 bits hold every value.
+constexpr std::uint64_t kSignatureMarker = 0x6773ull << 48;  // "gs"
+constexpr std::uint64_t kMarkerBits = 0xffffull << 48;
 constexpr std::uint64_t kStepBits = 0xffff;
 
 transport::Tag encode(const CallSignature& sig) {
@@ -53,7 +54,7 @@ transport::Tag encode(const CallSignature& sig) {
                (static_cast<std::uint64_t>(sig.algorithm) << 24) |
                (static_cast<std::uint64_t>(static_cast<std::uint32_t>(sig.root)) << 32);
   t.words[2] = sig.count;
-  t.words[3] = kSignatureMarker | sig.step;
+  t.words[3] = kSignatureMarker | (static_cast<std::uint64_t>(sig.fingerprint) << 16) | sig.step;
   return t;
 }
 
@@ -67,6 +68,7 @@ CallSignature decode(const transport::Tag& t) {
   s.root = static_cast<std::int32_t>(static_cast<std::uint32_t>(t.words[1] >> 32));
   s.count = t.words[2];
   s.step = static_cast<std::uint16_t>(t.words[3] & kStepBits);
+  s.fingerprint = static_cast<std::uint32_t>(t.words[3] >> 16);
   return s;
 }
 
@@ -89,12 +91,13 @@ std::string describe(const CallSignature& s) {
   }
   if (s.kind == CollectiveKind::kPointToPoint) o << " tag=" << s.root;           // the user's tag
   if (s.kind == CollectiveKind::kCompressedAllreduce) o << " codec#" << s.root;  // spec hash
+  if (s.fingerprint) o << " fingerprint=" << s.fingerprint;
   o << ")";
   return o.str();
 }
 
 std::string describe_tag(const transport::Tag& tag) {
-  if ((tag.words[3] & ~kStepBits) != kSignatureMarker) return transport::default_format_tag(tag);
+  if ((tag.words[3] & kMarkerBits) != kSignatureMarker) return transport::default_format_tag(tag);
   return describe(decode(tag));
 }
 

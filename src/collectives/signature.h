@@ -45,11 +45,14 @@ struct CallSignature {
   // them as numbered steps under its own sequence number: step k of call #seq is matched
   // only by step k of #seq on the peer, whatever else is queued behind the call.
   std::uint16_t step = 0;
+  // CallOptions::fingerprint: what the caller knows of the data beyond count and dtype (a
+  // tensor's shape), compared like the rest; 0 when none was given.
+  std::uint32_t fingerprint = 0;
 };
 
 transport::Tag encode(const CallSignature& sig);
 CallSignature decode(const transport::Tag& tag);
-// "allreduce #7 (count=100 float32 sum algo=ring)"
+// "allreduce #7 (count=100 float32 sum algo=ring)", with " fingerprint=…" where one was given
 std::string describe(const CallSignature& sig);
 std::string describe_tag(const transport::Tag& tag);
 

@@ -170,10 +170,11 @@ Work Context::Impl::submit_steps(CallSignature sig, std::function<void(CallSteps
 }
 
 Work Context::Impl::submit(CallSignature sig, std::function<void(Comm&)> body, bool blocking,
-                           std::chrono::milliseconds call_timeout) {
+                           const CallOptions& options) {
+  sig.fingerprint = options.fingerprint;
   return submit_steps(
       sig, [sig, body = std::move(body)](CallSteps& steps) { steps.run(sig, body); }, blocking,
-      call_timeout);
+      options.timeout);
 }
 
 // ---- CallSteps ----
@@ -277,7 +278,7 @@ Work allreduce_impl(Context::Impl& impl, const void* send, void* recv, std::size
   return impl.submit(
       sig,
       [=, &context](Comm& c) { run_allreduce(c, context, send, recv, count, dtype, op, chosen); },
-      blocking, options.timeout);
+      blocking, options);
 }
 
 Work reduce_scatter_impl(Context::Impl& impl, const void* send, void* recv, std::size_t recv_count,
@@ -296,7 +297,7 @@ Work reduce_scatter_impl(Context::Impl& impl, const void* send, void* recv, std:
         std::vector<std::size_t> counts(n, recv_count);
         collectives::hierarchical_reduce_scatter(c, send, recv, counts, dtype, op, cfg);
       },
-      blocking, options.timeout);
+      blocking, options);
 }
 
 Work allgatherv_impl(Context::Impl& impl, const void* send, void* recv,
@@ -316,7 +317,7 @@ Work allgatherv_impl(Context::Impl& impl, const void* send, void* recv,
   return impl.submit(
       sig,
       [=](Comm& c) { collectives::hierarchical_allgatherv(c, send, recv, counts, dtype, cfg); },
-      blocking, options.timeout);
+      blocking, options);
 }
 
 Work broadcast_impl(Context::Impl& impl, void* data, std::size_t count, DataType dtype, int root,
@@ -331,7 +332,7 @@ Work broadcast_impl(Context::Impl& impl, void* data, std::size_t count, DataType
   const auto cfg = impl.config;
   return impl.submit(
       sig, [=](Comm& c) { collectives::broadcast(c, data, count, dtype, root, cfg); }, blocking,
-      options.timeout);
+      options);
 }
 
 Work reduce_impl(Context::Impl& impl, const void* send, void* recv, std::size_t count,
@@ -345,14 +346,14 @@ Work reduce_impl(Context::Impl& impl, const void* send, void* recv, std::size_t 
   CallSignature sig{0, CollectiveKind::kReduce, dtype, op, Algorithm::kAuto, root, count};
   return impl.submit(
       sig, [=](Comm& c) { collectives::reduce(c, send, recv, count, dtype, op, root); }, blocking,
-      options.timeout);
+      options);
 }
 
 Work barrier_impl(Context::Impl& impl, const CallOptions& options, bool blocking) {
   CallSignature sig{
       0, CollectiveKind::kBarrier, DataType::kUInt8, ReduceOp::kSum, Algorithm::kAuto, -1, 0};
   return impl.submit(
-      sig, [](Comm& c) { collectives::barrier(c); }, blocking, options.timeout);
+      sig, [](Comm& c) { collectives::barrier(c); }, blocking, options);
 }
 
 std::vector<std::size_t> equal_counts(int ranks, std::size_t count) {

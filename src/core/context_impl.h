@@ -86,9 +86,9 @@ struct Context::Impl {
   // thread only.
   Work submit_steps(collectives::CallSignature sig, std::function<void(CallSteps&)> body,
                     bool blocking, std::chrono::milliseconds timeout = {});
-  // A call of one collective, `sig` itself.
+  // A call of one collective, `sig` itself, with the caller's timeout and fingerprint.
   Work submit(collectives::CallSignature sig, std::function<void(collectives::Comm&)> body,
-              bool blocking, std::chrono::milliseconds timeout = {});
+              bool blocking, const CallOptions& options = {});
   // Queues a send to or a receive from `peer` (see context_p2p.cc), which `post` hands to the
   // transport tagged `sig`. `sig` gets the pair's next message number, not a call number, as
   // only the two ranks issue it. Always async: the worker posts it in issue order, but does

@@ -134,6 +134,7 @@ Work p2p_impl(Context::Impl& impl, bool is_send, int peer, std::size_t count, Da
   check_buffer(data, count, "data", impl.rank, name);
   CallSignature sig{
       0, CollectiveKind::kPointToPoint, dtype, ReduceOp::kSum, Algorithm::kAuto, tag, count};
+  sig.fingerprint = options.fingerprint;
   return impl.submit_p2p(sig, is_send, peer, std::move(post), options.timeout);
 }
 

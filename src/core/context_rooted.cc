@@ -33,7 +33,7 @@ Work gather_impl(Context::Impl& impl, const void* send, void* recv, std::size_t 
                     count};
   return impl.submit(
       sig, [=](Comm& c) { collectives::gather(c, send, recv, count, dtype, root); }, blocking,
-      options.timeout);
+      options);
 }
 
 Work scatter_impl(Context::Impl& impl, const void* send, void* recv, std::size_t count,
@@ -49,7 +49,7 @@ Work scatter_impl(Context::Impl& impl, const void* send, void* recv, std::size_t
                     count};
   return impl.submit(
       sig, [=](Comm& c) { collectives::scatter(c, send, recv, count, dtype, root); }, blocking,
-      options.timeout);
+      options);
 }
 
 bool overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) {
@@ -98,7 +98,7 @@ Work alltoallv_impl(Context::Impl& impl, const void* send, std::vector<std::size
         }
         collectives::alltoallv(c, from, send_counts, recv, recv_counts, dtype);
       },
-      blocking, options.timeout);
+      blocking, options);
 }
 
 std::vector<std::size_t> equal_blocks(const Context::Impl& impl, std::size_t count) {

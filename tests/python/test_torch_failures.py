@@ -33,8 +33,8 @@ def test_a_killed_rank_makes_every_other_rank_raise_naming_it():
         print(f"rank {rank} raised after {seconds:.2f} s: {message}")
 
 
-def mismatched_shapes(rank, world):
-    t = torch.ones(10 if rank == 0 else 20)
+def mismatched_shapes(rank, world, shapes):
+    t = torch.ones(shapes[rank])
     try:
         dist.all_reduce(t)
     except RuntimeError as e:
@@ -43,8 +43,31 @@ def mismatched_shapes(rank, world):
 
 
 def test_tensors_of_different_sizes_across_ranks_fail_naming_both():
-    for message in ranks.run(2, mismatched_shapes, expect_failure=True).values():
-        assert "10" in message and "20" in message and "mismatch" in message, message
+    shapes = {0: (10,), 1: (20,)}
+    for rank, message in ranks.run(2, mismatched_shapes, "gradsync", shapes, expect_failure=True).items():
+        assert "mismatch" in message, message
+        assert f"this rank's tensors: float32 [{shapes[rank][0]}]" in message, message
+        assert f"rank {1 - rank}'s: float32 [{shapes[1 - rank][0]}]" in message, message
+
+
+# The same count in another shape: gloo would add [2, 3] to [3, 2] silently. Which rank sees
+# the other's message first is a race; that rank names both shapes, and a rank aborted by it
+# names its own, under the first rank's message.
+def test_tensors_of_the_same_size_in_different_shapes_fail_naming_both():
+    def names_both(shapes):
+        outcomes = ranks.run(len(shapes), mismatched_shapes, "gradsync", shapes,
+                             expect_failure=True)
+        assert all("mismatch" in m for m in outcomes.values()), outcomes
+        for rank, message in outcomes.items():
+            assert f"this rank's tensors: float32 {list(shapes[rank])}" in message, message
+        return outcomes
+
+    outcomes = names_both({0: (2, 3), 1: (3, 2)})
+    assert ("float32 [2, 3], rank 1's: float32 [3, 2]" in outcomes[0]
+            or "float32 [3, 2], rank 0's: float32 [2, 3]" in outcomes[1]), outcomes
+    # One odd rank among three: a rank that received its message names both shapes.
+    outcomes = names_both({0: (4, 3), 1: (3, 4), 2: (4, 3)})
+    assert any("float32 [4, 3], rank 1's: float32 [3, 4]" in m for m in outcomes.values()), outcomes
 
 
 def bad_arguments(rank, world):
