@@ -5,7 +5,7 @@
 # (bench/torch/convergence_summary.py). Configurations: no hook, every gradsync codec as a DDP
 # hook (gradsync.torch.hooks.codec; sign with block scales and momentum correction, which
 # plain sign needs at this learning rate: BENCHMARKS.md), torch's fp16 and PowerSGD hooks, bf16
-# autocast.
+# autocast; "-ahead": the hook's step-ahead error feedback (train.py --step-ahead).
 # Holds /tmp/gradsync-bench.lock, as the other benchmarks do.
 #
 #   bench/torch/convergence.sh [--ranks 4] [--epochs 15] [--seeds "1 2 3"] [--batch 64]
@@ -31,7 +31,9 @@ declare -A config_args=(
   [int8]="--hook gradsync:int8"
   [qsgd]="--hook gradsync:qsgd:levels=15"
   [topk]="--hook gradsync:topk:ratio=0.01"
+  [topk-ahead]="--hook gradsync:topk:ratio=0.01 --step-ahead"
   [randomk]="--hook gradsync:randomk:ratio=0.01"
+  [randomk-ahead]="--hook gradsync:randomk:ratio=0.01 --step-ahead"
   [threshold]="--hook gradsync:threshold:rel=0.1"
   [sign]="--hook gradsync:sign:block=256,momentum=0.9"
   [powersgd]="--hook gradsync:powersgd:rank=4"

@@ -77,6 +77,9 @@ def parse_args(argv=None):
                    help=f"DDP communication hook: torch's {TORCH_HOOKS}; any other SPEC "
                         "is a gradsync codec, gradsync.torch.hooks.codec(SPEC), e.g. "
                         "topk:ratio=0.01")
+    p.add_argument("--step-ahead", action="store_true",
+                   help="with a gradsync codec hook: forward and backward at value - lr x what "
+                        "error feedback holds back (hook.step_ahead; top-k needs it)")
     p.add_argument("--accumulate", type=int, default=1, metavar="K",
                    help="K micro-batches per optimizer step; the first K-1 under no_sync()")
     p.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"],
@@ -570,8 +573,11 @@ class Trainer:
                          gradient_as_bucket_view=args.gradient_as_bucket_view,
                          static_graph=args.static_graph)
         hook = make_hook()
+        self.step_ahead = None
         if hook is not None:
             self.model.register_comm_hook(*hook)
+            if args.step_ahead:
+                self.step_ahead = getattr(hook[1], "step_ahead", None)  # gradsync codecs
         self.optimizer = make_optimizer(self.model.parameters(), args)
         self.autocast, self.autocast_on = autocast_factory(args.amp, rank)
         self.scaler = (DynamicLossScaler(args.loss_scale, args.scale_growth_interval)
@@ -612,7 +618,9 @@ class Trainer:
     def micro_batch(self, x, y, group_size, sync):
         """Forward and backward of one micro-batch; gradients of the first K-1 of a group
         stay local (no_sync) and the last one's backward all-reduces the sum."""
-        with (contextlib.nullcontext() if sync else self.model.no_sync()):
+        ahead = (self.step_ahead(self.optimizer.param_groups[0]["lr"]) if self.step_ahead
+                 else contextlib.nullcontext())
+        with (contextlib.nullcontext() if sync else self.model.no_sync()), ahead:
             with self.autocast():
                 loss = nn.functional.cross_entropy(self.model(x), y) / group_size
             (self.scaler.scale_loss(loss) if self.scaler else loss).backward()

@@ -2,9 +2,11 @@
 // base, so torch.distributed takes it wherever it takes ProcessGroupGloo), and the function
 // torch.distributed's backend registry calls to build one per process group.
 #include <pybind11/chrono.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
+#include <optional>
 #include <string_view>
 
 #include "torch_backend.h"
@@ -65,10 +67,21 @@ PYBIND11_MODULE(_backend, m) {
              const auto bytes = c.save_state();
              return py::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
            })
-      .def("load_state", [](BucketCompressor& c, const py::bytes& state) {
-        const std::string_view view = state;
-        c.load_state({reinterpret_cast<const std::uint8_t*>(view.data()), view.size()});
-      });
+      .def("load_state",
+           [](BucketCompressor& c, const py::bytes& state) {
+             const std::string_view view = state;
+             c.load_state({reinterpret_cast<const std::uint8_t*>(view.data()), view.size()});
+           })
+      .def(
+          "held_back",
+          [](const BucketCompressor& c, const std::string& parameter) -> std::optional<at::Tensor> {
+            const auto held = c.held_back(parameter);
+            if (held.empty()) return std::nullopt;
+            // A copy: the residual changes with the parameter's next bucket.
+            return at::tensor(at::ArrayRef<float>(held.data(), held.size()));
+          },
+          py::arg("parameter"),
+          "A copy of what error feedback holds back for `parameter` (flat float32), or None.");
 
   m.def("codec_names", &gradsync::compress::codec_names, "The codecs a hook spec may name.");
 

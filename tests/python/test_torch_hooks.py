@@ -115,6 +115,42 @@ def straight_steps(rank, world, spec, count):
     return torch.cat([p.detach().flatten() for p in net.parameters()]).numpy()
 
 
+def shifted_by_step_ahead(rank, world, spec):
+    import gradsync.torch
+    net = model()
+    ddp = DDP(net, bucket_cap_mb=0.004)
+    hook = gradsync.torch.hooks.codec(spec, net)
+    ddp.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    steps(ddp, opt, rank, 0, 3)
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    with hook.step_ahead(0.5):
+        inside = {n: p.detach().clone() for n, p in net.named_parameters()}
+    after = {n: p.detach().clone() for n, p in net.named_parameters()}
+    residual = {n: hook.held_back(n) for n in before}
+    return ({n: (inside[n] - before[n]).numpy() for n in before},
+            {n: None if r is None else (-0.5 * r.view_as(before[n])).numpy()
+             for n, r in residual.items()},
+            all(torch.equal(after[n], before[n]) for n in before))
+
+
+# Step-ahead error feedback moves each parameter by -lr x its residual inside the context
+# and back on leaving; a codec that holds nothing back leaves the parameters alone.
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "fp16"])
+def test_step_ahead_shifts_by_the_residual_and_restores(spec):
+    for moved, expected, restored in ranks.run(2, shifted_by_step_ahead, "gradsync", spec):
+        assert restored
+        for name, shift in moved.items():
+            if expected[name] is None:
+                assert (shift == 0).all(), name
+            else:
+                assert numpy.allclose(shift, expected[name], atol=1e-6), name
+        if spec.startswith("topk"):
+            assert any(e is not None and (e != 0).any() for e in expected.values())
+        else:
+            assert all(e is None for e in expected.values())
+
+
 def nan_on_one_rank(rank, world):
     import gradsync.torch
     net = model()
