@@ -90,6 +90,35 @@ TEST_P(EngineWorlds, EveryAsyncFormRunsInIssueOrderAndMatchesTheReference) {
   });
 }
 
+// Waiting for each call as soon as it is issued, and for a run of them in issue order: where
+// a waiting thread runs the next call itself (ranks no more than cores), the calls still run
+// one at a time in issue order on every rank, whichever thread runs each.
+TEST_P(EngineWorlds, CallsWaitedForInIssueOrderRunInIssueOrder) {
+  const int n = GetParam();
+  testing::run_inproc_contexts(n, [&](Context& ctx) {
+    const int r = ctx.rank();
+    std::vector<std::vector<float>> data;
+    std::vector<Work> works;
+    for (std::size_t k = 0; k < 24; ++k) {
+      data.push_back(ramp(100 + 37 * k, r));  // a different count each: a reordered call fails
+      auto& d = data.back();
+      const Algorithm algorithm = k % 3 == 0 ? Algorithm::kRing : Algorithm::kAuto;
+      works.push_back(ctx.allreduce_async(d.data(), d.data(), d.size(), DataType::kFloat32,
+                                          ReduceOp::kSum, {.algorithm = algorithm}));
+      // At once, often before the worker has it, and with the next call queued behind it.
+      if (k % 3 == 1) works[k - 1].wait();
+    }
+    for (Work& w : works) w.wait();
+    for (const auto& d : data) {
+      for (std::size_t i = 0; i < d.size(); ++i) {
+        float want = 0;
+        for (int p = 0; p < n; ++p) want += static_cast<float>((i % 17) + 3 * p);
+        ASSERT_EQ(d[i], want) << "count " << d.size() << ", i " << i;
+      }
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Worlds, EngineWorlds, ::testing::Values(1, 2, 3, 4, 5, 8),
                          [](const auto& p) { return "n" + std::to_string(p.param); });
 

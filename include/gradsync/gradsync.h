@@ -101,9 +101,11 @@ class Work {
   explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
   // Blocks until the call is done (its own deadline bounds the wait) and rethrows its error.
+  // A call that is next in the context's queue while its worker is idle runs on the waiting
+  // thread itself, sparing the hand-off to the worker and back.
   void wait();
   // As wait(), but gives up after `timeout`: false if the call is still running (it goes on;
-  // its buffers stay in use).
+  // its buffers stay in use). Leaves the call to the worker.
   bool wait(std::chrono::milliseconds timeout);
   // True once the call is done (then wait() returns or throws at once). Never blocks.
   bool test() const;
@@ -114,7 +116,8 @@ class Work {
   bool skipped();
   // Runs `callback` once the call is done: at once on this thread if it already is, else
   // on the thread that finishes it (the context's worker for an async call), right after
-  // waiters are woken. For bindings that complete their own futures (torch's). The callback
+  // waiters are woken (the waiting thread, if wait() ran the call). For bindings that complete
+  // their own futures (torch's). The callback
   // must not block on this context's later calls; it may issue async ones. An empty handle
   // runs it at once.
   void on_done(std::function<void()> callback);
@@ -130,10 +133,10 @@ struct ContextAccess;
 // A communicator over every rank of the job, as init() builds it.
 //
 // Calls: every collective comes blocking and async (`_async`, returning a Work). All of them
-// run in the order they were issued, on the context's one worker thread (a blocking call waits
-// for the calls before it, then runs), so each rank must issue the same calls in the same
-// order. Point-to-point send and recv are the exception: see send() for their rules. Issue
-// calls from one thread at a time.
+// run in the order they were issued, one at a time, on the context's worker thread (a blocking
+// call waits for the calls before it, then runs; Work::wait may run the next call itself), so each
+// rank must issue the same calls in the same order. Point-to-point send and recv are the exception:
+// see send() for their rules. Issue calls from one thread at a time.
 //
 // Buffers: an async call reads `send` and writes `recv` (or `data`) until its Work is done:
 // keep them alive, do not write a send buffer nor read a receive buffer before wait() returns

@@ -77,9 +77,20 @@ class GradsyncWork final : public c10d::Work {
     }
     finish(error);
   }
-  // Spin briefly, then block (src/core/handoff_spin.h says why): a small call is often
-  // done within microseconds, before a sleeping waiter could even be woken.
+  // The last of the call's collectives, once issued: wait() may run it on the waiting thread.
+  void set_last_call(gradsync::Work call) { last_call_ = std::move(call); }
+  // Without a timeout, a call still queued runs here (gradsync's Work::wait does that, and
+  // its callback finishes this Work); else spin briefly, then block (src/core/handoff_spin.h
+  // says why): a small call is often done within microseconds, before a sleeping waiter
+  // could even be woken.
   bool wait(std::chrono::milliseconds timeout) override {
+    if (timeout.count() == 0) {  // torch's kNoTimeout: as long as the call takes
+      try {
+        last_call_.wait();
+      } catch (const Error&) {
+        // The call's error is this Work's too: c10d::Work::wait raises it.
+      }
+    }
     const auto start = std::chrono::steady_clock::now();
     while (!isCompleted() && std::chrono::steady_clock::now() - start < kSpin) ::sched_yield();
     return c10d::Work::wait(timeout);
@@ -95,6 +106,7 @@ class GradsyncWork final : public c10d::Work {
   // As the engine's kHandoffSpin (src/core/handoff_spin.h).
   static constexpr std::chrono::microseconds kSpin{50};
   std::vector<at::Tensor> outputs_;
+  gradsync::Work last_call_;  // set by the issuing thread before the Work is handed out
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::mutex handout_mu_;
   bool handed_out_ = false;  // guarded by handout_mu_
@@ -217,6 +229,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::launch(
   // The calls run in order on one worker: the last one done means all are. The first error
   // is the one to report (later calls fail only because the communicator was aborted).
   Work last = calls.back();
+  work->set_last_call(last);
   last.on_done([this, type, bytes, issued, work, number, shapes, calls = std::move(calls),
                 finish = std::move(finish)] {
     record(type, bytes, issued);

@@ -19,8 +19,22 @@ using collectives::Comm;
 
 // ---- Work ----
 
+namespace {
+// A call still queued and next in line runs on the waiting thread instead of the worker.
+void run_if_next(Work::State& state) {
+  Context::Impl* queued_in = nullptr;
+  {
+    std::lock_guard lock(state.mu);
+    if (state.done) return;
+    queued_in = state.queued_in;
+  }
+  if (queued_in) queued_in->run_if_next(&state);
+}
+}  // namespace
+
 void Work::wait() {
   if (!state_) return;
+  run_if_next(*state_);
   detail::spin_until([&] { return test(); });
   std::unique_lock lock(state_->mu);
   state_->cv.wait(lock, [&] { return state_->done; });
@@ -29,6 +43,7 @@ void Work::wait() {
 
 bool Work::wait(std::chrono::milliseconds timeout) {
   if (!state_) return true;
+  // Never runs the call here: that would wait as long as the call takes, not `timeout`.
   detail::spin_until([&] { return test(); });
   std::unique_lock lock(state_->mu);
   if (!state_->cv.wait_for(lock, timeout, [&] { return state_->done; })) return false;
@@ -144,6 +159,7 @@ void complete_work(Work::State& state, std::optional<Error> error, std::exceptio
     state.error = std::move(error);
     state.other_error = std::move(other_error);
     state.done = true;
+    state.queued_in = nullptr;
     callbacks.swap(state.on_done);
   }
   state.cv.notify_all();

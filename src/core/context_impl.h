@@ -41,6 +41,9 @@ struct Work::State {
   std::optional<Error> error;
   std::exception_ptr other_error;              // anything but a gradsync::Error (bad_alloc...)
   std::vector<std::function<void()>> on_done;  // run once, after `done` is set
+  // The context whose async queue holds the call until it completes: Work::wait may run it
+  // there (Context::Impl::run_if_next). Null for calls that never queue.
+  Context::Impl* queued_in = nullptr;
   void rethrow_if_failed() const {
     if (error) throw unshared_copy(*error);
     if (other_error) std::rethrow_exception(other_error);
@@ -100,6 +103,16 @@ struct Context::Impl {
 
   Algorithm pick_allreduce(std::size_t bytes, Algorithm requested) const;
 
+  // Runs the queued call of `state` on the calling thread, as the worker would, if it is next
+  // in the queue and the worker is idle; true if it did. A thread about to wait for a call
+  // spares the hand-off to the worker and back: two wake-ups, each a wait for a core where
+  // ranks outnumber cores. Calls still run one at a time and in issue order.
+  bool run_if_next(const Work::State* state);
+  // Whether run_if_next may: only where this host has a core per rank. With more ranks than
+  // cores the worker, woken for every call, competes with the waiter for a core and waiting
+  // calls measured slower than hand-offs (docs/performance-notes.md).
+  bool waiters_run_calls = false;
+
   // After the context's own set-up calls (topology check, calibration), so that the user's
   // first call is #1 however many there were. Only with no call in flight. Tags stay
   // distinct from the set-up calls' all the same: those are of kind kInternal.
@@ -153,7 +166,8 @@ struct Context::Impl {
   std::atomic<std::uint64_t> enqueued_{0};
   // Worker is running a task or has point-to-point calls in flight; guarded by queue_mu_.
   bool busy_ = false;
-  int draining_ = 0;  // threads in drain(), guarded by queue_mu_
+  int draining_ = 0;           // threads in drain(), guarded by queue_mu_
+  bool running_here_ = false;  // a waiting thread runs a call (run_if_next); queue_mu_
   bool stopping_ = false;
   std::thread worker_;
 };

@@ -48,7 +48,7 @@ void Context::Impl::worker_loop() {
           detail::spin_until([&] { return enqueued_.load(std::memory_order_acquire) != seen; });
           lock.lock();
         }
-        queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        queue_cv_.wait(lock, [&] { return stopping_ || (!queue_.empty() && !running_here_); });
         if (queue_.empty()) return;  // stopping with nothing left
       } else if (!something_to_do()) {
         const auto pause = backoff.next();
@@ -62,7 +62,8 @@ void Context::Impl::worker_loop() {
       }
       // A point-to-point call is posted even while others are in flight; any other call
       // runs once they are all complete (they were issued before it).
-      if (!queue_.empty() && (in_flight_.empty() || queue_.front().post)) {
+      // Not while a waiting thread runs a call (run_if_next): the next one must wait for it.
+      if (!queue_.empty() && !running_here_ && (in_flight_.empty() || queue_.front().post)) {
         task = std::move(queue_.front());
         queue_.pop_front();
         have_task = true;
@@ -96,7 +97,7 @@ void Context::Impl::worker_loop() {
 
 void Context::Impl::drain() {
   std::unique_lock lock(queue_mu_);
-  auto idle = [&] { return queue_.empty() && !busy_; };
+  auto idle = [&] { return queue_.empty() && !busy_ && !running_here_; };
   if (idle()) return;  // the common case: no wake-up for a worker with nothing to do
   ++draining_;
   queue_cv_.notify_all();  // a worker pausing between tests of calls in flight waits for them
@@ -104,7 +105,35 @@ void Context::Impl::drain() {
   --draining_;
 }
 
+bool Context::Impl::run_if_next(const Work::State* state) {
+  if (!waiters_run_calls) return false;
+  Task task;
+  {
+    std::lock_guard lock(queue_mu_);
+    // busy_ false: the worker runs nothing and has no point-to-point call in flight; while
+    // running_here_, it takes no call.
+    if (busy_ || running_here_ || queue_.empty() || queue_.front().state.get() != state ||
+        queue_.front().post) {
+      return false;
+    }
+    task = std::move(queue_.front());
+    queue_.pop_front();
+    running_here_ = true;
+  }
+  {
+    std::lock_guard exec(exec_mu_);
+    execute(task);
+  }
+  {
+    std::lock_guard lock(queue_mu_);
+    running_here_ = false;
+  }
+  queue_cv_.notify_all();  // the worker and drain() wait for running_here_
+  return true;
+}
+
 void Context::Impl::enqueue(Task task) {
+  task.state->queued_in = this;  // before any other thread can see the state
   std::lock_guard lock(queue_mu_);
   if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
   queue_.push_back(std::move(task));

@@ -215,6 +215,8 @@ std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> tran
   }
   impl->transport = std::move(transport);
   impl->topology = agreed_topology(*impl, options, host_of);
+  const auto& neighbours = impl->topology.host_members(impl->topology.host_of(impl->rank));
+  impl->waiters_run_calls = neighbours.size() <= transport::usable_cores();
   if (!cost && !options.cost_model.empty()) {  // init() has read GRADSYNC_COST_MODEL into it
     cost = cost::CostModel::parse(options.cost_model);
     if (!cost) {
