@@ -107,6 +107,10 @@ class Work {
   // As wait(), but gives up after `timeout`: false if the call is still running (it goes on;
   // its buffers stay in use). Leaves the call to the worker.
   bool wait(std::chrono::milliseconds timeout);
+  // Runs the call on this thread, as wait() does, if it is next in its context's queue and the
+  // worker is idle (only where the host has a core per rank); true if it ran it. For waiters
+  // that complete elsewhere (torch's Work): the call's callbacks have run when it returns.
+  bool run_if_next();
   // True once the call is done (then wait() returns or throws at once). Never blocks.
   bool test() const;
   // The call's error once it is done; null if it succeeded or is still running.

@@ -79,18 +79,11 @@ class GradsyncWork final : public c10d::Work {
   }
   // The last of the call's collectives, once issued: wait() may run it on the waiting thread.
   void set_last_call(gradsync::Work call) { last_call_ = std::move(call); }
-  // Without a timeout, a call still queued runs here (gradsync's Work::wait does that, and
-  // its callback finishes this Work); else spin briefly, then block (src/core/handoff_spin.h
-  // says why): a small call is often done within microseconds, before a sleeping waiter
-  // could even be woken.
+  // Without a timeout, a call still queued runs here (its callback finishes this Work); else
+  // spin briefly, then block (src/core/handoff_spin.h says why): a small call is often done
+  // within microseconds, before a sleeping waiter could even be woken.
   bool wait(std::chrono::milliseconds timeout) override {
-    if (timeout.count() == 0) {  // torch's kNoTimeout: as long as the call takes
-      try {
-        last_call_.wait();
-      } catch (const Error&) {
-        // The call's error is this Work's too: c10d::Work::wait raises it.
-      }
-    }
+    if (timeout.count() == 0) last_call_.run_if_next();  // torch's kNoTimeout: no limit
     const auto start = std::chrono::steady_clock::now();
     while (!isCompleted() && std::chrono::steady_clock::now() - start < kSpin) ::sched_yield();
     return c10d::Work::wait(timeout);

@@ -19,22 +19,20 @@ using collectives::Comm;
 
 // ---- Work ----
 
-namespace {
-// A call still queued and next in line runs on the waiting thread instead of the worker.
-void run_if_next(Work::State& state) {
+bool Work::run_if_next() {
+  if (!state_) return false;
   Context::Impl* queued_in = nullptr;
   {
-    std::lock_guard lock(state.mu);
-    if (state.done) return;
-    queued_in = state.queued_in;
+    std::lock_guard lock(state_->mu);
+    if (state_->done) return false;
+    queued_in = state_->queued_in;
   }
-  if (queued_in) queued_in->run_if_next(&state);
+  return queued_in && queued_in->run_if_next(state_.get());
 }
-}  // namespace
 
 void Work::wait() {
   if (!state_) return;
-  run_if_next(*state_);
+  run_if_next();
   detail::spin_until([&] { return test(); });
   std::unique_lock lock(state_->mu);
   state_->cv.wait(lock, [&] { return state_->done; });

@@ -23,10 +23,12 @@ def torchrun(args, log_dir, extra_env=None, timeout=300):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+# Also the example's codec hook with step-ahead error feedback (--step-ahead).
 def test_torchrun_one_host(tmp_path):
     out = tmp_path / "r.json"
     done = torchrun(["--standalone", "--nproc_per_node", "2", str(TRAIN), *SMALL,
-                     "--json", str(out)], tmp_path / "logs")
+                     "--hook", "topk:ratio=0.1", "--step-ahead", "--json", str(out)],
+                    tmp_path / "logs")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads(out.read_text())["test_accuracy"] > 0
 
