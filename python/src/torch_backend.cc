@@ -215,7 +215,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::launch(
     number = launched_++;
     calls = issue();
   }
-  if (calls.empty()) {  // nothing to move (empty tensors)
+  if (calls.empty()) {  // nothing to move (an empty bucket)
     work->complete(nullptr);
     return work;
   }
@@ -291,7 +291,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::broadcast(std::vector<at::T
   return launch(
       c10d::OpType::BROADCAST, tensors, shapes,
       [&]() -> std::vector<Work> {
-        if (staged->count() == 0) return {};
         return {ctx_->broadcast_async(staged->data(), staged->count(), dtype, root, options)};
       },
       [staged] { staged->write_back(); });
@@ -309,7 +308,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::allreduce(std::vector<at::T
   return launch(
       c10d::OpType::ALLREDUCE, tensors, shapes,
       [&]() -> std::vector<Work> {
-        if (staged->count() == 0) return {};
         return {ctx_->allreduce_async(staged->data(), staged->data(), staged->count(), dtype, rop,
                                       options)};
       },
@@ -327,7 +325,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::allreduce_coalesced(
   return launch(
       c10d::OpType::ALLREDUCE_COALESCED, tensors, shapes,
       [&]() -> std::vector<Work> {
-        if (flat->numel() == 0) return {};
         return {ctx_->allreduce_async(flat->data_ptr(), flat->data_ptr(),
                                       static_cast<std::size_t>(flat->numel()), dtype, rop,
                                       options)};
@@ -348,7 +345,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::reduce(std::vector<at::Tens
   return launch(
       c10d::OpType::REDUCE, tensors, shapes,
       [&]() -> std::vector<Work> {
-        if (staged->count() == 0) return {};
         // In place on the root, as torch's reduce is; the other ranks' tensors are inputs only.
         return {ctx_->reduce_async(staged->data(), rank_ == root ? staged->data() : nullptr,
                                    staged->count(), dtype, rop, root, options)};
@@ -373,7 +369,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::allgather(
   return launch(
       c10d::OpType::ALLGATHER, outs, shapes,
       [&]() -> std::vector<Work> {
-        if (input->numel() == 0) return {};
         return {ctx_->allgather_async(input->data_ptr(), gathered->data_ptr(),
                                       static_cast<std::size_t>(input->numel()), dtype, options)};
       },
@@ -396,7 +391,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::_allgather_base(
   return launch(
       c10d::OpType::_ALLGATHER_BASE, {output}, shapes,
       [&]() -> std::vector<Work> {
-        if (in->numel() == 0) return {};
         return {ctx_->allgather_async(in->data_ptr(), staged->data(),
                                       static_cast<std::size_t>(in->numel()), dtype, options)};
       },
@@ -429,7 +423,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::allgather_coalesced(
   return launch(
       c10d::OpType::ALLGATHER_COALESCED, all_outputs, shapes,
       [&]() -> std::vector<Work> {
-        if (flat->numel() == 0) return {};
         return {ctx_->allgather_async(flat->data_ptr(), gathered->data_ptr(),
                                       static_cast<std::size_t>(flat->numel()), dtype, options)};
       },
@@ -451,7 +444,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::reduce_scatter(
   return launch(
       c10d::OpType::REDUCE_SCATTER, outputs, shapes,
       [&]() -> std::vector<Work> {
-        if (staged->count() == 0) return {};
         return {ctx_->reduce_scatter_async(flat->data_ptr(), staged->data(), staged->count(), dtype,
                                            rop, options)};
       },
@@ -475,7 +467,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::_reduce_scatter_base(
   return launch(
       c10d::OpType::_REDUCE_SCATTER_BASE, {output}, shapes,
       [&]() -> std::vector<Work> {
-        if (staged->count() == 0) return {};
         return {ctx_->reduce_scatter_async(in->data_ptr(), staged->data(), staged->count(), dtype,
                                            rop, options)};
       },
@@ -505,7 +496,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::gather(
   return launch(
       c10d::OpType::GATHER, outs, shapes,
       [&]() -> std::vector<Work> {
-        if (input->numel() == 0) return {};
         return {ctx_->gather_async(input->data_ptr(),
                                    gathered->defined() ? gathered->data_ptr() : nullptr,
                                    static_cast<std::size_t>(input->numel()), dtype, root, options)};
@@ -535,7 +525,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupGradsync::scatter(
   return launch(
       c10d::OpType::SCATTER, outputs, shapes,
       [&]() -> std::vector<Work> {
-        if (staged->count() == 0) return {};
         return {ctx_->scatter_async(flat->defined() ? flat->data_ptr() : nullptr, staged->data(),
                                     staged->count(), dtype, root, options)};
       },

@@ -284,3 +284,41 @@ def rooted_alltoall_p2p(rank, world):
 def test_gather_scatter_all_to_all_and_point_to_point_match(world):
     for rank, failures in enumerate(ranks.run(world, rooted_alltoall_p2p)):
         assert not failures, f"rank {rank}: " + "\n".join(failures)
+
+
+def empty_tensors(rank, world):
+    e = lambda: torch.empty(0)  # noqa: E731
+    t = e()
+    dist.all_reduce(t)
+    dist.broadcast(t, 0)
+    dist.reduce(t, 0)
+    dist.all_gather([e() for _ in range(world)], t)
+    dist.all_gather_into_tensor(e(), t)
+    dist.reduce_scatter(t, [e() for _ in range(world)])
+    dist.reduce_scatter_tensor(t, e())
+    dist.gather(t, [e() for _ in range(world)] if rank == 0 else None, 0)
+    dist.scatter(t, [e() for _ in range(world)] if rank == 0 else None, 0)
+    dist.all_to_all_single(e(), e())
+    if rank == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    dist.all_reduce(torch.empty(0, 3))
+    return "ok"
+
+
+def empty_on_one_rank(rank, world):
+    try:
+        dist.all_reduce(torch.empty(0) if rank == 0 else torch.ones(4))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+# Empty tensors move nothing, but every rank still takes part in the call: an empty tensor on
+# one rank against a full one on another is a mismatch named at once, not a wait to the timeout.
+def test_empty_tensors_are_no_ops_and_a_mismatch_when_only_one_rank_has_one():
+    assert ranks.run(2, empty_tensors) == ["ok", "ok"]
+    outcomes = ranks.run(2, empty_on_one_rank, expect_failure=True)
+    assert "this rank's tensors: float32 [0]" in outcomes[0], outcomes
+    assert "this rank's tensors: float32 [4]" in outcomes[1], outcomes
