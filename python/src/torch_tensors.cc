@@ -170,31 +170,24 @@ std::vector<std::size_t> split_counts(const at::Tensor& t, const std::vector<std
   return counts;
 }
 
-Shapes::Shapes(const std::vector<at::Tensor>& tensors) {
+Shapes::Shapes(const std::vector<at::Tensor>& tensors) : tensors_(tensors) {
   // FNV-1a over the dims, each shape preceded by its rank: [6] and [2, 3] and [3, 2] differ.
   std::uint32_t h = 2166136261u;
   auto mix = [&h](std::int64_t v) {
     for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ static_cast<std::uint8_t>(v)) * 16777619u;
   };
   for (const auto& t : tensors) {
-    sizes_.push_back(t.sizes().vec());
     mix(t.dim());
     for (std::int64_t d : t.sizes()) mix(d);
   }
-  // The call checked the tensors already: a dtype gradsync has.
-  if (!tensors.empty()) dtype_ = to_string(dtype_of(tensors.front(), Error::kUnknownRank, ""));
   fingerprint_ = h ? h : 1;  // 0 means "none given"
 }
 
 std::string Shapes::describe() const {
-  std::string s = dtype_;
-  for (std::size_t i = 0; i < sizes_.size(); ++i) {
-    s += i ? ", [" : " [";
-    for (std::size_t d = 0; d < sizes_[i].size(); ++d) {
-      s += (d ? ", " : "") + std::to_string(sizes_[i][d]);
-    }
-    s += "]";
-  }
+  if (tensors_.empty()) return "";
+  // The call checked the tensors already: a dtype gradsync has.
+  std::string s = to_string(dtype_of(tensors_.front(), Error::kUnknownRank, ""));
+  for (std::size_t i = 0; i < tensors_.size(); ++i) s += (i ? ", " : " ") + shape_of(tensors_[i]);
   return s;
 }
 

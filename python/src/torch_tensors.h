@@ -36,11 +36,11 @@ class Shapes {
   Shapes() = default;  // nothing to match (all_to_all: shapes differ by design)
   explicit Shapes(const std::vector<at::Tensor>& tensors);
   std::uint32_t fingerprint() const { return fingerprint_; }
-  std::string describe() const;  // "float32 [2, 3]", "float32 [4], [2, 2]"
+  // "float32 [2, 3]", "float32 [4], [2, 2]": made only for an error, from the tensors held.
+  std::string describe() const;
 
  private:
-  std::vector<std::vector<std::int64_t>> sizes_;
-  std::string dtype_;
+  std::vector<at::Tensor> tensors_;  // handles: a copy costs reference counts, not sizes
   std::uint32_t fingerprint_ = 0;
 };
 
