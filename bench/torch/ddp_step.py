@@ -32,7 +32,8 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backend", default="gradsync", choices=["gradsync", "gloo"])
     p.add_argument("--hook", default="none", metavar="SPEC",
-                   help=f"as train.py's: torch's {train.TORCH_HOOKS}, else a gradsync codec")
+                   help=f"as train.py's: torch's {train.TORCH_HOOKS}, else a gradsync codec; "
+                        "or nocomm, nocomm:fp16: no communication, the floor of any backend's step")
     p.add_argument("--steps", type=int, default=30, help="timed steps (30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (5)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank (64)")
@@ -72,6 +73,26 @@ class Bench:
         self.model = self.optimizer = None
 
 
+def no_communication(spec):
+    """A hook that does no communication: 'nocomm' divides the bucket by the world size, as
+    DDP's built-in all-reduce does, and hands it back: the step that no backend can beat
+    (same compute, same ranks sharing the cores);
+    'nocomm:fp16' does the tensor work of torch's fp16_compress_hook (to float16, divide,
+    copy back) without its all_reduce, the floor of that hook on any backend."""
+    if spec not in ("nocomm", "nocomm:fp16"):
+        train.fail(f"--hook {spec}: the no-communication hooks are nocomm and nocomm:fp16")
+
+    def hook(state, bucket):
+        done = torch.futures.Future()
+        world = dist.get_world_size()
+        if spec == "nocomm":
+            done.set_result(bucket.buffer().div_(world))
+            return done
+        done.set_result([bucket.buffer().to(torch.float16).div_(world)])
+        return done.then(lambda fut: bucket.buffer().copy_(fut.value()[0]))
+    return lambda: (None, hook)
+
+
 def timed_steps(bench, steps, warmup):
     """The slowest rank's median step, in seconds."""
     times = []
@@ -88,7 +109,9 @@ def timed_steps(bench, steps, warmup):
 def main():
     args = parse_args()
     torch.set_num_threads(1)  # one thread per rank: the ranks share the machine's cores
-    make_hook = train.parse_hook(args.hook)  # a bad --hook fails before the rendezvous
+    # a bad --hook fails before the rendezvous
+    make_hook = (no_communication(args.hook) if args.hook.startswith("nocomm")
+                 else train.parse_hook(args.hook))
     rank, world = train.init_distributed(args.backend)
     bench = Bench(args, rank, make_hook)
     seconds = timed_steps(bench, args.steps, args.warmup)
