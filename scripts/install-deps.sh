@@ -11,6 +11,7 @@ packages=(
   python3-torch libopenblas0                              # PyTorch peer (codec ops, DDP), fast BLAS
   libtorch-dev pybind11-dev python3-numpy python3-pytest  # the Python package and torch backend
   libopenblas-dev zlib1g-dev dataset-fashion-mnist        # the trainer: BLAS, gzip, its data set
+  nlohmann-json3-dev                                      # the advisor's profiles (JSON)
   iproute2 procps psmisc                                  # launcher/failure tests (ip, pkill, fuser),
                                                           # network-namespace hosts (ip netns, tc)
   gnuplot-nox                                             # bench/netns scaling plot

@@ -156,6 +156,9 @@ class Codec {
 std::unique_ptr<Codec> make_codec(std::string_view spec);
 // The codecs make_codec knows, in the registry's order.
 std::vector<std::string> codec_names();
+// A spec of each, in the same order, with the settings a user would start from
+// ("topk:ratio=0.01"): what gradsync-probe times.
+std::vector<std::string> codec_examples();
 
 // What compressed_allreduce does when a rank's gradient holds NaN or Inf.
 enum class NonFinite {

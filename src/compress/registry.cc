@@ -189,6 +189,12 @@ std::vector<std::string> codec_names() {
   return names;
 }
 
+std::vector<std::string> codec_examples() {
+  std::vector<std::string> specs;
+  for (const CodecRow& row : rows()) specs.emplace_back(row.example);
+  return specs;
+}
+
 CodecSpec CodecSpec::parse(std::string_view spec) {
   CodecSpec s;
   const std::size_t colon = spec.find(':');

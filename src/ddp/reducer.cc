@@ -13,6 +13,7 @@
 #include "compress/codecs.h"
 #include "compress/compressed_steps.h"
 #include "core/context_impl.h"
+#include "ddp/buckets.h"
 #include "gradsync/bytes.h"
 #include "gradsync/compress.h"
 #include "gradsync/error.h"
@@ -84,29 +85,21 @@ struct Reducer::State {
     }
   }
 
-  // Buckets over `order` (parameter ids, first to be ready first): the first one up to
-  // first_bucket_bytes, the others up to bucket_bytes. A parameter of at least half the cap
-  // gets a bucket of its own: no second one fits beside it, and sharing with a smaller one
-  // would hold its all-reduce until that one is ready too (or the smaller one's until it is),
-  // to save one call's latency. A timeline of the benchmarks' MLP showed a large weight held
-  // back this way, its whole all-reduce after backward (docs/performance-notes.md).
-  // Gradients already in bucket memory move with their parameter.
+  // Buckets over `order` (parameter ids, first to be ready first), as assign_buckets groups
+  // them. Gradients already in bucket memory move with their parameter.
   void build(const std::vector<int>& order) {
+    std::vector<std::size_t> counts;
+    for (int id : order) counts.push_back(params[static_cast<std::size_t>(id)].count);
     std::vector<Bucket> fresh;
     std::vector<std::size_t> floats;  // per fresh bucket
-    std::size_t cap = options.first_bucket_bytes;
-    bool closed = false;  // the last bucket holds a large parameter
-    for (int id : order) {
-      const std::size_t count = params[static_cast<std::size_t>(id)].count;
-      const bool large = 2 * count * sizeof(float) >= options.bucket_bytes;
-      if (fresh.empty() || closed || large || (floats.back() + count) * sizeof(float) > cap) {
-        if (!fresh.empty()) cap = options.bucket_bytes;
-        fresh.emplace_back();
-        floats.push_back(0);
+    for (const auto& positions :
+         ddp::assign_buckets(counts, options.first_bucket_bytes, options.bucket_bytes)) {
+      fresh.emplace_back();
+      floats.push_back(0);
+      for (std::size_t at : positions) {
+        fresh.back().params.push_back(order[at]);
+        floats.back() += counts[at];
       }
-      fresh.back().params.push_back(id);
-      floats.back() += count;
-      closed = large;
     }
     for (std::size_t b = 0; b < fresh.size(); ++b) {
       Bucket& bucket = fresh[b];

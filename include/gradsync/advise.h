@@ -1,0 +1,127 @@
+// The advisor's model of one data-parallel training step: from a hardware profile, a workload
+// (layers in forward order with their compute) and a plan (ranks, buckets, codec,
+// accumulation, ZeRO stage), it predicts the step's time and where it goes, names the
+// bottleneck, and ranks changes to the plan by their predicted step. The step is simulated
+// as the Reducer runs it: gradients become ready layer by layer in backward, fill buckets in
+// that order, and each full bucket is all-reduced on the context's worker while backward goes
+// on, sharing the cores with it where a host has fewer than two per rank.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace gradsync::advise {
+
+// One class of link: between ranks of one host, or between hosts.
+struct Link {
+  double alpha_us = 5.0;        // one message's fixed cost
+  double bandwidth_gbps = 5.0;  // point-to-point payload bandwidth, 1e9 B/s
+};
+
+// What a cluster can do, as gradsync-probe measures it or a shipped profile states it.
+struct Profile {
+  std::string name;
+  std::vector<std::string> sources;  // where each figure comes from
+  int cores_per_host = 2;            // the cores a host's ranks share (compute and communication)
+  Link intra;                        // ranks of one host (shared memory)
+  Link inter;                        // hosts
+  double reduce_gbps = 10.0;         // reduction throughput over the input bytes
+  double copy_gbps = 10.0;           // one rank's memcpy beyond the cache, payload bytes/s
+  // Compute speed of one rank while every rank of its host computes, 1e9 FLOP/s; and the
+  // optimizer's memory traffic rate, bytes/s, likewise.
+  double compute_gflops = 20.0;
+  double optimizer_gbps = 10.0;
+  std::size_t memory_bytes_per_rank = 0;  // what a rank may hold; 0: unknown
+  // Codec throughput over the float32 gradient bytes, per codec name ("int8", "topk", ...):
+  // encode, and decode (decode_add) of one payload. A codec missing here is refused.
+  std::map<std::string, double> encode_gbps, decode_gbps;
+};
+
+// A profile from its JSON file: {"name", "sources": [...], "cores_per_host",
+// "intra": {"alpha_us", "bandwidth_gbps"}, "inter": {...}, "reduce_gbps", "copy_gbps",
+// "compute_gflops", "optimizer_gbps", "memory_bytes_per_rank", "encode_gbps": {codec: GB/s},
+// "decode_gbps": {...}}; a field left out keeps Profile's default. Throws
+// Error(kInvalidArgument) naming the file and the field it cannot read.
+Profile load_profile(const std::string& path);
+// The same JSON (gradsync-probe writes it).
+std::string profile_json(const Profile& profile);
+
+// One layer of the model, forward order. FLOPs per sample.
+struct Layer {
+  std::string name;
+  // Its parameter tensors' sizes in the order backward finishes them (a weight, then its
+  // bias): the Reducer buckets tensors, not layers.
+  std::vector<std::size_t> tensors;
+  double forward_flops = 0, backward_flops = 0;
+
+  std::size_t parameters() const;
+};
+
+struct Workload {
+  std::string name;
+  std::vector<Layer> layers;      // forward order; backward runs them in reverse
+  std::size_t batch = 64;         // samples per rank per micro-batch
+  std::string optimizer = "sgd";  // sgd (with momentum), adam, adamw
+
+  std::size_t parameters() const;
+};
+
+// The trainer's models by name: "mlp" (784-2048x4-10, 14.2 M parameters), "mlp:256,256" for
+// other hidden sizes, "cnn" (215 k parameters); throws Error(kInvalidArgument) otherwise.
+Workload model_workload(const std::string& model, std::size_t batch, std::string optimizer);
+
+// Bytes an optimizer step reads and writes per parameter it updates ("sgd", "adam",
+// "adamw"): how a profile's optimizer_gbps turns into time.
+double optimizer_bytes_per_parameter(const std::string& optimizer);
+
+// The configuration of a run: gradsync-train's flags.
+struct Plan {
+  int ranks = 2;
+  int hosts = 1;  // ranks spread evenly over them
+  std::string codec = "none";
+  double bucket_mb = 25, first_bucket_mb = 1;
+  int accumulate = 1;  // micro-batches per optimizer step
+  int zero = 0;        // 0: replicated optimizer; 1, 2: sharded state (and gradients)
+  bool overlap = true;
+};
+
+struct BucketPrediction {
+  std::size_t parameters = 0;                  // floats in the bucket
+  std::size_t calls = 0;                       // collective calls it takes
+  std::size_t wire_bytes = 0;                  // bytes one rank sends for it
+  double ready_s = 0, start_s = 0, end_s = 0;  // from the start of backward
+};
+
+struct Prediction {
+  double step_s = 0;          // one optimizer step (all its micro-batches)
+  double compute_s = 0;       // forward and backward, as if alone on the cores
+  double comm_s = 0;          // the buckets' collectives, start to end, summed
+  double exposed_comm_s = 0;  // of the step, the part beyond compute and optimizer
+  double codec_s = 0;         // encode and decode, part of comm_s
+  double optimizer_s = 0;
+  std::size_t memory_per_rank_bytes = 0;  // parameters, gradients, optimizer state, buckets
+  std::size_t wire_bytes_per_rank = 0;    // per optimizer step
+  std::string bottleneck;                 // "compute", "bandwidth", "latency" or "memory"
+  std::string explanation;                // the bottleneck in one sentence
+  std::vector<BucketPrediction> buckets;  // launch order
+};
+
+// The step of `plan` on `profile`. Throws Error(kInvalidArgument) for a plan it cannot model
+// (ranks not a multiple of hosts, an unknown codec or one the profile has no speed for).
+Prediction predict(const Profile& profile, const Workload& workload, const Plan& plan);
+
+struct Recommendation {
+  std::string knob;  // "bucket-mb", "codec", "accumulate", ...
+  std::string now, proposed;
+  Prediction predicted;  // the plan with this one change
+  double change = 0;     // predicted step over the current plan's, minus 1 (negative: faster)
+  std::string why, risk;
+};
+
+// Single-knob changes to `plan`, fastest predicted step first; only those predicted faster.
+std::vector<Recommendation> recommend(const Profile& profile, const Workload& workload,
+                                      const Plan& plan);
+
+}  // namespace gradsync::advise

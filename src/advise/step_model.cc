@@ -1,0 +1,364 @@
+// The advisor's step model: the workload's compute, the Reducer's buckets (ddp::assign_buckets)
+// priced by the cost model that picks each call's algorithm, and an event-driven run of one
+// rank's backward against its worker, sharing the cores where the host has fewer than two
+// per rank (every rank alike: stragglers are not modelled).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "cost/cost_model.h"
+#include "ddp/buckets.h"
+#include "gradsync/advise.h"
+#include "gradsync/compress.h"
+#include "gradsync/error.h"
+
+namespace gradsync::advise {
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+Error invalid(const std::string& what) {
+  return Error(ErrorKind::kInvalidArgument, what, Error::kUnknownRank, Error::kNoPeer, "advise");
+}
+
+cost::CostModel cost_model_of(const Profile& p) {
+  cost::LinkParams l;
+  l.alpha_us = p.intra.alpha_us;
+  l.bandwidth_gbps = p.intra.bandwidth_gbps;
+  l.reduce_gbps = p.reduce_gbps;
+  l.copy_gbps = p.copy_gbps;
+  l.inter_alpha_us = p.inter.alpha_us;
+  l.inter_bandwidth_gbps = p.inter.bandwidth_gbps;
+  return cost::CostModel(l);
+}
+
+// One collective call of `floats` gradient floats through the plan's codec, as the Reducer
+// issues it: its time, the part of it that keeps a core busy, its latency alone (the same
+// call with no payload), and the bytes one rank sends.
+struct CallCost {
+  double us = 0, cpu_us = 0, latency_us = 0, codec_us = 0;
+  std::size_t wire_bytes = 0;
+};
+
+class CallPricer {
+ public:
+  CallPricer(const Profile& profile, const Plan& plan)
+      : profile_(profile), plan_(plan), model_(cost_model_of(profile)) {
+    if (plan.codec != "none") {
+      codec_ = compress::make_codec(plan.codec);
+      const std::string name = plan.codec.substr(0, plan.codec.find(':'));
+      const auto enc = profile.encode_gbps.find(name), dec = profile.decode_gbps.find(name);
+      if (enc == profile.encode_gbps.end() || dec == profile.decode_gbps.end()) {
+        throw invalid("profile '" + profile.name + "' has no encode and decode speed for codec '" +
+                      name + "'");
+      }
+      encode_gbps_ = enc->second;
+      decode_gbps_ = dec->second;
+    }
+  }
+
+  bool whole_buckets() const { return !codec_ || codec_->traits().whole_buckets; }
+
+  CallCost allreduce(std::size_t floats) const {
+    const int n = plan_.ranks;
+    CallCost c;
+    if (n <= 1) return c;
+    const std::size_t raw = floats * sizeof(float);
+    const bool one_host = plan_.hosts == 1;
+    bool gather = false;
+    if (codec_) {
+      c.wire_bytes = codec_->encoded_bytes(floats);
+      const auto pattern = codec_->traits().pattern;
+      gather = pattern == compress::Pattern::kGather || pattern == compress::Pattern::kIndexUnion;
+      const double decodes = gather ? n - 1 : 1;
+      c.codec_us = raw * 1e-3 / encode_gbps_ + decodes * raw * 1e-3 / decode_gbps_;
+    } else {
+      c.wire_bytes = raw;
+    }
+    double wire_us = 0;
+    if (gather) {
+      wire_us = model_.allgather_us(n, c.wire_bytes * static_cast<std::size_t>(n), plan_.hosts);
+      c.latency_us = model_.allgather_us(n, 0, plan_.hosts);
+    } else {
+      const Algorithm a = model_.choose_allreduce(n, c.wire_bytes, one_host, plan_.hosts);
+      wire_us = model_.allreduce_us(a, n, c.wire_bytes, plan_.hosts);
+      c.latency_us = model_.allreduce_us(a, n, 0, plan_.hosts);
+      // A ring sends 2(N-1)/N of the message; the others about as much.
+      c.wire_bytes = static_cast<std::size_t>(2.0 * (n - 1) / n * c.wire_bytes);
+    }
+    c.us = wire_us + c.codec_us;
+    // On one host every byte moves through the cores (shared memory); across hosts the cores
+    // reduce what arrives and run the codec, and the links do the rest.
+    c.cpu_us = one_host ? c.us : c.codec_us + std::min(wire_us, raw * 1e-3 / profile_.reduce_gbps);
+    return c;
+  }
+
+  // ZeRO: the gradients reduce-scattered (half a ring all-reduce) and the updated parameters
+  // all-gathered, each once over the whole model.
+  double reduce_scatter_us(std::size_t floats) const {
+    if (plan_.ranks <= 1) return 0;
+    return model_.allreduce_us(Algorithm::kRing, plan_.ranks, floats * sizeof(float), plan_.hosts) /
+           2;
+  }
+  double allgather_us(std::size_t floats) const {
+    return model_.allgather_us(plan_.ranks, floats * sizeof(float), plan_.hosts);
+  }
+
+ private:
+  const Profile& profile_;
+  const Plan& plan_;
+  cost::CostModel model_;
+  std::unique_ptr<compress::Codec> codec_;
+  double encode_gbps_ = 0, decode_gbps_ = 0;
+};
+
+// One rank's backward and its worker, advanced together: each runs at full speed alone, and
+// at `shared` speed while both need a core.
+struct Overlap {
+  double shared = 1.0;
+
+  // Backward layer times (s, backward order) with the gradients of layer i ready at its end;
+  // buckets as (last layer index they wait for, cpu s, wire s). Returns backward's end and
+  // the worker's end, and fills each bucket's start and end.
+  std::pair<double, double> run(const std::vector<double>& layers,
+                                std::vector<BucketPrediction>& buckets,
+                                const std::vector<std::size_t>& waits_for,
+                                const std::vector<double>& cpu, const std::vector<double>& wire,
+                                bool overlap) const {
+    double t = 0;
+    std::size_t layer = 0;
+    double layer_left = layers.empty() ? 0 : layers[0];
+    std::size_t bucket = 0;
+    double cpu_left = -1, wire_left = 0;  // cpu_left < 0: the worker holds no bucket
+    const std::size_t nb = buckets.size();
+    double backward_end = layers.empty() ? 0 : -1;
+    auto ready = [&](std::size_t b) {
+      if (backward_end >= 0) return true;
+      return overlap && layer > waits_for[b];
+    };
+    while (layer < layers.size() || bucket < nb) {
+      if (cpu_left < 0 && bucket < nb && ready(bucket)) {
+        buckets[bucket].start_s = t;
+        cpu_left = cpu[bucket];
+        wire_left = wire[bucket];
+      }
+      const bool computing = layer < layers.size();
+      const bool worker_cpu = cpu_left > 0;
+      const bool worker_wire = cpu_left >= 0 && cpu_left <= 0 && wire_left > 0;
+      const double speed = computing && worker_cpu ? shared : 1.0;
+      double dt = std::numeric_limits<double>::infinity();
+      if (computing) dt = std::min(dt, layer_left / speed);
+      if (worker_cpu) dt = std::min(dt, cpu_left / speed);
+      if (worker_wire) dt = std::min(dt, wire_left);
+      if (!computing && !worker_cpu && !worker_wire) {
+        if (cpu_left >= 0) {  // a bucket with nothing left to do
+          buckets[bucket].end_s = t;
+          ++bucket;
+          cpu_left = -1;
+          continue;
+        }
+        break;  // unreachable: a bucket not ready with backward over
+      }
+      t += dt;
+      if (computing) layer_left -= dt * speed;
+      if (worker_cpu)
+        cpu_left -= dt * speed;
+      else if (worker_wire)
+        wire_left -= dt;
+      if (computing && layer_left <= 1e-15) {
+        ++layer;
+        if (layer < layers.size())
+          layer_left = layers[layer];
+        else
+          backward_end = t;
+      }
+      if (cpu_left >= 0 && cpu_left <= 1e-15 && wire_left <= 1e-15) {
+        buckets[bucket].end_s = t;
+        ++bucket;
+        cpu_left = -1;
+      } else if (cpu_left >= 0 && cpu_left <= 1e-15) {
+        cpu_left = 0;
+      }
+    }
+    if (backward_end < 0) backward_end = t;
+    return {backward_end, std::max(t, backward_end)};
+  }
+};
+
+std::size_t optimizer_state_floats(const std::string& optimizer) {
+  return optimizer == "sgd" ? 1 : 2;
+}
+
+std::string ms(double s) {
+  std::ostringstream o;
+  o.setf(std::ios::fixed);
+  o.precision(s < 0.01 ? 2 : 1);
+  o << s * 1e3 << " ms";
+  return o.str();
+}
+
+// The bottleneck, in a word and a sentence.
+void classify(Prediction& p, double latency_s, const Profile& profile, const Plan& plan) {
+  const double compute_share = (p.compute_s + p.optimizer_s) / p.step_s;
+  std::ostringstream why;
+  if (profile.memory_bytes_per_rank > 0 &&
+      p.memory_per_rank_bytes > profile.memory_bytes_per_rank) {
+    p.bottleneck = "memory";
+    why << "memory-bound: parameters, gradients and optimizer state need "
+        << p.memory_per_rank_bytes / (1 << 20) << " MiB a rank, more than the "
+        << profile.memory_bytes_per_rank / (1 << 20) << " MiB it has";
+  } else if (p.exposed_comm_s <= 0.1 * p.step_s) {
+    p.bottleneck = "compute";
+    why << "compute-bound: " << static_cast<int>(std::lround(100 * compute_share)) << "% of the "
+        << ms(p.step_s) << " step computes, and only " << ms(p.exposed_comm_s)
+        << " of communication shows";
+  } else if (latency_s > 0.5 * p.comm_s) {
+    p.bottleneck = "latency";
+    why << "latency-bound: the calls' fixed costs take " << ms(latency_s) << " of the "
+        << ms(p.comm_s) << " of communication, " << ms(p.exposed_comm_s)
+        << " of it exposed; fewer, larger calls pay";
+  } else {
+    p.bottleneck = "bandwidth";
+    why << "bandwidth-bound: " << p.wire_bytes_per_rank / (1 << 20) << " MiB a rank per step "
+        << (plan.hosts > 1 ? "between hosts" : "within the host") << " take " << ms(p.comm_s)
+        << ", " << ms(p.exposed_comm_s) << " of it not hidden behind compute";
+  }
+  p.explanation = why.str();
+}
+
+}  // namespace
+
+// The value, the gradient and the state, each read, and the value and state written back.
+double optimizer_bytes_per_parameter(const std::string& optimizer) {
+  if (optimizer == "sgd") return 5 * sizeof(float);
+  if (optimizer == "adam" || optimizer == "adamw") return 7 * sizeof(float);
+  throw invalid("optimizer '" + optimizer + "': the model knows sgd, adam and adamw");
+}
+
+std::size_t Layer::parameters() const {
+  std::size_t n = 0;
+  for (std::size_t t : tensors) n += t;
+  return n;
+}
+
+std::size_t Workload::parameters() const {
+  std::size_t n = 0;
+  for (const auto& l : layers) n += l.parameters();
+  return n;
+}
+
+Prediction predict(const Profile& profile, const Workload& workload, const Plan& plan) {
+  if (plan.ranks < 1 || plan.hosts < 1 || plan.ranks % plan.hosts != 0) {
+    throw invalid("plan of " + std::to_string(plan.ranks) + " ranks on " +
+                  std::to_string(plan.hosts) + " hosts: ranks must be a multiple of hosts");
+  }
+  if (plan.accumulate < 1 || plan.zero < 0 || plan.zero > 2 || plan.bucket_mb <= 0 ||
+      plan.first_bucket_mb <= 0 || workload.batch < 1 || workload.layers.empty()) {
+    throw invalid(
+        "plan or workload out of range (accumulate >= 1, zero 0-2, bucket sizes > 0, "
+        "batch >= 1, at least one layer)");
+  }
+  if (plan.zero > 0 && plan.codec != "none") {
+    throw invalid(
+        "ZeRO with a codec: gradsync-train refuses it (sharded gradients are "
+        "reduce-scattered uncompressed)");
+  }
+  const CallPricer pricer(profile, plan);
+  const double flops_per_s = profile.compute_gflops * 1e9;
+  const auto batch = static_cast<double>(workload.batch);
+
+  Prediction p;
+  double forward_s = 0;
+  std::vector<double> backward;  // backward order
+  for (const auto& l : workload.layers) forward_s += l.forward_flops * batch / flops_per_s;
+  for (auto l = workload.layers.rbegin(); l != workload.layers.rend(); ++l) {
+    backward.push_back(l->backward_flops * batch / flops_per_s);
+  }
+  double backward_s = 0;
+  for (double b : backward) backward_s += b;
+  p.compute_s = plan.accumulate * (forward_s + backward_s);
+
+  // Gradients in the order backward makes them, each with the backward layer that makes it.
+  std::vector<std::size_t> counts, layer_of;
+  for (auto l = workload.layers.rbegin(); l != workload.layers.rend(); ++l) {
+    for (std::size_t t : l->tensors) {
+      counts.push_back(t);
+      layer_of.push_back(static_cast<std::size_t>(l - workload.layers.rbegin()));
+    }
+  }
+  const std::size_t psi = workload.parameters();
+  const int n = plan.ranks;
+  const double cores_per_rank = static_cast<double>(profile.cores_per_host) * plan.hosts / n;
+  Overlap overlap;
+  overlap.shared = std::clamp(cores_per_rank / 2, 0.5, 1.0);
+
+  double last_micro_s = 0;  // the micro-batch that communicates, from the start of its forward
+  double tail_comm_s = 0;   // ZeRO's all-gather after the optimizer
+  double latency_s = 0;     // of comm_s, the calls' fixed costs
+  if (plan.zero == 0) {
+    std::vector<std::size_t> waits_for;
+    std::vector<double> cpu, wire;
+    for (const auto& positions :
+         ddp::assign_buckets(counts, static_cast<std::size_t>(plan.first_bucket_mb * kMiB),
+                             static_cast<std::size_t>(plan.bucket_mb * kMiB))) {
+      BucketPrediction b;
+      CallCost sum;
+      auto add = [&](std::size_t f) {
+        const CallCost c = pricer.allreduce(f);
+        sum.us += c.us;
+        sum.cpu_us += c.cpu_us;
+        sum.codec_us += c.codec_us;
+        sum.wire_bytes += c.wire_bytes;
+        latency_s += c.latency_us * 1e-6;
+        ++b.calls;
+      };
+      for (std::size_t at : positions) b.parameters += counts[at];
+      if (n > 1) {
+        if (pricer.whole_buckets()) {
+          add(b.parameters);
+        } else {
+          for (std::size_t at : positions) add(counts[at]);
+        }
+      }
+      b.wire_bytes = sum.wire_bytes;
+      p.comm_s += sum.us * 1e-6;
+      p.codec_s += sum.codec_us * 1e-6;
+      p.wire_bytes_per_rank += sum.wire_bytes;
+      waits_for.push_back(layer_of[positions.back()]);
+      cpu.push_back(sum.cpu_us * 1e-6);
+      wire.push_back((sum.us - sum.cpu_us) * 1e-6);
+      p.buckets.push_back(b);
+    }
+    const auto [backward_end, worker_end] =
+        overlap.run(backward, p.buckets, waits_for, cpu, wire, plan.overlap);
+    for (std::size_t b = 0; b < p.buckets.size(); ++b) {
+      double at = 0;
+      for (std::size_t l = 0; l <= waits_for[b]; ++l) at += backward[l];
+      p.buckets[b].ready_s = at;
+    }
+    last_micro_s = forward_s + std::max(backward_end, worker_end);
+  } else {
+    const double rs = pricer.reduce_scatter_us(psi) * 1e-6, ag = pricer.allgather_us(psi) * 1e-6;
+    p.comm_s = rs + ag;
+    p.wire_bytes_per_rank =
+        n > 1 ? static_cast<std::size_t>(2.0 * (n - 1) / n * psi * sizeof(float)) : 0;
+    last_micro_s = forward_s + backward_s + rs;
+    tail_comm_s = ag;
+  }
+  const std::size_t owned = plan.zero > 0 ? (psi + n - 1) / n : psi;
+  p.optimizer_s = optimizer_bytes_per_parameter(workload.optimizer) * static_cast<double>(owned) /
+                  (profile.optimizer_gbps * 1e9);
+  p.step_s =
+      (plan.accumulate - 1) * (forward_s + backward_s) + last_micro_s + p.optimizer_s + tail_comm_s;
+  p.exposed_comm_s = std::max(0.0, p.step_s - p.compute_s - p.optimizer_s);
+
+  const std::size_t state = optimizer_state_floats(workload.optimizer) * owned;
+  const std::size_t grads = plan.zero >= 2 ? owned : psi;
+  p.memory_per_rank_bytes = (psi + grads + state) * sizeof(float);
+  classify(p, latency_s, profile, plan);
+  return p;
+}
+
+}  // namespace gradsync::advise

@@ -1,0 +1,231 @@
+// The advisor's step model against cases worked out by hand: its buckets are the Reducer's,
+// a plan without communication is compute plus optimizer, a plan without overlap adds every
+// call, a rank with its own core for the worker hides what backward covers and one sharing
+// its core hides nothing, and the memory and traffic formulas of ZeRO and codecs.
+#include "gradsync/advise.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "ddp/buckets.h"
+#include "gradsync/error.h"
+#include "gradsync/reducer.h"
+#include "harness.h"
+
+namespace gradsync::advise {
+namespace {
+
+constexpr std::size_t kMiB = 1 << 20;
+
+Profile simple_profile() {
+  Profile p;
+  p.name = "test";
+  p.cores_per_host = 64;  // a core for every thread: no sharing unless a test asks for it
+  p.intra = {1.0, 10.0};
+  p.inter = {20.0, 1.0};
+  p.compute_gflops = 100;
+  p.optimizer_gbps = 10;
+  p.encode_gbps = {{"fp16", 10}, {"topk", 1}};
+  p.decode_gbps = {{"fp16", 10}, {"topk", 20}};
+  return p;
+}
+
+// Two layers of one tensor each, with round compute times at batch 1 on simple_profile():
+// forward 1 ms + 1 ms, backward 2 ms + 2 ms.
+Workload two_layers(std::size_t floats) {
+  Workload w;
+  w.name = "two";
+  w.batch = 1;
+  w.layers = {{"a", {floats}, 1e8, 2e8}, {"b", {floats}, 1e8, 2e8}};
+  return w;
+}
+
+TEST(AdviseBuckets, FirstBucketSmallLargeTensorsAlone) {
+  const std::vector<std::size_t> counts{100, 100, 4 * kMiB, 10, 10, 300'000};
+  // first cap 600 bytes: 100 floats fit, 200 do not; 16 MiB is at least half of 25 MiB:
+  // alone; the tensors after it start a new bucket.
+  const auto b = ddp::assign_buckets(counts, 600, 25 * kMiB);
+  const std::vector<std::vector<std::size_t>> want{{0}, {1}, {2}, {3, 4, 5}};
+  EXPECT_EQ(b, want);
+}
+
+TEST(AdviseBuckets, SameAsTheReducers) {
+  auto ctx = init({.rank = 0, .size = 1});
+  ReducerOptions options;
+  options.first_bucket_bytes = 1 * kMiB;
+  options.bucket_bytes = 4 * kMiB;
+  Reducer reducer(*ctx, options);
+  const std::vector<std::size_t> sizes{1000, 300'000, 700'000, 10, 2'000'000, 5};
+  std::vector<std::vector<float>> grads;
+  for (std::size_t s : sizes) grads.emplace_back(s);
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    reducer.add_parameter("p" + std::to_string(i), sizes[i], grads[i]);
+  }
+  // One step, backward order: the last registered first, as the Reducer assumes before it
+  // learns the order (and then keeps, since it is the same).
+  for (int id = static_cast<int>(sizes.size()) - 1; id >= 0; --id) reducer.mark_ready(id);
+  reducer.finish();
+  const std::vector<std::size_t> ready(sizes.rbegin(), sizes.rend());
+  const auto want = ddp::assign_buckets(ready, options.first_bucket_bytes, options.bucket_bytes);
+  const auto got = reducer.buckets();
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t b = 0; b < want.size(); ++b) {
+    ASSERT_EQ(got[b].size(), want[b].size()) << "bucket " << b;
+    for (std::size_t i = 0; i < want[b].size(); ++i) {
+      EXPECT_EQ(got[b][i], static_cast<int>(sizes.size() - 1 - want[b][i]));
+    }
+  }
+}
+
+TEST(AdvisePredict, OneRankIsComputePlusOptimizer) {
+  const Plan plan{.ranks = 1};
+  const auto p = predict(simple_profile(), two_layers(1000), plan);
+  EXPECT_NEAR(p.compute_s, 6e-3, 1e-12);
+  EXPECT_NEAR(p.optimizer_s, 2000 * 20 / 10e9, 1e-15);
+  EXPECT_NEAR(p.step_s, p.compute_s + p.optimizer_s, 1e-12);
+  EXPECT_EQ(p.comm_s, 0);
+  EXPECT_EQ(p.wire_bytes_per_rank, 0u);
+  EXPECT_EQ(p.bottleneck, "compute");
+}
+
+TEST(AdvisePredict, WithoutOverlapEveryCallAdds) {
+  Plan plan{.ranks = 4, .first_bucket_mb = 0.001, .overlap = false};
+  plan.bucket_mb = 0.001;  // each layer's tensor its own bucket
+  const auto p = predict(simple_profile(), two_layers(1 << 20), plan);
+  ASSERT_EQ(p.buckets.size(), 2u);
+  EXPECT_NEAR(p.step_s, p.compute_s + p.comm_s + p.optimizer_s, 1e-12);
+  EXPECT_NEAR(p.exposed_comm_s, p.comm_s, 1e-12);
+  EXPECT_GE(p.buckets[0].start_s, 4e-3 - 1e-12);  // after the whole backward
+}
+
+TEST(AdvisePredict, OverlapHidesWhatBackwardCovers) {
+  Plan plan{.ranks = 2, .bucket_mb = 0.001, .first_bucket_mb = 0.001};
+  const auto workload = two_layers(1 << 18);  // 1 MiB a layer: well under 2 ms to all-reduce
+  const auto p = predict(simple_profile(), workload, plan);
+  ASSERT_EQ(p.buckets.size(), 2u);
+  // The first bucket (layer b, backward's first) starts when its gradient is ready, 2 ms in,
+  // and ends before the second layer's backward does: only the last bucket shows.
+  EXPECT_NEAR(p.buckets[0].ready_s, 2e-3, 1e-12);
+  EXPECT_NEAR(p.buckets[0].start_s, 2e-3, 1e-12);
+  EXPECT_LT(p.buckets[0].end_s, 4e-3);
+  const double last = p.buckets[1].end_s - p.buckets[1].start_s;
+  EXPECT_NEAR(p.exposed_comm_s, last, 1e-9);
+}
+
+TEST(AdvisePredict, SharingACoreHidesNothingOnOneHost) {
+  Profile profile = simple_profile();
+  profile.cores_per_host = 2;  // 2 ranks: one core each, backward and worker share it
+  Plan plan{.ranks = 2, .bucket_mb = 0.001, .first_bucket_mb = 0.001};
+  const auto p = predict(profile, two_layers(1 << 18), plan);
+  // On one host every call is core work: at half speed beside backward, it costs what it
+  // would alone, after it.
+  EXPECT_NEAR(p.exposed_comm_s, p.comm_s, 1e-9);
+}
+
+TEST(AdvisePredict, AccumulationComputesKTimesCommunicatesOnce) {
+  const Profile profile = simple_profile();
+  const auto w = two_layers(1 << 20);
+  Plan once{.ranks = 4, .overlap = false};
+  Plan four = once;
+  four.accumulate = 4;
+  const auto a = predict(profile, w, once), b = predict(profile, w, four);
+  EXPECT_NEAR(b.compute_s, 4 * a.compute_s, 1e-12);
+  EXPECT_NEAR(b.comm_s, a.comm_s, 1e-12);
+  EXPECT_NEAR(b.step_s - a.step_s, 3 * (a.compute_s), 1e-9);
+}
+
+TEST(AdvisePredict, ZeroShardsStateAndGradients) {
+  Workload w = two_layers(1000);
+  w.optimizer = "adamw";
+  const Profile profile = simple_profile();
+  const auto replicated = predict(profile, w, Plan{.ranks = 4});
+  const auto z1 = predict(profile, w, Plan{.ranks = 4, .zero = 1});
+  const auto z2 = predict(profile, w, Plan{.ranks = 4, .zero = 2});
+  // parameters 2000 + gradients 2000 + two Adam moments 4000, floats
+  EXPECT_EQ(replicated.memory_per_rank_bytes, 8000u * 4);
+  EXPECT_EQ(z1.memory_per_rank_bytes, (2000u + 2000 + 2 * 500) * 4);
+  EXPECT_EQ(z2.memory_per_rank_bytes, (2000u + 500 + 2 * 500) * 4);
+  EXPECT_NEAR(z1.optimizer_s, replicated.optimizer_s / 4, 1e-15);
+}
+
+TEST(AdvisePredict, Fp16HalvesTheWireAndPaysItsCodec) {
+  const Profile profile = simple_profile();
+  const auto w = two_layers(1 << 20);
+  const auto none = predict(profile, w, Plan{.ranks = 4});
+  const auto fp16 = predict(profile, w, Plan{.ranks = 4, .codec = "fp16"});
+  EXPECT_EQ(fp16.wire_bytes_per_rank * 2, none.wire_bytes_per_rank);
+  EXPECT_GT(fp16.codec_s, 0);
+  EXPECT_EQ(none.codec_s, 0);
+}
+
+TEST(AdvisePredict, RefusesWhatItCannotModel) {
+  const Profile profile = simple_profile();
+  const auto w = two_layers(1000);
+  auto refused = [&](const Plan& plan, const std::string& says) {
+    try {
+      predict(profile, w, plan);
+      ADD_FAILURE() << "accepted a plan that should say: " << says;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  };
+  refused(Plan{.ranks = 3, .hosts = 2}, "multiple of hosts");
+  refused(Plan{.ranks = 2, .codec = "int8"}, "no encode and decode speed for codec 'int8'");
+  refused(Plan{.ranks = 2, .codec = "fp16", .zero = 1}, "ZeRO with a codec");
+  refused(Plan{.ranks = 2, .codec = "nonsense"}, "nonsense");
+  EXPECT_THROW(model_workload("resnet", 64, "sgd"), Error);
+  EXPECT_THROW(model_workload("mlp:12,x", 64, "sgd"), Error);
+}
+
+TEST(AdviseWorkload, TheTrainersModels) {
+  EXPECT_EQ(model_workload("mlp", 64, "sgd").parameters(), 14'217'226u);
+  EXPECT_EQ(model_workload("cnn", 64, "sgd").parameters(), 215'370u);
+  EXPECT_EQ(model_workload("mlp:256,256", 64, "sgd").parameters(),
+            784u * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10);
+}
+
+TEST(AdviseRecommend, LatencyBoundAsksForLargerBuckets) {
+  Profile profile = simple_profile();
+  profile.inter = {500.0, 10.0};  // slow to start a message, fast once started
+  Workload w;
+  w.batch = 1;
+  for (int i = 0; i < 50; ++i) w.layers.push_back({"l" + std::to_string(i), {1000}, 1e3, 2e3});
+  const Plan plan{.ranks = 8, .hosts = 8, .bucket_mb = 0.001, .first_bucket_mb = 0.001};
+  const auto now = predict(profile, w, plan);
+  EXPECT_EQ(now.bottleneck, "latency") << now.explanation;
+  const auto changes = recommend(profile, w, plan);
+  ASSERT_FALSE(changes.empty());
+  EXPECT_EQ(changes.front().knob, "bucket-mb");
+  EXPECT_LT(changes.front().change, -0.5);
+  for (std::size_t i = 1; i < changes.size(); ++i)
+    EXPECT_LE(changes[i - 1].change, changes[i].change);
+}
+
+TEST(AdviseProfile, JsonRoundTripAndRefusals) {
+  const Profile p = simple_profile();
+  const std::string path = ::testing::TempDir() + "advise_profile.json";
+  { std::ofstream(path) << profile_json(p); }
+  const Profile back = load_profile(path);
+  EXPECT_EQ(back.name, p.name);
+  EXPECT_EQ(back.cores_per_host, p.cores_per_host);
+  EXPECT_EQ(back.inter.alpha_us, p.inter.alpha_us);
+  EXPECT_EQ(back.encode_gbps, p.encode_gbps);
+  EXPECT_EQ(back.decode_gbps, p.decode_gbps);
+  { std::ofstream(path) << R"({"compute_gflops": -1})"; }
+  EXPECT_THROW(load_profile(path), Error);
+  { std::ofstream(path) << R"({"intra": {"alpha_us": "fast"}})"; }
+  try {
+    load_profile(path);
+    ADD_FAILURE() << "read a string as a number";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+  std::remove(path.c_str());
+  EXPECT_THROW(load_profile(path), Error);  // gone
+}
+
+}  // namespace
+}  // namespace gradsync::advise

@@ -1,0 +1,204 @@
+// gradsync-advise: predicts one training step of gradsync-train's configuration on a cluster
+// (a hardware profile, or flags describing one), names its bottleneck, and ranks the changes
+// that the step model predicts to be faster. Pure arithmetic: it runs no rank.
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include "flag_numbers.h"
+#include "gradsync/advise.h"
+#include "gradsync/error.h"
+#include "json_writer.h"
+
+namespace {
+
+using gradsync::advise::Plan;
+using gradsync::advise::Prediction;
+using gradsync::advise::Profile;
+
+constexpr const char* kUsage = R"(usage: gradsync-advise [flags]
+
+The configuration (gradsync-train's flags):
+  --model mlp|mlp:H1,H2,...|cnn   (mlp: 784-2048x4-10)
+  --batch N            samples per rank (64)
+  --optimizer sgd|adam|adamw (sgd)
+  --codec SPEC         (none)
+  --bucket-mb MB       (25)        --first-bucket-mb MB (1)
+  --accumulate K       (1)         --zero 0|1|2 (0)
+  --no-overlap         all-reduce after backward
+The cluster:
+  --profile FILE       a hardware profile (profiles/*.json, or gradsync-probe's)
+  --ranks N            (2)         --hosts H (1)
+  --link-gbps G        bandwidth between hosts, 1e9 B/s (overrides the profile's)
+  --latency-us U       latency between hosts (overrides the profile's)
+  --cores-per-host C   (overrides the profile's)
+Output:
+  --json FILE          the prediction and the recommendations as JSON
+)";
+
+[[noreturn]] void usage_error(const std::string& message) {
+  std::fprintf(stderr, "gradsync-advise: %s\n\n%s", message.c_str(), kUsage);
+  std::exit(2);
+}
+
+struct Flags {
+  std::string model = "mlp", optimizer = "sgd", profile, json;
+  std::size_t batch = 64;
+  Plan plan;
+  double link_gbps = 0, latency_us = -1;
+  int cores_per_host = 0;
+};
+
+Flags parse(int argc, char** argv) {
+  namespace f = gradsync::flags;
+  Flags out;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (flag == "--no-overlap") {
+      out.plan.overlap = false;
+      continue;
+    }
+    if (i + 1 >= argc) usage_error(flag + " needs a value (or is unknown)");
+    const std::string v = argv[++i];
+    if (flag == "--model")
+      out.model = v;
+    else if (flag == "--optimizer")
+      out.optimizer = v;
+    else if (flag == "--codec")
+      out.plan.codec = v;
+    else if (flag == "--profile")
+      out.profile = v;
+    else if (flag == "--json")
+      out.json = v;
+    else if (flag == "--batch")
+      out.batch = static_cast<std::size_t>(f::integer(flag, v, 1, 1 << 24, usage_error));
+    else if (flag == "--bucket-mb")
+      out.plan.bucket_mb = f::number(flag, v, 0, 1 << 16, true, usage_error);
+    else if (flag == "--first-bucket-mb")
+      out.plan.first_bucket_mb = f::number(flag, v, 0, 1 << 16, true, usage_error);
+    else if (flag == "--accumulate")
+      out.plan.accumulate = static_cast<int>(f::integer(flag, v, 1, 1 << 16, usage_error));
+    else if (flag == "--zero")
+      out.plan.zero = static_cast<int>(f::integer(flag, v, 0, 2, usage_error));
+    else if (flag == "--ranks")
+      out.plan.ranks = static_cast<int>(f::integer(flag, v, 1, 1 << 20, usage_error));
+    else if (flag == "--hosts")
+      out.plan.hosts = static_cast<int>(f::integer(flag, v, 1, 1 << 20, usage_error));
+    else if (flag == "--link-gbps")
+      out.link_gbps = f::number(flag, v, 0, 1e6, true, usage_error);
+    else if (flag == "--latency-us")
+      out.latency_us = f::number(flag, v, 0, 1e7, false, usage_error);
+    else if (flag == "--cores-per-host")
+      out.cores_per_host = static_cast<int>(f::integer(flag, v, 1, 1 << 16, usage_error));
+    else
+      usage_error("unknown flag " + flag);
+  }
+  if (out.profile.empty()) usage_error("--profile FILE is needed (see profiles/)");
+  return out;
+}
+
+std::string ms(double s) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f ms", s * 1e3);
+  return text;
+}
+
+void print_breakdown(const Prediction& p) {
+  std::printf(
+      "predicted step %s: compute %s, communication %s (%s exposed, codec %s), "
+      "optimizer %s; %.1f MiB a rank (parameters, gradients, optimizer state); "
+      "%.1f MiB sent a rank per step\n",
+      ms(p.step_s).c_str(), ms(p.compute_s).c_str(), ms(p.comm_s).c_str(),
+      ms(p.exposed_comm_s).c_str(), ms(p.codec_s).c_str(), ms(p.optimizer_s).c_str(),
+      p.memory_per_rank_bytes / 1048576.0, p.wire_bytes_per_rank / 1048576.0);
+}
+
+void write_prediction(gradsync::json::Writer& w, const Prediction& p) {
+  w.begin_object()
+      .field("step_s", p.step_s)
+      .field("compute_s", p.compute_s)
+      .field("comm_s", p.comm_s)
+      .field("exposed_comm_s", p.exposed_comm_s)
+      .field("codec_s", p.codec_s)
+      .field("optimizer_s", p.optimizer_s)
+      .field("wire_bytes_per_rank", p.wire_bytes_per_rank)
+      .field("buckets", p.buckets.size())
+      .end_object();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Flags flags = parse(argc, argv);
+  try {
+    Profile profile = gradsync::advise::load_profile(flags.profile);
+    if (flags.link_gbps > 0) profile.inter.bandwidth_gbps = flags.link_gbps;
+    if (flags.latency_us >= 0) profile.inter.alpha_us = flags.latency_us;
+    if (flags.cores_per_host > 0) profile.cores_per_host = flags.cores_per_host;
+    const auto workload =
+        gradsync::advise::model_workload(flags.model, flags.batch, flags.optimizer);
+    const Prediction now = gradsync::advise::predict(profile, workload, flags.plan);
+    const auto changes = gradsync::advise::recommend(profile, workload, flags.plan);
+
+    std::printf("%s, %zu parameters, batch %zu, %d ranks on %d hosts (%s)\n", flags.model.c_str(),
+                workload.parameters(), flags.batch, flags.plan.ranks, flags.plan.hosts,
+                profile.name.c_str());
+    std::printf("bottleneck: %s\n", now.explanation.c_str());
+    print_breakdown(now);
+    if (changes.empty()) {
+      std::printf("no single change is predicted to make a sample faster\n");
+    } else {
+      std::printf("\n%-16s %-18s %-18s %12s %8s  %s | %s\n", "knob", "now", "proposed", "step",
+                  "change", "why", "risk");
+      for (const auto& r : changes) {
+        std::printf("%-16s %-18s %-18s %12s %+7.1f%%  %s | %s\n", r.knob.c_str(), r.now.c_str(),
+                    r.proposed.c_str(), ms(r.predicted.step_s).c_str(), 100 * r.change,
+                    r.why.c_str(), r.risk.c_str());
+      }
+      std::printf("(change: time per sample; accumulation puts more samples in a step)\n");
+    }
+    if (!flags.json.empty()) {
+      std::ofstream out(flags.json);
+      gradsync::json::Writer w(out);
+      w.begin_object()
+          .field("model", flags.model)
+          .field("ranks", flags.plan.ranks)
+          .field("hosts", flags.plan.hosts)
+          .field("profile", profile.name)
+          .field("bottleneck", now.bottleneck)
+          .field("explanation", now.explanation)
+          .field("memory_per_rank_bytes", now.memory_per_rank_bytes);
+      w.key("predicted");
+      write_prediction(w, now);
+      w.key("recommendations").begin_array();
+      for (const auto& r : changes) {
+        w.begin_object()
+            .field("knob", r.knob)
+            .field("now", r.now)
+            .field("proposed", r.proposed)
+            .field("change", r.change)
+            .field("why", r.why)
+            .field("risk", r.risk);
+        w.key("predicted");
+        write_prediction(w, r.predicted);
+        w.end_object();
+      }
+      w.end_array().end_object();
+      out << "\n";
+      if (!out) {
+        std::fprintf(stderr, "gradsync-advise: %s\n",
+                     gradsync::flags::cannot_write(flags.json).c_str());
+        return 1;
+      }
+    }
+  } catch (const gradsync::Error& e) {
+    std::fprintf(stderr, "gradsync-advise: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}
