@@ -38,7 +38,7 @@ Workload two_layers(std::size_t floats) {
   Workload w;
   w.name = "two";
   w.batch = 1;
-  w.layers = {{"a", {floats}, 1e8, 2e8}, {"b", {floats}, 1e8, 2e8}};
+  w.layers = {{"a", {{floats}}, 1e8, 2e8}, {"b", {{floats}}, 1e8, 2e8}};
   return w;
 }
 
@@ -192,7 +192,7 @@ TEST(AdviseRecommend, LatencyBoundAsksForLargerBuckets) {
   profile.inter = {500.0, 10.0};  // slow to start a message, fast once started
   Workload w;
   w.batch = 1;
-  for (int i = 0; i < 50; ++i) w.layers.push_back({"l" + std::to_string(i), {1000}, 1e3, 2e3});
+  for (int i = 0; i < 50; ++i) w.layers.push_back({"l" + std::to_string(i), {{1000}}, 1e3, 2e3});
   const Plan plan{.ranks = 8, .hosts = 8, .bucket_mb = 0.001, .first_bucket_mb = 0.001};
   const auto now = predict(profile, w, plan);
   EXPECT_EQ(now.bottleneck, "latency") << now.explanation;

@@ -20,7 +20,8 @@ using gradsync::advise::Profile;
 constexpr const char* kUsage = R"(usage: gradsync-advise [flags]
 
 The configuration (gradsync-train's flags):
-  --model mlp|mlp:H1,H2,...|cnn   (mlp: 784-2048x4-10)
+  --model mlp|cnn      (mlp: 784-2048x4-10)
+  --hidden H1,H2,...   the MLP's hidden widths
   --batch N            samples per rank (64)
   --optimizer sgd|adam|adamw (sgd)
   --codec SPEC         (none)
@@ -43,7 +44,7 @@ Output:
 }
 
 struct Flags {
-  std::string model = "mlp", optimizer = "sgd", profile, json;
+  std::string model = "mlp", hidden, optimizer = "sgd", profile, json;
   std::size_t batch = 64;
   Plan plan;
   double link_gbps = 0, latency_us = -1;
@@ -99,6 +100,10 @@ Flags parse(int argc, char** argv) {
       usage_error("unknown flag " + flag);
   }
   if (out.profile.empty()) usage_error("--profile FILE is needed (see profiles/)");
+  if (!out.hidden.empty()) {
+    if (out.model != "mlp") usage_error("--hidden is for --model mlp");
+    out.model = "mlp:" + out.hidden;
+  }
   return out;
 }
 

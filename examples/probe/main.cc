@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -15,6 +17,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gradsync/advise.h"
@@ -27,7 +30,8 @@
 namespace {
 
 constexpr const char* kUsage = R"(usage: gradsync-run -n N -- gradsync-probe [flags]
-  --model M      the trainer's model whose compute speed to measure (mlp; mlp:H1,..; cnn)
+  --model M      the trainer's model whose compute speed to measure (mlp, cnn)
+  --hidden H,..  the MLP's hidden widths
   --batch B      samples per rank (64)
   --repeats R    timed repetitions of each measurement, median taken (10)
   --name TEXT    the profile's name (default: probed on HOST)
@@ -104,12 +108,58 @@ double constant(const std::string& model, const std::string& key, double fallbac
   return fallback;
 }
 
+// How backward and the worker's all-reduces slow each other: bucket-sized all-reduces queued
+// on the worker while this thread computes, about as much of each as the other. Each side's
+// speed while both ran, relative to alone; the part of one that ran on after the other ended
+// is taken at full speed.
+void probe_overlap(gradsync::Context& ctx, const Flags& f, gradsync::advise::Profile& p,
+                   const std::function<void()>& compute, double compute_s) {
+  if (ctx.size() == 1) return;
+  constexpr std::size_t kFloats = std::size_t{4} << 20;  // a 16 MiB bucket
+  std::vector<float> bucket(kFloats, 1.0f), sum(kFloats);
+  const auto allreduce = [&] {
+    return ctx.allreduce_async(bucket.data(), sum.data(), kFloats, gradsync::DataType::kFloat32,
+                               gradsync::ReduceOp::kSum);
+  };
+  const double call_s = timed(ctx, f.repeats, [&] { allreduce().wait(); });
+  const int calls = std::max(1, static_cast<int>(std::lround(compute_s / call_s)));
+  std::vector<double> compute_speeds, comm_speeds;
+  for (int r = 0; r < f.repeats; ++r) {
+    ctx.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<gradsync::Work> works;
+    for (int i = 0; i < calls; ++i) works.push_back(allreduce());
+    std::atomic<double> comm_end{-1};  // set by the worker, right after it wakes waiters
+    works.back().on_done([&] {
+      comm_end = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    });
+    compute();
+    const double compute_end =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    for (auto& w : works) w.wait();
+    while (comm_end.load() < 0) std::this_thread::yield();
+    const double both = std::min(compute_end, comm_end.load());
+    const double comm_work = calls * call_s - std::max(0.0, comm_end - compute_end);
+    const double compute_work = compute_s - std::max(0.0, compute_end - comm_end);
+    compute_speeds.push_back(std::clamp(compute_work / both, 0.05, 1.0));
+    comm_speeds.push_back(std::clamp(comm_work / both, 0.05, 1.0));
+  }
+  const auto median = [&](std::vector<double>& v) {
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    double m = v[v.size() / 2];
+    ctx.allreduce(&m, &m, 1, gradsync::DataType::kFloat64, gradsync::ReduceOp::kMin);
+    return m;
+  };
+  p.overlap_compute_speed = median(compute_speeds);
+  p.overlap_comm_speed = median(comm_speeds);
+}
+
 void probe_compute(gradsync::Context& ctx, const Flags& f, gradsync::advise::Profile& p) {
   const auto workload = gradsync::advise::model_workload(f.model, f.batch, "sgd");
   std::vector<std::size_t> hidden;
   if (f.model.rfind("mlp:", 0) == 0) {
-    for (const auto& l : workload.layers) hidden.push_back(l.tensors.back());  // bias: width
-    hidden.pop_back();                                                         // the classes
+    for (const auto& l : workload.layers) hidden.push_back(l.tensors.back().count);  // bias: width
+    hidden.pop_back();                                                               // the classes
   }
   auto model = train::make_model(f.model.substr(0, 3), 1, hidden);
   std::mt19937 gen(static_cast<unsigned>(ctx.rank()));
@@ -118,19 +168,77 @@ void probe_compute(gradsync::Context& ctx, const Flags& f, gradsync::advise::Pro
   std::vector<std::uint8_t> labels(f.batch);
   for (auto& x : images) x = pixel(gen);
   for (auto& y : labels) y = static_cast<std::uint8_t>(gen() % 10);
-  const double seconds = timed(ctx, f.repeats, [&] {
+  const auto compute = [&] {
     model->forward(images, f.batch);
     model->loss(labels, nullptr);
     model->backward(labels, false, {});
-  });
+  };
+  const double seconds = timed(ctx, f.repeats, compute);
   double flops = 0;
   for (const auto& l : workload.layers) flops += (l.forward_flops + l.backward_flops) * f.batch;
   p.compute_gflops = flops / seconds * 1e-9;
+  probe_overlap(ctx, f, p, compute, seconds);
 
-  auto sgd = gradsync::optim::make_sgd(model->values().size());
+  // The trainer's SGD: momentum 0.9, so the state is read and written too.
+  auto sgd = gradsync::optim::make_sgd(model->values().size(), {.lr = 0.05f, .momentum = 0.9f});
   const double step = timed(ctx, f.repeats, [&] { sgd->step(model->values(), model->grads()); });
   p.optimizer_gbps = gradsync::advise::optimizer_bytes_per_parameter("sgd") *
                      static_cast<double>(model->values().size()) / step * 1e-9;
+}
+
+// Latency and bandwidth between rank 0 and `peer`: half a ping-pong of 8 bytes, and a
+// message long enough (64 MiB) that a shaped link's burst allowance does not flatter it, as
+// the start-up calibration's short messages can. Every rank takes part in the median's
+// broadcast; the others only wait.
+gradsync::advise::Link probe_link(gradsync::Context& ctx, const Flags& f, int peer) {
+  constexpr std::size_t kLong = std::size_t{64} << 20;
+  std::vector<unsigned char> small(8), big(kLong);
+  const int me = ctx.rank();
+  const bool in = me == 0 || me == peer;
+  const int other = me == 0 ? peer : 0;
+  const auto u8 = gradsync::DataType::kUInt8;
+  // Back-to-back round trips, as a collective's messages follow each other: the first one
+  // after the barrier may find the peer asleep.
+  constexpr int kTrips = 200;
+  const double round_trip = timed(ctx, f.repeats,
+                                  [&] {
+                                    for (int i = 0; in && i < kTrips; ++i) {
+                                      if (me == 0) {
+                                        ctx.send(small.data(), small.size(), u8, other);
+                                        ctx.recv(small.data(), small.size(), u8, other);
+                                      } else {
+                                        ctx.recv(small.data(), small.size(), u8, other);
+                                        ctx.send(small.data(), small.size(), u8, other);
+                                      }
+                                    }
+                                  }) /
+                            kTrips;
+  const double one_way = timed(ctx, std::max(3, f.repeats / 3), [&] {
+    if (!in) return;
+    if (me == 0) {
+      ctx.send(big.data(), kLong, u8, other);
+      ctx.recv(small.data(), 1, u8, other);  // the peer has it all
+    } else {
+      ctx.recv(big.data(), kLong, u8, other);
+      ctx.send(small.data(), 1, u8, other);
+    }
+  });
+  const double alpha_s = round_trip / 2;
+  return {alpha_s * 1e6, kLong / std::max(one_way - round_trip, 1e-9) * 1e-9};
+}
+
+// float32 sum all-reduces from 4 KiB to 64 MiB over every rank, as the job will run them.
+void probe_allreduce(gradsync::Context& ctx, const Flags& f, gradsync::advise::Profile& p) {
+  constexpr std::size_t kLargest = std::size_t{64} << 20;
+  std::vector<float> send(kLargest / sizeof(float), 1.0f), recv(send.size());
+  for (std::size_t bytes = 4096; bytes <= kLargest; bytes *= 4) {
+    const std::size_t count = bytes / sizeof(float);
+    const double s = timed(ctx, f.repeats, [&] {
+      ctx.allreduce(send.data(), recv.data(), count, gradsync::DataType::kFloat32,
+                    gradsync::ReduceOp::kSum);
+    });
+    p.allreduce.push_back({ctx.size(), ctx.hosts(), bytes, s * 1e6});
+  }
 }
 
 // One rank's memcpy beyond the caches while every rank copies: the cost model's copy_gbps,
@@ -177,7 +285,8 @@ int main(int argc, char** argv) {
     p.sources = {"gradsync-probe --model " + flags.model + " --batch " +
                  std::to_string(flags.batch) + ", " + std::to_string(ctx->size()) + " ranks on " +
                  std::to_string(ctx->hosts()) +
-                 " hosts; links: the context's start-up "
+                 " hosts: links by ping-pong, the rest timed "
+                 "with every rank at work; reduction speed from the context's start-up "
                  "calibration (" +
                  ctx->cost_model() + ")"};
     cpu_set_t usable;
@@ -185,11 +294,18 @@ int main(int argc, char** argv) {
     const std::string costs = ctx->cost_model();
     p.intra = {constant(costs, "alpha_us", p.intra.alpha_us),
                constant(costs, "bandwidth_gbps", p.intra.bandwidth_gbps)};
-    p.inter = {constant(costs, "inter_alpha_us", p.intra.alpha_us),
-               constant(costs, "inter_bandwidth_gbps", p.intra.bandwidth_gbps)};
+    // Measured where the job has such a pair: rank 0's host-mate, and the first rank on
+    // another host; else the calibration's (intra) figure stands for both.
+    int mate = -1, remote = -1;
+    for (int r = ctx->size() - 1; r > 0; --r) {
+      (ctx->host_of(r) == ctx->host_of(0) ? mate : remote) = r;
+    }
+    if (mate > 0) p.intra = probe_link(*ctx, flags, mate);
+    p.inter = remote > 0 ? probe_link(*ctx, flags, remote) : p.intra;
     p.reduce_gbps = constant(costs, "reduce_gbps", p.reduce_gbps);
     p.copy_gbps = constant(costs, "copy_gbps", p.copy_gbps);
     probe_copy(*ctx, flags, p);
+    if (ctx->size() > 1) probe_allreduce(*ctx, flags, p);
     probe_compute(*ctx, flags, p);
     probe_codecs(*ctx, flags, p);
     if (ctx->rank() == 0) {

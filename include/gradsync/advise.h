@@ -34,6 +34,19 @@ struct Profile {
   double compute_gflops = 20.0;
   double optimizer_gbps = 10.0;
   std::size_t memory_bytes_per_rank = 0;  // what a rank may hold; 0: unknown
+  // Speeds of backward and of the worker's collectives while both run, each relative to its
+  // speed alone (gradsync-probe measures them). 0: unknown, then derived from the cores per
+  // rank (a host with two per rank runs both at full speed).
+  double overlap_compute_speed = 0, overlap_comm_speed = 0;
+  // All-reduces timed on the cluster (gradsync-probe: float32 sums of 4 KiB to 64 MiB at the
+  // job's ranks and hosts). A plan of those ranks and hosts is priced by them, interpolated
+  // in the message size; any other by the cost model over the links above.
+  struct Timed {
+    int ranks = 0, hosts = 0;
+    std::size_t bytes = 0;
+    double us = 0;
+  };
+  std::vector<Timed> allreduce;
   // Codec throughput over the float32 gradient bytes, per codec name ("int8", "topk", ...):
   // encode, and decode (decode_add) of one payload. A codec missing here is refused.
   std::map<std::string, double> encode_gbps, decode_gbps;
@@ -41,9 +54,10 @@ struct Profile {
 
 // A profile from its JSON file: {"name", "sources": [...], "cores_per_host",
 // "intra": {"alpha_us", "bandwidth_gbps"}, "inter": {...}, "reduce_gbps", "copy_gbps",
-// "compute_gflops", "optimizer_gbps", "memory_bytes_per_rank", "encode_gbps": {codec: GB/s},
-// "decode_gbps": {...}}; a field left out keeps Profile's default. Throws
-// Error(kInvalidArgument) naming the file and the field it cannot read.
+// "compute_gflops", "optimizer_gbps", "memory_bytes_per_rank", "overlap_compute_speed",
+// "overlap_comm_speed", "encode_gbps": {codec: GB/s}, "decode_gbps": {...},
+// "allreduce": [{"ranks", "hosts", "bytes", "us"}, ...]}; a field left out keeps Profile's default.
+// Throws Error(kInvalidArgument) naming the file and the field it cannot read.
 Profile load_profile(const std::string& path);
 // The same JSON (gradsync-probe writes it).
 std::string profile_json(const Profile& profile);
@@ -51,9 +65,13 @@ std::string profile_json(const Profile& profile);
 // One layer of the model, forward order. FLOPs per sample.
 struct Layer {
   std::string name;
-  // Its parameter tensors' sizes in the order backward finishes them (a weight, then its
-  // bias): the Reducer buckets tensors, not layers.
-  std::vector<std::size_t> tensors;
+  // Its parameter tensors in the order backward finishes them (a weight, then its bias): the
+  // Reducer buckets tensors, not layers. rows: a weight's output features (PowerSGD
+  // compresses rows x count/rows), 0 for a vector.
+  struct Tensor {
+    std::size_t count = 0, rows = 0;
+  };
+  std::vector<Tensor> tensors;
   double forward_flops = 0, backward_flops = 0;
 
   std::size_t parameters() const;

@@ -46,16 +46,31 @@ Profile load_profile(const std::string& path) {
     take(j, "compute_gflops", p.compute_gflops);
     take(j, "optimizer_gbps", p.optimizer_gbps);
     take(j, "memory_bytes_per_rank", p.memory_bytes_per_rank);
+    take(j, "overlap_compute_speed", p.overlap_compute_speed);
+    take(j, "overlap_comm_speed", p.overlap_comm_speed);
     take(j, "encode_gbps", p.encode_gbps);
     take(j, "decode_gbps", p.decode_gbps);
+    if (j.contains("allreduce")) {
+      for (const json& t : j.at("allreduce")) {
+        p.allreduce.push_back({t.at("ranks").get<int>(), t.at("hosts").get<int>(),
+                               t.at("bytes").get<std::size_t>(), t.at("us").get<double>()});
+        const auto& last = p.allreduce.back();
+        if (last.ranks < 1 || last.hosts < 1 || last.bytes == 0 || !(last.us > 0)) {
+          throw unreadable(path, "an allreduce entry needs ranks, hosts and bytes >= 1, us > 0");
+        }
+      }
+    }
   } catch (const json::exception& e) {
     throw unreadable(path, e.what());
   }
-  const bool positive = p.cores_per_host > 0 && p.intra.alpha_us >= 0 &&
-                        p.intra.bandwidth_gbps > 0 && p.inter.alpha_us >= 0 &&
-                        p.inter.bandwidth_gbps > 0 && p.reduce_gbps > 0 && p.copy_gbps > 0 &&
-                        p.compute_gflops > 0 && p.optimizer_gbps > 0;
-  if (!positive) throw unreadable(path, "every speed and cores_per_host must be above 0");
+  const bool positive =
+      p.cores_per_host > 0 && p.intra.alpha_us >= 0 && p.intra.bandwidth_gbps > 0 &&
+      p.inter.alpha_us >= 0 && p.inter.bandwidth_gbps > 0 && p.reduce_gbps > 0 && p.copy_gbps > 0 &&
+      p.compute_gflops > 0 && p.optimizer_gbps > 0 && p.overlap_compute_speed >= 0 &&
+      p.overlap_compute_speed <= 1 && p.overlap_comm_speed >= 0 && p.overlap_comm_speed <= 1;
+  if (!positive)
+    throw unreadable(path,
+                     "every speed and cores_per_host must be above 0, the overlap speeds in 0..1");
   if (p.name.empty()) p.name = path;
   return p;
 }
@@ -72,9 +87,17 @@ std::string profile_json(const Profile& p) {
       {"compute_gflops", p.compute_gflops},
       {"optimizer_gbps", p.optimizer_gbps},
       {"memory_bytes_per_rank", p.memory_bytes_per_rank},
+      {"overlap_compute_speed", p.overlap_compute_speed},
+      {"overlap_comm_speed", p.overlap_comm_speed},
       {"encode_gbps", p.encode_gbps},
       {"decode_gbps", p.decode_gbps}};
-  return j.dump(2) + "\n";
+  json timed = json::array();
+  for (const auto& t : p.allreduce) {
+    timed.push_back({{"ranks", t.ranks}, {"hosts", t.hosts}, {"bytes", t.bytes}, {"us", t.us}});
+  }
+  json out = j;
+  out["allreduce"] = timed;
+  return out.dump(2) + "\n";
 }
 
 }  // namespace gradsync::advise

@@ -46,6 +46,11 @@ class CallPricer {
  public:
   CallPricer(const Profile& profile, const Plan& plan)
       : profile_(profile), plan_(plan), model_(cost_model_of(profile)) {
+    for (const auto& t : profile.allreduce) {
+      if (t.ranks == plan.ranks && t.hosts == plan.hosts) timed_.push_back(t);
+    }
+    std::sort(timed_.begin(), timed_.end(),
+              [](const auto& a, const auto& b) { return a.bytes < b.bytes; });
     if (plan.codec != "none") {
       codec_ = compress::make_codec(plan.codec);
       const std::string name = plan.codec.substr(0, plan.codec.find(':'));
@@ -56,42 +61,56 @@ class CallPricer {
       }
       encode_gbps_ = enc->second;
       decode_gbps_ = dec->second;
+      const std::string spec = codec_->spec();  // "powersgd:rank=4,ef=1"
+      const auto at = spec.find("rank=");
+      if (at != std::string::npos) powersgd_rank_ = std::stoul(spec.substr(at + 5));
     }
   }
 
   bool whole_buckets() const { return !codec_ || codec_->traits().whole_buckets; }
 
-  CallCost allreduce(std::size_t floats) const {
+  // One call over a tensor (or a bucket) of `floats` floats; `rows`: its matrix rows, for
+  // PowerSGD (0: a vector, or a bucket of several tensors).
+  CallCost allreduce(std::size_t floats, std::size_t rows = 0) const {
     const int n = plan_.ranks;
     CallCost c;
     if (n <= 1) return c;
     const std::size_t raw = floats * sizeof(float);
-    const bool one_host = plan_.hosts == 1;
-    bool gather = false;
-    if (codec_) {
-      c.wire_bytes = codec_->encoded_bytes(floats);
-      const auto pattern = codec_->traits().pattern;
-      gather = pattern == compress::Pattern::kGather || pattern == compress::Pattern::kIndexUnion;
-      const double decodes = gather ? n - 1 : 1;
-      c.codec_us = raw * 1e-3 / encode_gbps_ + decodes * raw * 1e-3 / decode_gbps_;
-    } else {
-      c.wire_bytes = raw;
-    }
-    double wire_us = 0;
-    if (gather) {
-      wire_us = model_.allgather_us(n, c.wire_bytes * static_cast<std::size_t>(n), plan_.hosts);
+    const auto pattern = codec_ ? codec_->traits().pattern : compress::Pattern::kFloat32;
+    const std::size_t cols = rows ? floats / rows : 0;
+    const bool low_rank = pattern == compress::Pattern::kLowRank;
+    if (low_rank && (rows < 2 || cols < 2)) {
+      add_allreduce(c, raw);  // PowerSGD sends vectors as they are
+    } else if (low_rank) {
+      // P (rows x r) and Q (cols x r), each all-reduced in float32.
+      const std::size_t r = std::min({powersgd_rank_, rows, cols});
+      add_allreduce(c, rows * r * sizeof(float));
+      add_allreduce(c, cols * r * sizeof(float));
+      c.codec_us = raw * 1e-3 / encode_gbps_ + raw * 1e-3 / decode_gbps_;
+    } else if (pattern == compress::Pattern::kGather || pattern == compress::Pattern::kIndexUnion) {
+      // Every rank's payload to every rank, each decoded and added.
+      const std::size_t payload = codec_->encoded_bytes(floats);
+      c.us = model_.allgather_us(n, payload * static_cast<std::size_t>(n), plan_.hosts);
       c.latency_us = model_.allgather_us(n, 0, plan_.hosts);
+      c.wire_bytes = payload * static_cast<std::size_t>(n - 1);
+      c.codec_us = raw * 1e-3 / encode_gbps_ + (n - 1) * raw * 1e-3 / decode_gbps_;
     } else {
-      const Algorithm a = model_.choose_allreduce(n, c.wire_bytes, one_host, plan_.hosts);
-      wire_us = model_.allreduce_us(a, n, c.wire_bytes, plan_.hosts);
-      c.latency_us = model_.allreduce_us(a, n, 0, plan_.hosts);
-      // A ring sends 2(N-1)/N of the message; the others about as much.
-      c.wire_bytes = static_cast<std::size_t>(2.0 * (n - 1) / n * c.wire_bytes);
+      add_allreduce(c, codec_ ? codec_->encoded_bytes(floats) : raw);
+      if (codec_) {
+        // One encode and one decode, and for a ring of 16-bit or quantised chunks a decode,
+        // add and re-encode of its share at each of the N-1 reduce-scatter hops.
+        const bool per_hop =
+            pattern == compress::Pattern::kHalfRing || pattern == compress::Pattern::kQuantizedRing;
+        const double passes = 1 + (per_hop ? static_cast<double>(n - 1) / n : 0);
+        c.codec_us = passes * raw * 1e-3 * (1 / encode_gbps_ + 1 / decode_gbps_);
+      }
     }
-    c.us = wire_us + c.codec_us;
+    const double wire_us = c.us;
+    c.us += c.codec_us;
     // On one host every byte moves through the cores (shared memory); across hosts the cores
     // reduce what arrives and run the codec, and the links do the rest.
-    c.cpu_us = one_host ? c.us : c.codec_us + std::min(wire_us, raw * 1e-3 / profile_.reduce_gbps);
+    c.cpu_us =
+        plan_.hosts == 1 ? c.us : c.codec_us + std::min(wire_us, raw * 1e-3 / profile_.reduce_gbps);
     return c;
   }
 
@@ -99,25 +118,60 @@ class CallPricer {
   // all-gathered, each once over the whole model.
   double reduce_scatter_us(std::size_t floats) const {
     if (plan_.ranks <= 1) return 0;
-    return model_.allreduce_us(Algorithm::kRing, plan_.ranks, floats * sizeof(float), plan_.hosts) /
-           2;
+    CallCost c;
+    add_allreduce(c, floats * sizeof(float));
+    return c.us / 2;
   }
   double allgather_us(std::size_t floats) const {
     return model_.allgather_us(plan_.ranks, floats * sizeof(float), plan_.hosts);
   }
 
  private:
+  // An all-reduce of `bytes`, added to `c`: as timed on this cluster shape if the profile
+  // has such times, else by the algorithm the cost model picks.
+  void add_allreduce(CallCost& c, std::size_t bytes) const {
+    const int n = plan_.ranks;
+    if (!timed_.empty()) {
+      c.us += interpolate(bytes);
+      c.latency_us += timed_.front().us;
+    } else {
+      const Algorithm a = model_.choose_allreduce(n, bytes, plan_.hosts == 1, plan_.hosts);
+      c.us += model_.allreduce_us(a, n, bytes, plan_.hosts);
+      c.latency_us += model_.allreduce_us(a, n, 0, plan_.hosts);
+    }
+    // A ring sends 2(N-1)/N of the message; the others about as much.
+    c.wire_bytes += static_cast<std::size_t>(2.0 * (n - 1) / n * static_cast<double>(bytes));
+  }
+
+  // Linear in the size between the timed sizes, a log-log line through the nearest two;
+  // below the smallest its time, beyond the largest its time per byte.
+  double interpolate(std::size_t bytes) const {
+    if (bytes <= timed_.front().bytes) return timed_.front().us;
+    for (std::size_t i = 1; i < timed_.size(); ++i) {
+      if (bytes <= timed_[i].bytes) {
+        const auto& lo = timed_[i - 1];
+        const auto& hi = timed_[i];
+        const double x = std::log(static_cast<double>(bytes) / lo.bytes) /
+                         std::log(static_cast<double>(hi.bytes) / lo.bytes);
+        return std::exp(std::log(lo.us) + x * std::log(hi.us / lo.us));
+      }
+    }
+    return timed_.back().us * static_cast<double>(bytes) / timed_.back().bytes;
+  }
+
   const Profile& profile_;
   const Plan& plan_;
   cost::CostModel model_;
+  std::vector<Profile::Timed> timed_;  // this plan's ranks and hosts, by size
+  std::size_t powersgd_rank_ = 0;
   std::unique_ptr<compress::Codec> codec_;
   double encode_gbps_ = 0, decode_gbps_ = 0;
 };
 
 // One rank's backward and its worker, advanced together: each runs at full speed alone, and
-// at `shared` speed while both need a core.
+// at its `_speed` while both need the cores.
 struct Overlap {
-  double shared = 1.0;
+  double compute_speed = 1.0, comm_speed = 1.0;
 
   // Backward layer times (s, backward order) with the gradients of layer i ready at its end;
   // buckets as (last layer index they wait for, cpu s, wire s). Returns backward's end and
@@ -147,10 +201,11 @@ struct Overlap {
       const bool computing = layer < layers.size();
       const bool worker_cpu = cpu_left > 0;
       const bool worker_wire = cpu_left >= 0 && cpu_left <= 0 && wire_left > 0;
-      const double speed = computing && worker_cpu ? shared : 1.0;
+      const bool both = computing && worker_cpu;
+      const double compute = both ? compute_speed : 1.0, comm = both ? comm_speed : 1.0;
       double dt = std::numeric_limits<double>::infinity();
-      if (computing) dt = std::min(dt, layer_left / speed);
-      if (worker_cpu) dt = std::min(dt, cpu_left / speed);
+      if (computing) dt = std::min(dt, layer_left / compute);
+      if (worker_cpu) dt = std::min(dt, cpu_left / comm);
       if (worker_wire) dt = std::min(dt, wire_left);
       if (!computing && !worker_cpu && !worker_wire) {
         if (cpu_left >= 0) {  // a bucket with nothing left to do
@@ -162,9 +217,9 @@ struct Overlap {
         break;  // unreachable: a bucket not ready with backward over
       }
       t += dt;
-      if (computing) layer_left -= dt * speed;
+      if (computing) layer_left -= dt * compute;
       if (worker_cpu)
-        cpu_left -= dt * speed;
+        cpu_left -= dt * comm;
       else if (worker_wire)
         wire_left -= dt;
       if (computing && layer_left <= 1e-15) {
@@ -239,7 +294,7 @@ double optimizer_bytes_per_parameter(const std::string& optimizer) {
 
 std::size_t Layer::parameters() const {
   std::size_t n = 0;
-  for (std::size_t t : tensors) n += t;
+  for (const auto& t : tensors) n += t.count;
   return n;
 }
 
@@ -281,18 +336,27 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
   p.compute_s = plan.accumulate * (forward_s + backward_s);
 
   // Gradients in the order backward makes them, each with the backward layer that makes it.
-  std::vector<std::size_t> counts, layer_of;
+  std::vector<std::size_t> counts, rows, layer_of;
   for (auto l = workload.layers.rbegin(); l != workload.layers.rend(); ++l) {
-    for (std::size_t t : l->tensors) {
-      counts.push_back(t);
+    for (const auto& t : l->tensors) {
+      counts.push_back(t.count);
+      rows.push_back(t.rows);
       layer_of.push_back(static_cast<std::size_t>(l - workload.layers.rbegin()));
     }
   }
   const std::size_t psi = workload.parameters();
   const int n = plan.ranks;
   const double cores_per_rank = static_cast<double>(profile.cores_per_host) * plan.hosts / n;
+  // How backward and the worker slow each other: as the probe measured them, for the whole
+  // of each call; else from the cores, for the part of a call that keeps a core busy.
+  const bool measured = profile.overlap_compute_speed > 0 && profile.overlap_comm_speed > 0;
   Overlap overlap;
-  overlap.shared = std::clamp(cores_per_rank / 2, 0.5, 1.0);
+  if (measured) {
+    overlap.compute_speed = profile.overlap_compute_speed;
+    overlap.comm_speed = profile.overlap_comm_speed;
+  } else {
+    overlap.compute_speed = overlap.comm_speed = std::clamp(cores_per_rank / 2, 0.5, 1.0);
+  }
 
   double last_micro_s = 0;  // the micro-batch that communicates, from the start of its forward
   double tail_comm_s = 0;   // ZeRO's all-gather after the optimizer
@@ -305,8 +369,8 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
                              static_cast<std::size_t>(plan.bucket_mb * kMiB))) {
       BucketPrediction b;
       CallCost sum;
-      auto add = [&](std::size_t f) {
-        const CallCost c = pricer.allreduce(f);
+      auto add = [&](std::size_t f, std::size_t matrix_rows) {
+        const CallCost c = pricer.allreduce(f, matrix_rows);
         sum.us += c.us;
         sum.cpu_us += c.cpu_us;
         sum.codec_us += c.codec_us;
@@ -317,9 +381,9 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       for (std::size_t at : positions) b.parameters += counts[at];
       if (n > 1) {
         if (pricer.whole_buckets()) {
-          add(b.parameters);
+          add(b.parameters, positions.size() == 1 ? rows[positions[0]] : 0);
         } else {
-          for (std::size_t at : positions) add(counts[at]);
+          for (std::size_t at : positions) add(counts[at], rows[at]);
         }
       }
       b.wire_bytes = sum.wire_bytes;
@@ -327,8 +391,9 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       p.codec_s += sum.codec_us * 1e-6;
       p.wire_bytes_per_rank += sum.wire_bytes;
       waits_for.push_back(layer_of[positions.back()]);
-      cpu.push_back(sum.cpu_us * 1e-6);
-      wire.push_back((sum.us - sum.cpu_us) * 1e-6);
+      const double busy_us = measured ? sum.us : sum.cpu_us;
+      cpu.push_back(busy_us * 1e-6);
+      wire.push_back((sum.us - busy_us) * 1e-6);
       p.buckets.push_back(b);
     }
     const auto [backward_end, worker_end] =

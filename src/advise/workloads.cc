@@ -14,13 +14,13 @@ constexpr std::size_t kPixels = 28 * 28, kClasses = 10;
 
 Layer linear(const std::string& name, std::size_t in, std::size_t out, bool first) {
   const double macs = static_cast<double>(in * out);
-  return {name, {in * out, out}, 2 * macs, (first ? 2 : 4) * macs};
+  return {name, {{in * out, out}, {out, 0}}, 2 * macs, (first ? 2 : 4) * macs};
 }
 
 // 5x5 convolution, padding 2, over a side x side image.
 Layer conv(const std::string& name, std::size_t in, std::size_t out, std::size_t side, bool first) {
   const double macs = 25.0 * in * out * side * side;
-  return {name, {25 * in * out, out}, 2 * macs, (first ? 2 : 4) * macs};
+  return {name, {{25 * in * out, out}, {out, 0}}, 2 * macs, (first ? 2 : 4) * macs};
 }
 
 [[noreturn]] void refuse(const std::string& model) {
