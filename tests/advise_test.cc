@@ -150,14 +150,31 @@ TEST(AdvisePredict, ZeroShardsStateAndGradients) {
   EXPECT_NEAR(z1.optimizer_s, replicated.optimizer_s / 4, 1e-15);
 }
 
-TEST(AdvisePredict, Fp16HalvesTheWireAndPaysItsCodec) {
+TEST(AdvisePredict, Fp16HalvesTheWireBetweenHostsAndIsFreeInSharedMemory) {
   const Profile profile = simple_profile();
   const auto w = two_layers(1 << 20);
-  const auto none = predict(profile, w, Plan{.ranks = 4});
-  const auto fp16 = predict(profile, w, Plan{.ranks = 4, .codec = "fp16"});
+  const auto none = predict(profile, w, Plan{.ranks = 4, .hosts = 4});
+  const auto fp16 = predict(profile, w, Plan{.ranks = 4, .hosts = 4, .codec = "fp16"});
   EXPECT_EQ(fp16.wire_bytes_per_rank * 2, none.wire_bytes_per_rank);
   EXPECT_GT(fp16.codec_s, 0);
   EXPECT_EQ(none.codec_s, 0);
+  // On one host the shared-memory all-reduce rounds to 16 bits as it copies: a float32 call.
+  const auto one_host = predict(profile, w, Plan{.ranks = 4, .codec = "fp16"});
+  const auto one_host_none = predict(profile, w, Plan{.ranks = 4});
+  EXPECT_EQ(one_host.codec_s, 0);
+  EXPECT_NEAR(one_host.comm_s, one_host_none.comm_s, 1e-12);
+}
+
+TEST(AdvisePredict, PowerSgdSendsFactorsOfMatricesAndVectorsWhole) {
+  Profile profile = simple_profile();
+  profile.encode_gbps["powersgd"] = profile.decode_gbps["powersgd"] = 5;
+  Workload w;
+  w.batch = 1;
+  w.layers = {{"fc", {{1024 * 512, 1024}, {1024, 0}}, 1e6, 2e6}};
+  const auto p = predict(profile, w, Plan{.ranks = 2, .hosts = 2, .codec = "powersgd:rank=4"});
+  // P (1024 x 4) and Q (512 x 4) for the weight, the bias as it is: a ring of 2 ranks sends
+  // each rank's half and receives the other's, so one message's worth of each.
+  EXPECT_EQ(p.wire_bytes_per_rank, (1024u * 4 + 512 * 4 + 1024) * 4);
 }
 
 TEST(AdvisePredict, RefusesWhatItCannotModel) {

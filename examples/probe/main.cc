@@ -15,11 +15,14 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
+#include "flag_numbers.h"
 #include "gradsync/advise.h"
 #include "gradsync/compress.h"
 #include "gradsync/error.h"
@@ -51,6 +54,7 @@ struct Flags {
 
 Flags parse(int argc, char** argv) {
   Flags f;
+  std::string hidden;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
@@ -59,20 +63,27 @@ Flags parse(int argc, char** argv) {
     }
     if (i + 1 >= argc) usage_error(flag + " needs a value (or is unknown)");
     const std::string v = argv[++i];
-    if (flag == "--model")
+    namespace flags = gradsync::flags;
+    if (flag == "--model") {
       f.model = v;
-    else if (flag == "--name")
+    } else if (flag == "--hidden") {
+      hidden = v;
+    } else if (flag == "--name") {
       f.name = v;
-    else if (flag == "--json")
+    } else if (flag == "--json") {
       f.json = v;
-    else if (flag == "--batch")
-      f.batch = std::strtoul(v.c_str(), nullptr, 10);
-    else if (flag == "--repeats")
-      f.repeats = std::atoi(v.c_str());
-    else
+    } else if (flag == "--batch") {
+      f.batch = static_cast<std::size_t>(flags::integer(flag, v, 1, 1 << 20, usage_error));
+    } else if (flag == "--repeats") {
+      f.repeats = static_cast<int>(flags::integer(flag, v, 1, 1000, usage_error));
+    } else {
       usage_error("unknown flag " + flag);
+    }
   }
-  if (f.batch < 1 || f.repeats < 1) usage_error("--batch and --repeats must be at least 1");
+  if (!hidden.empty()) {
+    if (f.model != "mlp") usage_error("--hidden is for --model mlp");
+    f.model = "mlp:" + hidden;
+  }
   return f;
 }
 
@@ -108,41 +119,37 @@ double constant(const std::string& model, const std::string& key, double fallbac
   return fallback;
 }
 
-// How backward and the worker's all-reduces slow each other: bucket-sized all-reduces queued
-// on the worker while this thread computes, about as much of each as the other. Each side's
-// speed while both ran, relative to alone; the part of one that ran on after the other ended
-// is taken at full speed.
-void probe_overlap(gradsync::Context& ctx, const Flags& f, gradsync::advise::Profile& p,
-                   const std::function<void()>& compute, double compute_s) {
-  if (ctx.size() == 1) return;
-  constexpr std::size_t kFloats = std::size_t{4} << 20;  // a 16 MiB bucket
-  std::vector<float> bucket(kFloats, 1.0f), sum(kFloats);
-  const auto allreduce = [&] {
-    return ctx.allreduce_async(bucket.data(), sum.data(), kFloats, gradsync::DataType::kFloat32,
-                               gradsync::ReduceOp::kSum);
-  };
-  const double call_s = timed(ctx, f.repeats, [&] { allreduce().wait(); });
-  const int calls = std::max(1, static_cast<int>(std::lround(compute_s / call_s)));
-  std::vector<double> compute_speeds, comm_speeds;
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// How `compute` (compute_s alone) and some other work slow each other: `start(units, done)`
+// begins `units` pieces of that work, of unit_s each alone, about as much as the compute, and
+// returns what waits for them; `done` stamps their end. Each side's speed while both ran,
+// relative to alone, the part of one that ran on after the other ended taken at full speed;
+// medians over --repeats, the slowest rank's.
+using Start = std::function<std::function<void()>(int units, std::function<void()> done)>;
+std::pair<double, double> overlap_speeds(gradsync::Context& ctx, const Flags& f,
+                                         const std::function<void()>& compute, double compute_s,
+                                         double unit_s, const Start& start) {
+  const int units = std::max(1, static_cast<int>(std::lround(compute_s / unit_s)));
+  std::vector<double> compute_speeds, other_speeds;
   for (int r = 0; r < f.repeats; ++r) {
     ctx.barrier();
-    const auto t0 = std::chrono::steady_clock::now();
-    std::vector<gradsync::Work> works;
-    for (int i = 0; i < calls; ++i) works.push_back(allreduce());
-    std::atomic<double> comm_end{-1};  // set by the worker, right after it wakes waiters
-    works.back().on_done([&] {
-      comm_end = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    });
+    const auto t0 = Clock::now();
+    std::atomic<double> other_end{-1};
+    const auto wait = start(units, [&] { other_end = since(t0); });
     compute();
-    const double compute_end =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    for (auto& w : works) w.wait();
-    while (comm_end.load() < 0) std::this_thread::yield();
-    const double both = std::min(compute_end, comm_end.load());
-    const double comm_work = calls * call_s - std::max(0.0, comm_end - compute_end);
-    const double compute_work = compute_s - std::max(0.0, compute_end - comm_end);
+    const double compute_end = since(t0);
+    wait();
+    while (other_end.load() < 0) std::this_thread::yield();  // `done` may follow the wake-up
+    const double both = std::min(compute_end, other_end.load());
+    const double other_work = units * unit_s - std::max(0.0, other_end - compute_end);
+    const double compute_work = compute_s - std::max(0.0, compute_end - other_end);
     compute_speeds.push_back(std::clamp(compute_work / both, 0.05, 1.0));
-    comm_speeds.push_back(std::clamp(comm_work / both, 0.05, 1.0));
+    other_speeds.push_back(std::clamp(other_work / both, 0.05, 1.0));
   }
   const auto median = [&](std::vector<double>& v) {
     std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
@@ -150,8 +157,49 @@ void probe_overlap(gradsync::Context& ctx, const Flags& f, gradsync::advise::Pro
     ctx.allreduce(&m, &m, 1, gradsync::DataType::kFloat64, gradsync::ReduceOp::kMin);
     return m;
   };
-  p.overlap_compute_speed = median(compute_speeds);
-  p.overlap_comm_speed = median(comm_speeds);
+  return {median(compute_speeds), median(other_speeds)};
+}
+
+// Backward against bucket-sized all-reduces queued on the context's worker, and against a
+// codec encoding on a thread of its own (as the worker runs a codec inside its calls).
+void probe_overlap(gradsync::Context& ctx, const Flags& f, gradsync::advise::Profile& p,
+                   const std::function<void()>& step, double step_s) {
+  if (ctx.size() == 1) return;
+  // Steps enough for 50 ms: a small model's step is over before a bucket's all-reduce starts.
+  const int steps = std::max(1, static_cast<int>(std::ceil(0.05 / step_s)));
+  const double compute_s = steps * step_s;
+  const auto compute = [&] {
+    for (int i = 0; i < steps; ++i) step();
+  };
+  constexpr std::size_t kFloats = std::size_t{4} << 20;  // a 16 MiB bucket
+  std::vector<float> bucket(kFloats, 1.0f), sum(kFloats);
+  const auto allreduce = [&] {
+    return ctx.allreduce_async(bucket.data(), sum.data(), kFloats, gradsync::DataType::kFloat32,
+                               gradsync::ReduceOp::kSum);
+  };
+  const double call_s = timed(ctx, f.repeats, [&] { allreduce().wait(); });
+  std::tie(p.overlap_compute_speed, p.overlap_comm_speed) = overlap_speeds(
+      ctx, f, compute, compute_s, call_s, [&](int calls, std::function<void()> done) {
+        auto works = std::make_shared<std::vector<gradsync::Work>>();
+        for (int i = 0; i < calls; ++i) works->push_back(allreduce());
+        works->back().on_done(std::move(done));
+        return [works] {
+          for (auto& w : *works) w.wait();
+        };
+      });
+
+  auto codec = gradsync::compress::make_codec("int8");  // error feedback: its heaviest pass
+  const gradsync::compress::Tensor tensor("probe");
+  std::vector<std::uint8_t> payload;
+  const double encode_s = timed(ctx, f.repeats, [&] { codec->encode(tensor, bucket, payload); });
+  std::tie(p.overlap_codec_compute_speed, p.overlap_codec_speed) = overlap_speeds(
+      ctx, f, compute, compute_s, encode_s, [&](int encodes, std::function<void()> done) {
+        auto encoder = std::make_shared<std::thread>([&, encodes, done] {
+          for (int i = 0; i < encodes; ++i) codec->encode(tensor, bucket, payload);
+          done();
+        });
+        return [encoder] { encoder->join(); };
+      });
 }
 
 void probe_compute(gradsync::Context& ctx, const Flags& f, gradsync::advise::Profile& p) {

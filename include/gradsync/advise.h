@@ -38,6 +38,8 @@ struct Profile {
   // speed alone (gradsync-probe measures them). 0: unknown, then derived from the cores per
   // rank (a host with two per rank runs both at full speed).
   double overlap_compute_speed = 0, overlap_comm_speed = 0;
+  // Likewise backward against a codec's encoding (core work against core work).
+  double overlap_codec_compute_speed = 0, overlap_codec_speed = 0;
   // All-reduces timed on the cluster (gradsync-probe: float32 sums of 4 KiB to 64 MiB at the
   // job's ranks and hosts). A plan of those ranks and hosts is priced by them, interpolated
   // in the message size; any other by the cost model over the links above.
@@ -55,9 +57,10 @@ struct Profile {
 // A profile from its JSON file: {"name", "sources": [...], "cores_per_host",
 // "intra": {"alpha_us", "bandwidth_gbps"}, "inter": {...}, "reduce_gbps", "copy_gbps",
 // "compute_gflops", "optimizer_gbps", "memory_bytes_per_rank", "overlap_compute_speed",
-// "overlap_comm_speed", "encode_gbps": {codec: GB/s}, "decode_gbps": {...},
-// "allreduce": [{"ranks", "hosts", "bytes", "us"}, ...]}; a field left out keeps Profile's default.
-// Throws Error(kInvalidArgument) naming the file and the field it cannot read.
+// "overlap_comm_speed", "overlap_codec_compute_speed", "overlap_codec_speed", "encode_gbps":
+// {codec: GB/s}, "decode_gbps": {...}, "allreduce": [{"ranks", "hosts", "bytes", "us"}, ...]}; a
+// field left out keeps Profile's default. Throws Error(kInvalidArgument) naming the file and the
+// field it cannot read.
 Profile load_profile(const std::string& path);
 // The same JSON (gradsync-probe writes it).
 std::string profile_json(const Profile& profile);

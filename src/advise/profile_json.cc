@@ -48,6 +48,8 @@ Profile load_profile(const std::string& path) {
     take(j, "memory_bytes_per_rank", p.memory_bytes_per_rank);
     take(j, "overlap_compute_speed", p.overlap_compute_speed);
     take(j, "overlap_comm_speed", p.overlap_comm_speed);
+    take(j, "overlap_codec_compute_speed", p.overlap_codec_compute_speed);
+    take(j, "overlap_codec_speed", p.overlap_codec_speed);
     take(j, "encode_gbps", p.encode_gbps);
     take(j, "decode_gbps", p.decode_gbps);
     if (j.contains("allreduce")) {
@@ -63,11 +65,13 @@ Profile load_profile(const std::string& path) {
   } catch (const json::exception& e) {
     throw unreadable(path, e.what());
   }
-  const bool positive =
-      p.cores_per_host > 0 && p.intra.alpha_us >= 0 && p.intra.bandwidth_gbps > 0 &&
-      p.inter.alpha_us >= 0 && p.inter.bandwidth_gbps > 0 && p.reduce_gbps > 0 && p.copy_gbps > 0 &&
-      p.compute_gflops > 0 && p.optimizer_gbps > 0 && p.overlap_compute_speed >= 0 &&
-      p.overlap_compute_speed <= 1 && p.overlap_comm_speed >= 0 && p.overlap_comm_speed <= 1;
+  const auto fraction = [](double speed) { return speed >= 0 && speed <= 1; };
+  const bool positive = p.cores_per_host > 0 && p.intra.alpha_us >= 0 &&
+                        p.intra.bandwidth_gbps > 0 && p.inter.alpha_us >= 0 &&
+                        p.inter.bandwidth_gbps > 0 && p.reduce_gbps > 0 && p.copy_gbps > 0 &&
+                        p.compute_gflops > 0 && p.optimizer_gbps > 0 &&
+                        fraction(p.overlap_compute_speed) && fraction(p.overlap_comm_speed) &&
+                        fraction(p.overlap_codec_compute_speed) && fraction(p.overlap_codec_speed);
   if (!positive)
     throw unreadable(path,
                      "every speed and cores_per_host must be above 0, the overlap speeds in 0..1");
@@ -89,6 +93,8 @@ std::string profile_json(const Profile& p) {
       {"memory_bytes_per_rank", p.memory_bytes_per_rank},
       {"overlap_compute_speed", p.overlap_compute_speed},
       {"overlap_comm_speed", p.overlap_comm_speed},
+      {"overlap_codec_compute_speed", p.overlap_codec_compute_speed},
+      {"overlap_codec_speed", p.overlap_codec_speed},
       {"encode_gbps", p.encode_gbps},
       {"decode_gbps", p.decode_gbps}};
   json timed = json::array();

@@ -79,7 +79,13 @@ class CallPricer {
     const auto pattern = codec_ ? codec_->traits().pattern : compress::Pattern::kFloat32;
     const std::size_t cols = rows ? floats / rows : 0;
     const bool low_rank = pattern == compress::Pattern::kLowRank;
-    if (low_rank && (rows < 2 || cols < 2)) {
+    const bool fused_in_shm = pattern == compress::Pattern::kHalfRing && plan_.hosts == 1 &&
+                              model_.choose_allreduce(n, raw, true, 1) == Algorithm::kSharedMemory;
+    if (fused_in_shm) {
+      // The shared-memory all-reduce rounds its sums to 16 bits as it copies: a float32
+      // all-reduce's work, no codec pass of its own.
+      add_allreduce(c, raw);
+    } else if (low_rank && (rows < 2 || cols < 2)) {
       add_allreduce(c, raw);  // PowerSGD sends vectors as they are
     } else if (low_rank) {
       // P (rows x r) and Q (cols x r), each all-reduced in float32.
@@ -90,8 +96,8 @@ class CallPricer {
     } else if (pattern == compress::Pattern::kGather || pattern == compress::Pattern::kIndexUnion) {
       // Every rank's payload to every rank, each decoded and added.
       const std::size_t payload = codec_->encoded_bytes(floats);
-      c.us = model_.allgather_us(n, payload * static_cast<std::size_t>(n), plan_.hosts);
-      c.latency_us = model_.allgather_us(n, 0, plan_.hosts);
+      c.us = gather_us(payload * static_cast<std::size_t>(n));
+      c.latency_us = gather_us(0);
       c.wire_bytes = payload * static_cast<std::size_t>(n - 1);
       c.codec_us = raw * 1e-3 / encode_gbps_ + (n - 1) * raw * 1e-3 / decode_gbps_;
     } else {
@@ -122,9 +128,7 @@ class CallPricer {
     add_allreduce(c, floats * sizeof(float));
     return c.us / 2;
   }
-  double allgather_us(std::size_t floats) const {
-    return model_.allgather_us(plan_.ranks, floats * sizeof(float), plan_.hosts);
-  }
+  double allgather_us(std::size_t floats) const { return gather_us(floats * sizeof(float)); }
 
  private:
   // An all-reduce of `bytes`, added to `c`: as timed on this cluster shape if the profile
@@ -141,6 +145,14 @@ class CallPricer {
     }
     // A ring sends 2(N-1)/N of the message; the others about as much.
     c.wire_bytes += static_cast<std::size_t>(2.0 * (n - 1) / n * static_cast<double>(bytes));
+  }
+
+  // An all-gather after which every rank holds `total_bytes`: the second half of a ring
+  // all-reduce of that size where the profile timed this shape, else the cost model's.
+  double gather_us(std::size_t total_bytes) const {
+    if (plan_.ranks <= 1) return 0;
+    if (!timed_.empty()) return interpolate(std::max<std::size_t>(total_bytes, 1)) / 2;
+    return model_.allgather_us(plan_.ranks, total_bytes, plan_.hosts);
   }
 
   // Linear in the size between the timed sizes, a log-log line through the nearest two;
@@ -168,79 +180,68 @@ class CallPricer {
   double encode_gbps_ = 0, decode_gbps_ = 0;
 };
 
-// One rank's backward and its worker, advanced together: each runs at full speed alone, and
-// at its `_speed` while both need the cores.
-struct Overlap {
-  double compute_speed = 1.0, comm_speed = 1.0;
+// A stretch of a bucket's work on the worker. While backward also runs, each goes at its
+// speed here (relative to alone); alone, each at full speed.
+struct Phase {
+  double seconds = 0;
+  double compute_speed = 1, worker_speed = 1;
+};
 
-  // Backward layer times (s, backward order) with the gradients of layer i ready at its end;
-  // buckets as (last layer index they wait for, cpu s, wire s). Returns backward's end and
-  // the worker's end, and fills each bucket's start and end.
-  std::pair<double, double> run(const std::vector<double>& layers,
-                                std::vector<BucketPrediction>& buckets,
-                                const std::vector<std::size_t>& waits_for,
-                                const std::vector<double>& cpu, const std::vector<double>& wire,
-                                bool overlap) const {
-    double t = 0;
-    std::size_t layer = 0;
-    double layer_left = layers.empty() ? 0 : layers[0];
-    std::size_t bucket = 0;
-    double cpu_left = -1, wire_left = 0;  // cpu_left < 0: the worker holds no bucket
-    const std::size_t nb = buckets.size();
-    double backward_end = layers.empty() ? 0 : -1;
-    auto ready = [&](std::size_t b) {
-      if (backward_end >= 0) return true;
-      return overlap && layer > waits_for[b];
-    };
-    while (layer < layers.size() || bucket < nb) {
-      if (cpu_left < 0 && bucket < nb && ready(bucket)) {
-        buckets[bucket].start_s = t;
-        cpu_left = cpu[bucket];
-        wire_left = wire[bucket];
+// One rank's backward and its worker, advanced together event by event. Backward layer times
+// in backward order, the gradients of layer i ready at its end; each bucket waits for the
+// layer `waits_for` and the worker, then runs its phases. Returns backward's end and the
+// worker's, and fills each bucket's start and end.
+std::pair<double, double> run_step(const std::vector<double>& layers,
+                                   std::vector<BucketPrediction>& buckets,
+                                   const std::vector<std::size_t>& waits_for,
+                                   const std::vector<std::vector<Phase>>& work, bool overlap) {
+  constexpr double kDone = 1e-15;
+  double t = 0, backward_end = layers.empty() ? 0 : -1;
+  std::size_t layer = 0, bucket = 0, phase = 0;
+  double layer_left = layers.empty() ? 0 : layers[0], phase_left = 0;
+  bool holding = false;  // the worker runs bucket `bucket`, phase `phase`
+  const std::size_t nb = buckets.size();
+  while (layer < layers.size() || bucket < nb) {
+    if (!holding && bucket < nb && (backward_end >= 0 || (overlap && layer > waits_for[bucket]))) {
+      buckets[bucket].start_s = t;
+      holding = true;
+      phase = 0;
+      phase_left = work[bucket].empty() ? 0 : work[bucket][0].seconds;
+    }
+    if (holding && phase_left <= kDone) {  // this phase is over: the next, or the next bucket
+      if (++phase < work[bucket].size()) {
+        phase_left = work[bucket][phase].seconds;
+      } else {
+        buckets[bucket++].end_s = t;
+        holding = false;
       }
-      const bool computing = layer < layers.size();
-      const bool worker_cpu = cpu_left > 0;
-      const bool worker_wire = cpu_left >= 0 && cpu_left <= 0 && wire_left > 0;
-      const bool both = computing && worker_cpu;
-      const double compute = both ? compute_speed : 1.0, comm = both ? comm_speed : 1.0;
-      double dt = std::numeric_limits<double>::infinity();
-      if (computing) dt = std::min(dt, layer_left / compute);
-      if (worker_cpu) dt = std::min(dt, cpu_left / comm);
-      if (worker_wire) dt = std::min(dt, wire_left);
-      if (!computing && !worker_cpu && !worker_wire) {
-        if (cpu_left >= 0) {  // a bucket with nothing left to do
-          buckets[bucket].end_s = t;
-          ++bucket;
-          cpu_left = -1;
-          continue;
-        }
-        break;  // unreachable: a bucket not ready with backward over
-      }
-      t += dt;
-      if (computing) layer_left -= dt * compute;
-      if (worker_cpu)
-        cpu_left -= dt * comm;
-      else if (worker_wire)
-        wire_left -= dt;
-      if (computing && layer_left <= 1e-15) {
-        ++layer;
-        if (layer < layers.size())
+      continue;
+    }
+    const bool computing = layer < layers.size();
+    if (!computing && !holding) break;  // unreachable: every bucket is ready once backward ends
+    const bool both = computing && holding;
+    const Phase none;
+    const Phase& ph = holding ? work[bucket][phase] : none;
+    const double cs = both ? ph.compute_speed : 1.0, ws = both ? ph.worker_speed : 1.0;
+    double dt = std::numeric_limits<double>::infinity();
+    if (computing) dt = std::min(dt, layer_left / cs);
+    if (holding) dt = std::min(dt, phase_left / ws);
+    t += dt;
+    if (holding) phase_left -= dt * ws;
+    if (computing) {
+      layer_left -= dt * cs;
+      if (layer_left <= kDone) {
+        if (++layer < layers.size()) {
           layer_left = layers[layer];
-        else
+        } else {
           backward_end = t;
-      }
-      if (cpu_left >= 0 && cpu_left <= 1e-15 && wire_left <= 1e-15) {
-        buckets[bucket].end_s = t;
-        ++bucket;
-        cpu_left = -1;
-      } else if (cpu_left >= 0 && cpu_left <= 1e-15) {
-        cpu_left = 0;
+        }
       }
     }
-    if (backward_end < 0) backward_end = t;
-    return {backward_end, std::max(t, backward_end)};
   }
-};
+  if (backward_end < 0) backward_end = t;
+  return {backward_end, std::max(t, backward_end)};
+}
 
 std::size_t optimizer_state_floats(const std::string& optimizer) {
   return optimizer == "sgd" ? 1 : 2;
@@ -347,23 +348,26 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
   const std::size_t psi = workload.parameters();
   const int n = plan.ranks;
   const double cores_per_rank = static_cast<double>(profile.cores_per_host) * plan.hosts / n;
-  // How backward and the worker slow each other: as the probe measured them, for the whole
-  // of each call; else from the cores, for the part of a call that keeps a core busy.
+  // How backward and the worker slow each other while both run. The probe measures it for
+  // a float32 all-reduce (the whole call) and for a codec's passes; without its figures, a
+  // host with fewer than two cores per rank shares them, for the part of a call that keeps a
+  // core busy.
+  const double shared = std::clamp(cores_per_rank / 2, 0.5, 1.0);
   const bool measured = profile.overlap_compute_speed > 0 && profile.overlap_comm_speed > 0;
-  Overlap overlap;
-  if (measured) {
-    overlap.compute_speed = profile.overlap_compute_speed;
-    overlap.comm_speed = profile.overlap_comm_speed;
-  } else {
-    overlap.compute_speed = overlap.comm_speed = std::clamp(cores_per_rank / 2, 0.5, 1.0);
-  }
+  const Phase codec_phase =
+      profile.overlap_codec_compute_speed > 0 && profile.overlap_codec_speed > 0
+          ? Phase{0, profile.overlap_codec_compute_speed, profile.overlap_codec_speed}
+          : Phase{0, shared, shared};
+  const Phase busy_phase = measured
+                               ? Phase{0, profile.overlap_compute_speed, profile.overlap_comm_speed}
+                               : Phase{0, shared, shared};
 
   double last_micro_s = 0;  // the micro-batch that communicates, from the start of its forward
   double tail_comm_s = 0;   // ZeRO's all-gather after the optimizer
   double latency_s = 0;     // of comm_s, the calls' fixed costs
   if (plan.zero == 0) {
     std::vector<std::size_t> waits_for;
-    std::vector<double> cpu, wire;
+    std::vector<std::vector<Phase>> work;
     for (const auto& positions :
          ddp::assign_buckets(counts, static_cast<std::size_t>(plan.first_bucket_mb * kMiB),
                              static_cast<std::size_t>(plan.bucket_mb * kMiB))) {
@@ -391,13 +395,16 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       p.codec_s += sum.codec_us * 1e-6;
       p.wire_bytes_per_rank += sum.wire_bytes;
       waits_for.push_back(layer_of[positions.back()]);
-      const double busy_us = measured ? sum.us : sum.cpu_us;
-      cpu.push_back(busy_us * 1e-6);
-      wire.push_back((sum.us - busy_us) * 1e-6);
+      // The codec's passes, then the collective's core work, then its wait on the links.
+      const double busy_us = (measured ? sum.us : sum.cpu_us) - sum.codec_us;
+      work.push_back({codec_phase, busy_phase, Phase{}});
+      work.back()[0].seconds = sum.codec_us * 1e-6;
+      work.back()[1].seconds = busy_us * 1e-6;
+      work.back()[2].seconds = (sum.us - sum.codec_us - busy_us) * 1e-6;
       p.buckets.push_back(b);
     }
     const auto [backward_end, worker_end] =
-        overlap.run(backward, p.buckets, waits_for, cpu, wire, plan.overlap);
+        run_step(backward, p.buckets, waits_for, work, plan.overlap);
     for (std::size_t b = 0; b < p.buckets.size(); ++b) {
       double at = 0;
       for (std::size_t l = 0; l <= waits_for[b]; ++l) at += backward[l];
