@@ -28,6 +28,7 @@ The configuration (gradsync-train's flags):
   --bucket-mb MB       (25)        --first-bucket-mb MB (1)
   --accumulate K       (1)         --zero 0|1|2 (0)
   --no-overlap         all-reduce after backward
+  --step-ahead 0|1     step-ahead error feedback, as gradsync-train's (1)
 The cluster:
   --profile FILE       a hardware profile (profiles/*.json, or gradsync-probe's)
   --ranks N            (2)         --hosts H (1)
@@ -68,6 +69,8 @@ Flags parse(int argc, char** argv) {
     const std::string v = argv[++i];
     if (flag == "--model")
       out.model = v;
+    else if (flag == "--hidden")
+      out.hidden = v;
     else if (flag == "--optimizer")
       out.optimizer = v;
     else if (flag == "--codec")
@@ -86,6 +89,8 @@ Flags parse(int argc, char** argv) {
       out.plan.accumulate = static_cast<int>(f::integer(flag, v, 1, 1 << 16, usage_error));
     else if (flag == "--zero")
       out.plan.zero = static_cast<int>(f::integer(flag, v, 0, 2, usage_error));
+    else if (flag == "--step-ahead")
+      out.plan.step_ahead = f::integer(flag, v, 0, 1, usage_error) == 1;
     else if (flag == "--ranks")
       out.plan.ranks = static_cast<int>(f::integer(flag, v, 1, 1 << 20, usage_error));
     else if (flag == "--hosts")

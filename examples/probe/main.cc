@@ -87,6 +87,21 @@ Flags parse(int argc, char** argv) {
   return f;
 }
 
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// The median of `times`, the slowest rank's (the largest time, or with kMin the lowest speed).
+double slowest_median(gradsync::Context& ctx, std::vector<double> times,
+                      gradsync::ReduceOp op = gradsync::ReduceOp::kMax) {
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  double median = times[times.size() / 2];
+  ctx.allreduce(&median, &median, 1, gradsync::DataType::kFloat64, op);
+  return median;
+}
+
 // The median over `repeats` runs of `body`, every rank starting each run together; the
 // slowest rank's, so that the profile describes the rank a synchronous step waits for.
 double timed(gradsync::Context& ctx, int repeats, const std::function<void()>& body) {
@@ -98,10 +113,7 @@ double timed(gradsync::Context& ctx, int repeats, const std::function<void()>& b
     body();
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  std::nth_element(times.begin(), times.begin() + repeats / 2, times.end());
-  double median = times[static_cast<std::size_t>(repeats / 2)];
-  ctx.allreduce(&median, &median, 1, gradsync::DataType::kFloat64, gradsync::ReduceOp::kMax);
-  return median;
+  return slowest_median(ctx, std::move(times));
 }
 
 // "alpha_us=0.87,bandwidth_gbps=10.7,..." -> the value of `key`, or `fallback`.
@@ -117,12 +129,6 @@ double constant(const std::string& model, const std::string& key, double fallbac
     at = end + 1;
   }
   return fallback;
-}
-
-using Clock = std::chrono::steady_clock;
-
-double since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
 // How `compute` (compute_s alone) and some other work slow each other: `start(units, done)`
@@ -151,13 +157,8 @@ std::pair<double, double> overlap_speeds(gradsync::Context& ctx, const Flags& f,
     compute_speeds.push_back(std::clamp(compute_work / both, 0.05, 1.0));
     other_speeds.push_back(std::clamp(other_work / both, 0.05, 1.0));
   }
-  const auto median = [&](std::vector<double>& v) {
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    double m = v[v.size() / 2];
-    ctx.allreduce(&m, &m, 1, gradsync::DataType::kFloat64, gradsync::ReduceOp::kMin);
-    return m;
-  };
-  return {median(compute_speeds), median(other_speeds)};
+  return {slowest_median(ctx, compute_speeds, gradsync::ReduceOp::kMin),
+          slowest_median(ctx, other_speeds, gradsync::ReduceOp::kMin)};
 }
 
 // Backward against bucket-sized all-reduces queued on the context's worker, and against a
@@ -221,17 +222,28 @@ void probe_compute(gradsync::Context& ctx, const Flags& f, gradsync::advise::Pro
     model->loss(labels, nullptr);
     model->backward(labels, false, {});
   };
-  const double seconds = timed(ctx, f.repeats, compute);
+  // The trainer's SGD: momentum 0.9, so the state is read and written too.
+  auto sgd = gradsync::optim::make_sgd(model->values().size(), {.lr = 0.05f, .momentum = 0.9f});
+  // Timed as the trainer runs them, one after the other: the optimizer's sweep over the
+  // parameters, gradients and momenta leaves the caches cold for the next forward.
+  std::vector<double> computes, steps;
+  for (int r = 0; r <= f.repeats; ++r) {  // the first is a warm-up
+    ctx.barrier();
+    const auto t0 = Clock::now();
+    compute();
+    const auto t1 = Clock::now();
+    sgd->step(model->values(), model->grads());
+    if (r == 0) continue;
+    computes.push_back(std::chrono::duration<double>(t1 - t0).count());
+    steps.push_back(since(t1));
+  }
+  const double seconds = slowest_median(ctx, computes), step = slowest_median(ctx, steps);
   double flops = 0;
   for (const auto& l : workload.layers) flops += (l.forward_flops + l.backward_flops) * f.batch;
   p.compute_gflops = flops / seconds * 1e-9;
-  probe_overlap(ctx, f, p, compute, seconds);
-
-  // The trainer's SGD: momentum 0.9, so the state is read and written too.
-  auto sgd = gradsync::optim::make_sgd(model->values().size(), {.lr = 0.05f, .momentum = 0.9f});
-  const double step = timed(ctx, f.repeats, [&] { sgd->step(model->values(), model->grads()); });
   p.optimizer_gbps = gradsync::advise::optimizer_bytes_per_parameter("sgd") *
                      static_cast<double>(model->values().size()) / step * 1e-9;
+  probe_overlap(ctx, f, p, compute, seconds);
 }
 
 // Latency and bandwidth between rank 0 and `peer`: half a ping-pong of 8 bytes, and a
@@ -261,18 +273,27 @@ gradsync::advise::Link probe_link(gradsync::Context& ctx, const Flags& f, int pe
                                     }
                                   }) /
                             kTrips;
-  const double one_way = timed(ctx, std::max(3, f.repeats / 3), [&] {
-    if (!in) return;
-    if (me == 0) {
-      ctx.send(big.data(), kLong, u8, other);
-      ctx.recv(small.data(), 1, u8, other);  // the peer has it all
-    } else {
-      ctx.recv(big.data(), kLong, u8, other);
-      ctx.send(small.data(), 1, u8, other);
-    }
-  });
+  // One-way transfers of `bytes` and an acknowledgement.
+  const auto transfer = [&](std::size_t bytes, int repeats) {
+    return timed(ctx, repeats, [&] {
+      if (!in) return;
+      if (me == 0) {
+        ctx.send(big.data(), bytes, u8, other);
+        ctx.recv(small.data(), 1, u8, other);  // the peer has it all
+      } else {
+        ctx.recv(big.data(), bytes, u8, other);
+        ctx.send(small.data(), 1, u8, other);
+      }
+    });
+  };
+  // About half a second's worth, between 4 and 64 MiB: a slow link takes the probe minutes
+  // otherwise. Every rank gets the same times (timed's maximum), so the same size.
+  constexpr std::size_t kShort = std::size_t{4} << 20;
+  const double estimate = kShort / transfer(kShort, 3);
+  const std::size_t bytes = std::clamp(static_cast<std::size_t>(estimate * 0.5), kShort, kLong);
+  const double one_way = transfer(bytes, std::max(3, f.repeats / 3));
   const double alpha_s = round_trip / 2;
-  return {alpha_s * 1e6, kLong / std::max(one_way - round_trip, 1e-9) * 1e-9};
+  return {alpha_s * 1e6, bytes / std::max(one_way - round_trip, 1e-9) * 1e-9};
 }
 
 // float32 sum all-reduces from 4 KiB to 64 MiB over every rank, as the job will run them.
@@ -286,6 +307,8 @@ void probe_allreduce(gradsync::Context& ctx, const Flags& f, gradsync::advise::P
                     gradsync::ReduceOp::kSum);
     });
     p.allreduce.push_back({ctx.size(), ctx.hosts(), bytes, s * 1e6});
+    // Larger ones would take long on a slow link; the model scales the largest by size.
+    if (s > 0.25) break;
   }
 }
 

@@ -106,6 +106,9 @@ struct Plan {
   int accumulate = 1;  // micro-batches per optimizer step
   int zero = 0;        // 0: replicated optimizer; 1, 2: sharded state (and gradients)
   bool overlap = true;
+  // gradsync-train's step-ahead error feedback, with SGD and a codec that holds gradient
+  // back: three more passes over the parameters a step.
+  bool step_ahead = true;
 };
 
 struct BucketPrediction {
@@ -116,12 +119,12 @@ struct BucketPrediction {
 };
 
 struct Prediction {
-  double step_s = 0;          // one optimizer step (all its micro-batches)
-  double compute_s = 0;       // forward and backward, as if alone on the cores
-  double comm_s = 0;          // the buckets' collectives, start to end, summed
-  double exposed_comm_s = 0;  // of the step, the part beyond compute and optimizer
-  double codec_s = 0;         // encode and decode, part of comm_s
-  double optimizer_s = 0;
+  double step_s = 0;                      // one optimizer step (all its micro-batches)
+  double compute_s = 0;                   // forward and backward, as if alone on the cores
+  double comm_s = 0;                      // the buckets' collectives, start to end, summed
+  double exposed_comm_s = 0;              // of the step, the part beyond compute and optimizer
+  double codec_s = 0;                     // encode and decode, part of comm_s
+  double optimizer_s = 0;                 // the step, and step-ahead's passes where they apply
   std::size_t memory_per_rank_bytes = 0;  // parameters, gradients, optimizer state, buckets
   std::size_t wire_bytes_per_rank = 0;    // per optimizer step
   std::string bottleneck;                 // "compute", "bandwidth", "latency" or "memory"

@@ -7,6 +7,7 @@
 #include <limits>
 #include <sstream>
 
+#include "compress/codecs.h"
 #include "cost/cost_model.h"
 #include "ddp/buckets.h"
 #include "gradsync/advise.h"
@@ -68,6 +69,10 @@ class CallPricer {
   }
 
   bool whole_buckets() const { return !codec_ || codec_->traits().whole_buckets; }
+  // The codec keeps residuals (error feedback): what step-ahead steps by.
+  bool holds_back() const {
+    return dynamic_cast<const compress::ErrorFeedback*>(codec_.get()) != nullptr;
+  }
 
   // One call over a tensor (or a bucket) of `floats` floats; `rows`: its matrix rows, for
   // PowerSGD (0: a vector, or a bucket of several tensors).
@@ -422,6 +427,11 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
   const std::size_t owned = plan.zero > 0 ? (psi + n - 1) / n : psi;
   p.optimizer_s = optimizer_bytes_per_parameter(workload.optimizer) * static_cast<double>(owned) /
                   (profile.optimizer_gbps * 1e9);
+  if (plan.step_ahead && workload.optimizer == "sgd" && pricer.holds_back()) {
+    // Save every value, move each by lr x its residual, copy the saved values back
+    // (examples/train/training.cc, look_ahead and look_back): 8 + 12 + 8 bytes a parameter.
+    p.optimizer_s += 28.0 * static_cast<double>(psi) / (profile.optimizer_gbps * 1e9);
+  }
   p.step_s =
       (plan.accumulate - 1) * (forward_s + backward_s) + last_micro_s + p.optimizer_s + tail_comm_s;
   p.exposed_comm_s = std::max(0.0, p.step_s - p.compute_s - p.optimizer_s);

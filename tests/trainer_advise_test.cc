@@ -1,0 +1,97 @@
+// gradsync-probe and gradsync-advise as a user runs them: a profile probed by two ranks loads
+// and describes them, the advisor prints and writes its prediction from it, and bad flags or
+// an unreadable profile are refused with exit code 2 and the reason.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "gradsync/advise.h"
+#include "gradsync/compress.h"
+#include "harness.h"
+
+namespace gradsync {
+namespace {
+
+std::string tool(const std::string& path) {
+  return testing::build_dir() + path;
+}
+
+class TrainerAdvise : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    profile_ = ::testing::TempDir() + "trainer_advise_profile.json";
+    const auto r = testing::run_shell(tool("/tools/gradsync-run") + " -n 2 -- " +
+                                      tool("/examples/gradsync-probe") +
+                                      " --model cnn --repeats 3 --json " + profile_ + " 2>&1");
+    ASSERT_EQ(r.exit_code(), 0) << r.output;
+  }
+  static void TearDownTestSuite() { std::remove(profile_.c_str()); }
+  static std::string profile_;
+};
+std::string TrainerAdvise::profile_;
+
+TEST_F(TrainerAdvise, ProbedProfileDescribesTheRanks) {
+  const advise::Profile p = advise::load_profile(profile_);
+  EXPECT_GT(p.compute_gflops, 0);
+  EXPECT_GT(p.optimizer_gbps, 0);
+  EXPECT_GT(p.copy_gbps, 0);
+  EXPECT_GT(p.intra.bandwidth_gbps, 0);
+  for (double speed : {p.overlap_compute_speed, p.overlap_comm_speed, p.overlap_codec_compute_speed,
+                       p.overlap_codec_speed}) {
+    EXPECT_GT(speed, 0);
+    EXPECT_LE(speed, 1);
+  }
+  ASSERT_FALSE(p.allreduce.empty());
+  for (const auto& t : p.allreduce) {
+    EXPECT_EQ(t.ranks, 2);
+    EXPECT_EQ(t.hosts, 1);
+    EXPECT_GT(t.us, 0);
+  }
+  for (const auto& name : compress::codec_names()) {
+    EXPECT_GT(p.encode_gbps.count(name), 0u) << name;
+    EXPECT_GT(p.decode_gbps.count(name), 0u) << name;
+  }
+}
+
+TEST_F(TrainerAdvise, AdvisorPrintsAndWritesItsPrediction) {
+  const std::string json = ::testing::TempDir() + "trainer_advise.json";
+  const auto r =
+      testing::run_shell(tool("/tools/gradsync-advise") + " --profile " + profile_ +
+                         " --model cnn --ranks 2 --bucket-mb 0.01 --json " + json + " 2>&1");
+  ASSERT_EQ(r.exit_code(), 0) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "bottleneck: ")) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "predicted step ")) << r.output;
+  std::ifstream in(json);
+  std::stringstream text;
+  text << in.rdbuf();
+  for (const char* key :
+       {"\"predicted\"", "\"step_s\"", "\"compute_s\"", "\"comm_s\"", "\"exposed_comm_s\"",
+        "\"memory_per_rank_bytes\"", "\"bottleneck\"", "\"recommendations\""}) {
+    EXPECT_TRUE(testing::contains(text.str(), key)) << key << " in " << text.str();
+  }
+  std::remove(json.c_str());
+}
+
+TEST_F(TrainerAdvise, BadFlagsAndProfilesAreRefused) {
+  const std::string advise = tool("/tools/gradsync-advise");
+  const std::pair<std::string, const char*> cases[] = {
+      {"--model cnn", "--profile FILE is needed"},
+      {"--profile " + profile_ + " --zero 3", "--zero: '3' is not an integer in [0, 2]"},
+      {"--profile " + profile_ + " --model resnet", "model 'resnet'"},
+      {"--profile " + profile_ + " --model cnn --hidden 64", "--hidden is for --model mlp"},
+      {"--profile " + profile_ + " --ranks 3 --hosts 2", "ranks must be a multiple of hosts"},
+      {"--profile /nonexistent/profile.json", "profile /nonexistent/profile.json: cannot be"},
+      {"--profile " + profile_ + " --bucket-mb 0", "--bucket-mb: '0' is not a number in (0, "},
+  };
+  for (const auto& [args, want] : cases) {
+    const auto r = testing::run_shell(advise + " " + args + " 2>&1");
+    EXPECT_EQ(r.exit_code(), 2) << args << ": " << r.output;
+    EXPECT_TRUE(testing::contains(r.output, want)) << args << ": " << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace gradsync
