@@ -35,7 +35,9 @@ CONFIGS = [
     ("mlp-2", 2, 1, None, "--model mlp --bucket-mb 4"),
     ("mlp-2", 2, 1, None, "--model mlp --codec fp16"),
     ("mlp-2", 2, 1, None, "--model mlp --codec int8"),
+    ("mlp-2", 2, 1, None, "--model mlp --bucket-mb 1"),
     ("mlp-2z", 2, 1, None, "--model mlp --zero 1"),
+    ("mlp-2z", 2, 1, None, "--model mlp --zero 2"),
     ("mlp-2a", 2, 1, None, "--model mlp --accumulate 4"),
     ("mlp-4", 4, 1, None, "--model mlp"),
     ("mlp-4", 4, 1, None, "--model mlp --codec bf16"),
@@ -43,6 +45,8 @@ CONFIGS = [
     ("cnn-2", 2, 1, None, "--model cnn"),
     ("cnn-2", 2, 1, None, "--model cnn --bucket-mb 1 --first-bucket-mb 0.25"),
     ("cnn-4", 4, 1, None, "--model cnn"),
+    ("mlp-8", 8, 1, None, "--model mlp --hidden 1024,1024"),
+    ("mlp-8", 8, 1, None, "--model mlp --hidden 1024,1024 --codec fp16"),
     ("mlp-2h", 2, 2, "1gbit", "--model mlp"),
     ("mlp-2h", 2, 2, "1gbit", "--model mlp --codec fp16"),
     ("mlp-2h", 2, 2, "1gbit", "--model mlp --codec int8"),
@@ -54,6 +58,10 @@ CONFIGS = [
     ("mlp-4h100", 4, 4, "100mbit", "--model mlp --hidden 256,256 --codec int8"),
     ("mlp-4h10g", 4, 2, "10gbit", "--model mlp"),
     ("mlp-4h10g", 4, 2, "10gbit", "--model mlp --codec bf16"),
+    ("mlp28-4h", 4, 2, "1gbit", "--model mlp --hidden 4096,4096,2048"),
+    ("mlp28-4h", 4, 2, "1gbit", "--model mlp --hidden 4096,4096,2048 --codec int8"),
+    ("mlp28-4h", 4, 2, "1gbit", "--model mlp --hidden 4096,4096,2048 --codec topk:ratio=0.01"),
+    ("mlp28-4ha", 4, 2, "1gbit", "--model mlp --hidden 4096,4096,2048 --accumulate 4"),
 ]
 
 

@@ -299,13 +299,22 @@ gradsync::advise::Link probe_link(gradsync::Context& ctx, const Flags& f, int pe
 // float32 sum all-reduces from 4 KiB to 64 MiB over every rank, as the job will run them.
 void probe_allreduce(gradsync::Context& ctx, const Flags& f, gradsync::advise::Profile& p) {
   constexpr std::size_t kLargest = std::size_t{64} << 20;
-  std::vector<float> send(kLargest / sizeof(float), 1.0f), recv(send.size());
+  // In place, as the Reducer reduces its buckets, on data this rank has just written, as
+  // backward writes the gradients: the same buffer reduced again and again stays in cache
+  // and flatters large messages by a third.
+  std::vector<float> data(kLargest / sizeof(float), 1.0f);
   for (std::size_t bytes = 4096; bytes <= kLargest; bytes *= 4) {
     const std::size_t count = bytes / sizeof(float);
-    const double s = timed(ctx, f.repeats, [&] {
-      ctx.allreduce(send.data(), recv.data(), count, gradsync::DataType::kFloat32,
+    std::vector<double> times;
+    for (int r = 0; r <= f.repeats; ++r) {  // the first is a warm-up
+      std::fill(data.begin(), data.begin() + static_cast<std::ptrdiff_t>(count), 1.0f);
+      ctx.barrier();
+      const auto t0 = Clock::now();
+      ctx.allreduce(data.data(), data.data(), count, gradsync::DataType::kFloat32,
                     gradsync::ReduceOp::kSum);
-    });
+      if (r > 0) times.push_back(since(t0));
+    }
+    const double s = slowest_median(ctx, times);
     p.allreduce.push_back({ctx.size(), ctx.hosts(), bytes, s * 1e6});
     // Larger ones would take long on a slow link; the model scales the largest by size.
     if (s > 0.25) break;
