@@ -3,6 +3,7 @@
 // an unreadable profile are refused with exit code 2 and the reason.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -44,8 +45,13 @@ TEST_F(TrainerAdvise, ProbedProfileDescribesTheRanks) {
     EXPECT_GT(speed, 0);
     EXPECT_LE(speed, 1);
   }
-  ASSERT_FALSE(p.allreduce.empty());
-  for (const auto& t : p.allreduce) {
+  ASSERT_FALSE(p.timed.empty());
+  for (const char* collective : {"allreduce", "reduce_scatter", "allgather"}) {
+    EXPECT_TRUE(std::any_of(p.timed.begin(), p.timed.end(), [&](const auto& t) {
+      return t.collective == collective;
+    })) << collective;
+  }
+  for (const auto& t : p.timed) {
     EXPECT_EQ(t.ranks, 2);
     EXPECT_EQ(t.hosts, 1);
     EXPECT_GT(t.us, 0);

@@ -297,27 +297,45 @@ gradsync::advise::Link probe_link(gradsync::Context& ctx, const Flags& f, int pe
 }
 
 // float32 sum all-reduces from 4 KiB to 64 MiB over every rank, as the job will run them.
-void probe_allreduce(gradsync::Context& ctx, const Flags& f, gradsync::advise::Profile& p) {
+// float32 all-reduce, reduce-scatter and all-gather of 4 KiB to 64 MiB in all (every rank's
+// share together), as the job will run them.
+void probe_collectives(gradsync::Context& ctx, const Flags& f, gradsync::advise::Profile& p) {
   constexpr std::size_t kLargest = std::size_t{64} << 20;
-  // In place, as the Reducer reduces its buckets, on data this rank has just written, as
-  // backward writes the gradients: the same buffer reduced again and again stays in cache
-  // and flatters large messages by a third.
-  std::vector<float> data(kLargest / sizeof(float), 1.0f);
-  for (std::size_t bytes = 4096; bytes <= kLargest; bytes *= 4) {
-    const std::size_t count = bytes / sizeof(float);
-    std::vector<double> times;
-    for (int r = 0; r <= f.repeats; ++r) {  // the first is a warm-up
-      std::fill(data.begin(), data.begin() + static_cast<std::ptrdiff_t>(count), 1.0f);
-      ctx.barrier();
-      const auto t0 = Clock::now();
-      ctx.allreduce(data.data(), data.data(), count, gradsync::DataType::kFloat32,
-                    gradsync::ReduceOp::kSum);
-      if (r > 0) times.push_back(since(t0));
+  const auto n = static_cast<std::size_t>(ctx.size());
+  const auto f32 = gradsync::DataType::kFloat32;
+  // In place where the call allows, on data this rank has just written, as the Reducer
+  // reduces a bucket that backward has filled: the same buffer reduced again and again stays
+  // in cache and flatters large messages by a third.
+  std::vector<float> data(kLargest / sizeof(float), 1.0f), out(data.size());
+  using Call = std::function<void(std::size_t count)>;  // count: the whole vector's floats
+  const std::pair<const char*, Call> calls[] = {
+      {"allreduce",
+       [&](std::size_t count) {
+         ctx.allreduce(data.data(), data.data(), count, f32, gradsync::ReduceOp::kSum);
+       }},
+      {"reduce_scatter",
+       [&](std::size_t count) {
+         ctx.reduce_scatter(data.data(), out.data(), count / n, f32, gradsync::ReduceOp::kSum);
+       }},
+      {"allgather",
+       [&](std::size_t count) { ctx.allgather(data.data(), out.data(), count / n, f32); }},
+  };
+  for (const auto& [name, call] : calls) {
+    for (std::size_t bytes = 4096; bytes <= kLargest; bytes *= 4) {
+      const std::size_t count = bytes / sizeof(float);
+      std::vector<double> times;
+      for (int r = 0; r <= f.repeats; ++r) {  // the first is a warm-up
+        std::fill(data.begin(), data.begin() + static_cast<std::ptrdiff_t>(count), 1.0f);
+        ctx.barrier();
+        const auto t0 = Clock::now();
+        call(count);
+        if (r > 0) times.push_back(since(t0));
+      }
+      const double s = slowest_median(ctx, times);
+      p.timed.push_back({name, ctx.size(), ctx.hosts(), bytes, s * 1e6});
+      // Larger ones would take long on a slow link; the model scales the largest by size.
+      if (s > 0.25) break;
     }
-    const double s = slowest_median(ctx, times);
-    p.allreduce.push_back({ctx.size(), ctx.hosts(), bytes, s * 1e6});
-    // Larger ones would take long on a slow link; the model scales the largest by size.
-    if (s > 0.25) break;
   }
 }
 
@@ -340,15 +358,23 @@ void probe_codecs(gradsync::Context& ctx, const Flags& f, gradsync::advise::Prof
   const double bytes = kFloats * sizeof(float);
   const auto names = gradsync::compress::codec_names();
   const auto specs = gradsync::compress::codec_examples();
-  for (std::size_t i = 0; i < names.size(); ++i) {
-    const std::string& name = names[i];
-    auto codec = gradsync::compress::make_codec(specs[i]);
+  const auto time = [&](const std::string& key, const std::string& spec) {
+    auto codec = gradsync::compress::make_codec(spec);
     const gradsync::compress::Tensor tensor("probe", kRows);
     std::vector<std::uint8_t> payload;
-    p.encode_gbps[name] =
+    p.encode_gbps[key] =
         bytes / timed(ctx, f.repeats, [&] { codec->encode(tensor, gradient, payload); }) * 1e-9;
-    p.decode_gbps[name] =
+    p.decode_gbps[key] =
         bytes / timed(ctx, f.repeats, [&] { codec->decode_add(payload, decoded); }) * 1e-9;
+  };
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    time(names[i], specs[i]);
+    // A quantised ring re-encodes at every hop without error feedback: that speed too.
+    if (gradsync::compress::make_codec(names[i] == "none" ? "none" : specs[i])->traits().pattern ==
+        gradsync::compress::Pattern::kQuantizedRing) {
+      time(names[i] + ":ef=0",
+           specs[i] + (specs[i].find(':') == std::string::npos ? ":" : ",") + "ef=0");
+    }
   }
 }
 
@@ -385,7 +411,7 @@ int main(int argc, char** argv) {
     p.reduce_gbps = constant(costs, "reduce_gbps", p.reduce_gbps);
     p.copy_gbps = constant(costs, "copy_gbps", p.copy_gbps);
     probe_copy(*ctx, flags, p);
-    if (ctx->size() > 1) probe_allreduce(*ctx, flags, p);
+    if (ctx->size() > 1) probe_collectives(*ctx, flags, p);
     probe_compute(*ctx, flags, p);
     probe_codecs(*ctx, flags, p);
     if (ctx->rank() == 0) {

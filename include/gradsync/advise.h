@@ -40,17 +40,21 @@ struct Profile {
   double overlap_compute_speed = 0, overlap_comm_speed = 0;
   // Likewise backward against a codec's encoding (core work against core work).
   double overlap_codec_compute_speed = 0, overlap_codec_speed = 0;
-  // All-reduces timed on the cluster (gradsync-probe: float32 sums of 4 KiB to 64 MiB at the
-  // job's ranks and hosts). A plan of those ranks and hosts is priced by them, interpolated
-  // in the message size; any other by the cost model over the links above.
+  // Collectives timed on the cluster (gradsync-probe: float32 "allreduce", "reduce_scatter"
+  // and "allgather" of 4 KiB to 64 MiB in all, at the job's ranks and hosts). A plan of those
+  // ranks and hosts is priced by them, interpolated in the size; any other by the cost model
+  // over the links above.
   struct Timed {
+    std::string collective;
     int ranks = 0, hosts = 0;
-    std::size_t bytes = 0;
+    std::size_t bytes = 0;  // the whole vector: every rank's share together
     double us = 0;
   };
-  std::vector<Timed> allreduce;
+  std::vector<Timed> timed;
   // Codec throughput over the float32 gradient bytes, per codec name ("int8", "topk", ...):
   // encode, and decode (decode_add) of one payload. A codec missing here is refused.
+  // "int8:ef=0" and the like: without error feedback, as a quantised ring re-encodes at
+  // every hop.
   std::map<std::string, double> encode_gbps, decode_gbps;
 };
 

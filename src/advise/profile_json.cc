@@ -52,13 +52,18 @@ Profile load_profile(const std::string& path) {
     take(j, "overlap_codec_speed", p.overlap_codec_speed);
     take(j, "encode_gbps", p.encode_gbps);
     take(j, "decode_gbps", p.decode_gbps);
-    if (j.contains("allreduce")) {
-      for (const json& t : j.at("allreduce")) {
-        p.allreduce.push_back({t.at("ranks").get<int>(), t.at("hosts").get<int>(),
-                               t.at("bytes").get<std::size_t>(), t.at("us").get<double>()});
-        const auto& last = p.allreduce.back();
-        if (last.ranks < 1 || last.hosts < 1 || last.bytes == 0 || !(last.us > 0)) {
-          throw unreadable(path, "an allreduce entry needs ranks, hosts and bytes >= 1, us > 0");
+    if (j.contains("timed")) {
+      for (const json& t : j.at("timed")) {
+        p.timed.push_back({t.at("collective").get<std::string>(), t.at("ranks").get<int>(),
+                           t.at("hosts").get<int>(), t.at("bytes").get<std::size_t>(),
+                           t.at("us").get<double>()});
+        const auto& last = p.timed.back();
+        const bool known = last.collective == "allreduce" || last.collective == "reduce_scatter" ||
+                           last.collective == "allgather";
+        if (!known || last.ranks < 1 || last.hosts < 1 || last.bytes == 0 || !(last.us > 0)) {
+          throw unreadable(path,
+                           "a timed entry needs a collective (allreduce, reduce_scatter, "
+                           "allgather), ranks, hosts and bytes >= 1, and us > 0");
         }
       }
     }
@@ -98,11 +103,15 @@ std::string profile_json(const Profile& p) {
       {"encode_gbps", p.encode_gbps},
       {"decode_gbps", p.decode_gbps}};
   json timed = json::array();
-  for (const auto& t : p.allreduce) {
-    timed.push_back({{"ranks", t.ranks}, {"hosts", t.hosts}, {"bytes", t.bytes}, {"us", t.us}});
+  for (const auto& t : p.timed) {
+    timed.push_back({{"collective", t.collective},
+                     {"ranks", t.ranks},
+                     {"hosts", t.hosts},
+                     {"bytes", t.bytes},
+                     {"us", t.us}});
   }
   json out = j;
-  out["allreduce"] = timed;
+  out["timed"] = timed;
   return out.dump(2) + "\n";
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <sstream>
 
 #include "compress/codecs.h"
@@ -47,11 +48,13 @@ class CallPricer {
  public:
   CallPricer(const Profile& profile, const Plan& plan)
       : profile_(profile), plan_(plan), model_(cost_model_of(profile)) {
-    for (const auto& t : profile.allreduce) {
-      if (t.ranks == plan.ranks && t.hosts == plan.hosts) timed_.push_back(t);
+    for (const auto& t : profile.timed) {
+      if (t.ranks == plan.ranks && t.hosts == plan.hosts) timed_[t.collective].push_back(t);
     }
-    std::sort(timed_.begin(), timed_.end(),
-              [](const auto& a, const auto& b) { return a.bytes < b.bytes; });
+    for (auto& [name, curve] : timed_) {
+      std::sort(curve.begin(), curve.end(),
+                [](const auto& a, const auto& b) { return a.bytes < b.bytes; });
+    }
     if (plan.codec != "none") {
       codec_ = compress::make_codec(plan.codec);
       const std::string name = plan.codec.substr(0, plan.codec.find(':'));
@@ -62,6 +65,9 @@ class CallPricer {
       }
       encode_gbps_ = enc->second;
       decode_gbps_ = dec->second;
+      // A ring's hops re-encode without error feedback, at that speed where probed.
+      const auto raw_encode = profile.encode_gbps.find(name + ":ef=0");
+      reencode_gbps_ = raw_encode != profile.encode_gbps.end() ? raw_encode->second : encode_gbps_;
       const std::string spec = codec_->spec();  // "powersgd:rank=4,ef=1"
       const auto at = spec.find("rank=");
       if (at != std::string::npos) powersgd_rank_ = std::stoul(spec.substr(at + 5));
@@ -112,8 +118,9 @@ class CallPricer {
         // add and re-encode of its share at each of the N-1 reduce-scatter hops.
         const bool per_hop =
             pattern == compress::Pattern::kHalfRing || pattern == compress::Pattern::kQuantizedRing;
-        const double passes = 1 + (per_hop ? static_cast<double>(n - 1) / n : 0);
-        c.codec_us = passes * raw * 1e-3 * (1 / encode_gbps_ + 1 / decode_gbps_);
+        const double hops = per_hop ? static_cast<double>(n - 1) / n : 0;
+        c.codec_us =
+            raw * 1e-3 * ((1 + hops) / decode_gbps_ + 1 / encode_gbps_ + hops / reencode_gbps_);
       }
     }
     const double wire_us = c.us;
@@ -127,11 +134,19 @@ class CallPricer {
 
   // ZeRO: the gradients reduce-scattered (half a ring all-reduce) and the updated parameters
   // all-gathered, each once over the whole model.
-  double reduce_scatter_us(std::size_t floats) const {
+  double allreduce_us(std::size_t floats) const {
     if (plan_.ranks <= 1) return 0;
     CallCost c;
     add_allreduce(c, floats * sizeof(float));
-    return c.us / 2;
+    return c.us;
+  }
+  // Timed where the profile has them, else half an all-reduce (a ring's two halves).
+  double reduce_scatter_us(std::size_t floats) const {
+    if (plan_.ranks <= 1) return 0;
+    if (const auto* curve = timed("reduce_scatter")) {
+      return interpolate(*curve, floats * sizeof(float));
+    }
+    return allreduce_us(floats) / 2;
   }
   double allgather_us(std::size_t floats) const { return gather_us(floats * sizeof(float)); }
 
@@ -140,9 +155,9 @@ class CallPricer {
   // has such times, else by the algorithm the cost model picks.
   void add_allreduce(CallCost& c, std::size_t bytes) const {
     const int n = plan_.ranks;
-    if (!timed_.empty()) {
-      c.us += interpolate(bytes);
-      c.latency_us += timed_.front().us;
+    if (const auto* curve = timed("allreduce")) {
+      c.us += interpolate(*curve, bytes);
+      c.latency_us += curve->front().us;
     } else {
       const Algorithm a = model_.choose_allreduce(n, bytes, plan_.hosts == 1, plan_.hosts);
       c.us += model_.allreduce_us(a, n, bytes, plan_.hosts);
@@ -152,37 +167,45 @@ class CallPricer {
     c.wire_bytes += static_cast<std::size_t>(2.0 * (n - 1) / n * static_cast<double>(bytes));
   }
 
-  // An all-gather after which every rank holds `total_bytes`: the second half of a ring
-  // all-reduce of that size where the profile timed this shape, else the cost model's.
+  // An all-gather after which every rank holds `total_bytes`: as timed at this shape, else
+  // the second half of a timed all-reduce, else the cost model's.
   double gather_us(std::size_t total_bytes) const {
     if (plan_.ranks <= 1) return 0;
-    if (!timed_.empty()) return interpolate(std::max<std::size_t>(total_bytes, 1)) / 2;
+    total_bytes = std::max<std::size_t>(total_bytes, 1);
+    if (const auto* curve = timed("allgather")) return interpolate(*curve, total_bytes);
+    if (const auto* curve = timed("allreduce")) return interpolate(*curve, total_bytes) / 2;
     return model_.allgather_us(plan_.ranks, total_bytes, plan_.hosts);
+  }
+
+  const std::vector<Profile::Timed>* timed(const std::string& collective) const {
+    const auto it = timed_.find(collective);
+    return it == timed_.end() ? nullptr : &it->second;
   }
 
   // Linear in the size between the timed sizes, a log-log line through the nearest two;
   // below the smallest its time, beyond the largest its time per byte.
-  double interpolate(std::size_t bytes) const {
-    if (bytes <= timed_.front().bytes) return timed_.front().us;
-    for (std::size_t i = 1; i < timed_.size(); ++i) {
-      if (bytes <= timed_[i].bytes) {
-        const auto& lo = timed_[i - 1];
-        const auto& hi = timed_[i];
+  static double interpolate(const std::vector<Profile::Timed>& curve, std::size_t bytes) {
+    if (bytes <= curve.front().bytes) return curve.front().us;
+    for (std::size_t i = 1; i < curve.size(); ++i) {
+      if (bytes <= curve[i].bytes) {
+        const auto& lo = curve[i - 1];
+        const auto& hi = curve[i];
         const double x = std::log(static_cast<double>(bytes) / lo.bytes) /
                          std::log(static_cast<double>(hi.bytes) / lo.bytes);
         return std::exp(std::log(lo.us) + x * std::log(hi.us / lo.us));
       }
     }
-    return timed_.back().us * static_cast<double>(bytes) / timed_.back().bytes;
+    return curve.back().us * static_cast<double>(bytes) / curve.back().bytes;
   }
 
   const Profile& profile_;
   const Plan& plan_;
   cost::CostModel model_;
-  std::vector<Profile::Timed> timed_;  // this plan's ranks and hosts, by size
+  // This plan's ranks and hosts, per collective, by size.
+  std::map<std::string, std::vector<Profile::Timed>> timed_;
   std::size_t powersgd_rank_ = 0;
   std::unique_ptr<compress::Codec> codec_;
-  double encode_gbps_ = 0, decode_gbps_ = 0;
+  double encode_gbps_ = 0, decode_gbps_ = 0, reencode_gbps_ = 0;
 };
 
 // A stretch of a bucket's work on the worker. While backward also runs, each goes at its
@@ -417,7 +440,11 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
     }
     last_micro_s = forward_s + std::max(backward_end, worker_end);
   } else {
-    const double rs = pricer.reduce_scatter_us(psi) * 1e-6, ag = pricer.allgather_us(psi) * 1e-6;
+    // As ZeroOptimizer::step: stage 1 all-reduces the whole gradient and uses its shard,
+    // stage 2 reduce-scatters it; both all-gather the updated parameters.
+    const double rs =
+        (plan.zero == 1 ? pricer.allreduce_us(psi) : pricer.reduce_scatter_us(psi)) * 1e-6;
+    const double ag = pricer.allgather_us(psi) * 1e-6;
     p.comm_s = rs + ag;
     p.wire_bytes_per_rank =
         n > 1 ? static_cast<std::size_t>(2.0 * (n - 1) / n * psi * sizeof(float)) : 0;
