@@ -23,8 +23,7 @@ struct Candidate {
   std::string why, risk;
 };
 
-std::vector<Candidate> candidates(const Profile& profile, const Plan& now,
-                                  const Prediction& current) {
+std::vector<Candidate> candidates(const Profile& profile, const Plan& now) {
   std::vector<Candidate> out;
   for (double mb : {1.0, 4.0, 10.0, 25.0, 50.0, 100.0}) {
     if (mb == now.bucket_mb) continue;
@@ -77,22 +76,25 @@ std::vector<Candidate> candidates(const Profile& profile, const Plan& now,
                    "a " + number(static_cast<double>(k) / now.accumulate) +
                        "x larger batch per step: scale the learning rate and re-check accuracy"});
   }
-  if (!now.overlap) {
+  {
     Plan p = now;
-    p.overlap = true;
-    out.push_back(
-        {"overlap", "on", p, "buckets all-reduce while backward goes on", "none to accuracy"});
+    p.overlap = !now.overlap;
+    out.push_back({"overlap", p.overlap ? "on" : "off", p,
+                   p.overlap ? "buckets all-reduce while backward goes on"
+                             : "backward and the all-reduces no longer slow each other where "
+                               "they share the cores",
+                   "none to accuracy"});
   }
-  if (current.bottleneck == "memory") {
-    for (int z : {1, 2}) {
-      if (z <= now.zero || now.codec != "none") continue;
-      Plan p = now;
-      p.zero = z;
-      out.push_back({"zero", number(z), p,
-                     z == 1 ? "optimizer state sharded across ranks"
-                            : "optimizer state and gradients sharded across ranks",
-                     "none to accuracy; no overlap of the reduce-scatter yet"});
-    }
+  // ZeRO shards the optimizer's work as well as its state: each rank steps 1/N of the
+  // parameters, for an all-gather of them after the step.
+  for (int z : {1, 2}) {
+    if (z == now.zero || now.codec != "none" || now.ranks == 1) continue;
+    Plan p = now;
+    p.zero = z;
+    out.push_back({"zero", number(z), p,
+                   z == 1 ? "optimizer state and its step sharded across ranks"
+                          : "optimizer state, its step and the reduced gradients sharded",
+                   "none to accuracy; the reduce-scatter waits for the end of backward"});
   }
   return out;
 }
@@ -103,7 +105,7 @@ std::string describe(const Plan& p, const std::string& knob) {
   if (knob == "codec") return p.codec;
   if (knob == "accumulate") return number(p.accumulate);
   if (knob == "overlap") return p.overlap ? "on" : "off";
-  return number(p.zero);
+  return number(p.zero);  // "zero"
 }
 
 }  // namespace
@@ -113,7 +115,7 @@ std::vector<Recommendation> recommend(const Profile& profile, const Workload& wo
   const Prediction current = predict(profile, workload, plan);
   const double per_sample = current.step_s / plan.accumulate;
   std::vector<Recommendation> out;
-  for (auto& c : candidates(profile, plan, current)) {
+  for (auto& c : candidates(profile, plan)) {
     Prediction p = predict(profile, workload, c.plan);
     const double change = p.step_s / c.plan.accumulate / per_sample - 1;
     const bool fits = profile.memory_bytes_per_rank == 0 ||
