@@ -177,6 +177,24 @@ TEST(AdvisePredict, PowerSgdSendsFactorsOfMatricesAndVectorsWhole) {
   EXPECT_EQ(p.wire_bytes_per_rank, (1024u * 4 + 512 * 4 + 1024) * 4);
 }
 
+TEST(AdvisePredict, StepAheadPassesWhereACodecHoldsBack) {
+  Profile profile = simple_profile();
+  for (const char* name : {"int8", "powersgd", "fp16"}) {
+    profile.encode_gbps[name] = profile.decode_gbps[name] = 5;
+  }
+  const auto w = two_layers(1 << 20);
+  for (const std::string codec :
+       {"int8", "topk:ratio=0.01", "powersgd:rank=4", "fp16", "int8:ef=0"}) {
+    Plan plan{.ranks = 2, .hosts = 2, .codec = codec};
+    const double with = predict(profile, w, plan).optimizer_s;
+    plan.step_ahead = false;
+    const double without = predict(profile, w, plan).optimizer_s;
+    const bool holds_back = codec != "fp16" && codec != "int8:ef=0";
+    // 28 bytes a parameter: save, move by lr x residual, restore.
+    EXPECT_NEAR(with - without, holds_back ? 28.0 * (2 << 20) / 10e9 : 0.0, 1e-12) << codec;
+  }
+}
+
 TEST(AdvisePredict, RefusesWhatItCannotModel) {
   const Profile profile = simple_profile();
   const auto w = two_layers(1000);

@@ -8,7 +8,6 @@
 #include <map>
 #include <sstream>
 
-#include "compress/codecs.h"
 #include "cost/cost_model.h"
 #include "ddp/buckets.h"
 #include "gradsync/advise.h"
@@ -75,10 +74,9 @@ class CallPricer {
   }
 
   bool whole_buckets() const { return !codec_ || codec_->traits().whole_buckets; }
-  // The codec keeps residuals (error feedback): what step-ahead steps by.
-  bool holds_back() const {
-    return dynamic_cast<const compress::ErrorFeedback*>(codec_.get()) != nullptr;
-  }
+  // The codec keeps residuals (error feedback, "ef=1" in its canonical spec, PowerSGD's own
+  // included): what step-ahead steps by.
+  bool holds_back() const { return codec_ && codec_->spec().find("ef=1") != std::string::npos; }
 
   // One call over a tensor (or a bucket) of `floats` floats; `rows`: its matrix rows, for
   // PowerSGD (0: a vector, or a bucket of several tensors).
