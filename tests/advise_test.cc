@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 
@@ -192,6 +193,20 @@ TEST(AdvisePredict, StepAheadPassesWhereACodecHoldsBack) {
     const bool holds_back = codec != "fp16" && codec != "int8:ef=0";
     // 28 bytes a parameter: save, move by lr x residual, restore.
     EXPECT_NEAR(with - without, holds_back ? 28.0 * (2 << 20) / 10e9 : 0.0, 1e-12) << codec;
+  }
+}
+
+// The analytic path (no timed collectives for the shape) from one rank to 16,384: finite,
+// and more ranks over the same links never communicate faster per step.
+TEST(AdvisePredict, ScalesTo16384Ranks) {
+  const Profile profile = simple_profile();
+  const auto w = model_workload("mlp", 64, "sgd");
+  double previous = -1;
+  for (int ranks = 8; ranks <= 16384; ranks *= 4) {
+    const auto p = predict(profile, w, Plan{.ranks = ranks, .hosts = ranks / 8});
+    ASSERT_TRUE(std::isfinite(p.step_s)) << ranks;
+    EXPECT_GE(p.comm_s, previous) << ranks;
+    previous = p.comm_s;
   }
 }
 
