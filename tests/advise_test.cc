@@ -254,6 +254,59 @@ TEST(AdviseRecommend, LatencyBoundAsksForLargerBuckets) {
     EXPECT_LE(changes[i - 1].change, changes[i].change);
 }
 
+TEST(AdvisePitfalls, SmallBucketsPerLayerCallsAndNoAccumulationOnASlowLink) {
+  Profile profile = simple_profile();
+  profile.inter = {500.0, 10.0};
+  Workload w;
+  w.batch = 1;
+  for (int i = 0; i < 20; ++i) w.layers.push_back({"l" + std::to_string(i), {{1000}}, 1e3, 2e3});
+  const auto small = predict(
+      profile, w, Plan{.ranks = 8, .hosts = 8, .bucket_mb = 0.001, .first_bucket_mb = 0.001});
+  ASSERT_EQ(small.pitfalls.size(), 2u);
+  EXPECT_NE(small.pitfalls[0].find("fixed costs"), std::string::npos) << small.pitfalls[0];
+  EXPECT_NE(small.pitfalls[1].find("one all-reduce per layer"), std::string::npos);
+
+  profile.inter = {1.0, 0.01};  // 10 MB/s: bandwidth-bound
+  const auto slow = predict(profile, two_layers(1 << 20), Plan{.ranks = 2, .hosts = 2});
+  ASSERT_EQ(slow.bottleneck, "bandwidth") << slow.explanation;
+  ASSERT_EQ(slow.pitfalls.size(), 1u);
+  EXPECT_NE(slow.pitfalls[0].find("accumulation is off"), std::string::npos);
+  EXPECT_TRUE(predict(profile, two_layers(1 << 20), Plan{.ranks = 2, .hosts = 2, .accumulate = 4})
+                  .pitfalls.empty());
+}
+
+TEST(AdviseWorkload, LayerListWithFlopsOrMeasuredTimes) {
+  const std::string path = ::testing::TempDir() + "advise_workload.json";
+  {
+    std::ofstream(path) << R"({"name": "two", "batch": 4, "optimizer": "adamw", "layers": [
+        {"name": "fc1", "tensors": [{"count": 1000, "rows": 10}, {"count": 10}],
+         "forward_flops": 2.5e7, "backward_flops": 5e7},
+        {"name": "fc2", "parameters": 500, "forward_ms": 3, "backward_ms": 6}]})";
+  }
+  const Workload w = load_workload(path);
+  EXPECT_EQ(w.name, "two");
+  EXPECT_EQ(w.batch, 4u);
+  EXPECT_EQ(w.optimizer, "adamw");
+  ASSERT_EQ(w.layers.size(), 2u);
+  EXPECT_EQ(w.layers[0].tensors[0].rows, 10u);
+  EXPECT_EQ(w.parameters(), 1510u);
+  // fc1: (2.5e7 + 5e7) x 4 samples at 100 GFLOP/s = 3 ms; fc2: 3 + 6 ms as measured.
+  EXPECT_NEAR(predict(simple_profile(), w, Plan{.ranks = 1}).compute_s, 12e-3, 1e-12);
+  for (const char* bad : {R"({"layers": []})", R"({"layers": [{"name": "x", "parameters": 5}]})",
+                          R"({"layers": [{"name": "x", "parameters": 5, "forward_ms": -1}]})",
+                          R"({"batch": 0, "layers": [{"parameters": 5, "forward_ms": 1}]})",
+                          R"({"layers": [{"name": "x", "forward_ms": 1}]})", "not json"}) {
+    std::ofstream(path) << bad;
+    try {
+      load_workload(path);
+      ADD_FAILURE() << "accepted " << bad;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("workload " + path), std::string::npos) << e.what();
+    }
+  }
+  std::remove(path.c_str());
+}
+
 TEST(AdviseProfile, JsonRoundTripAndRefusals) {
   const Profile p = simple_profile();
   const std::string path = ::testing::TempDir() + "advise_profile.json";

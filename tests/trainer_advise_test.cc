@@ -91,6 +91,8 @@ TEST_F(TrainerAdvise, BadFlagsAndProfilesAreRefused) {
       {"--profile " + profile_ + " --ranks 3 --hosts 2", "ranks must be a multiple of hosts"},
       {"--profile /nonexistent/profile.json", "profile /nonexistent/profile.json: cannot be"},
       {"--profile " + profile_ + " --bucket-mb 0", "--bucket-mb: '0' is not a number in (0, "},
+      {"--profile " + profile_ + " --layers x.json --model cnn", "--layers FILE or --model"},
+      {"--profile " + profile_ + " --layers /nonexistent.json", "workload /nonexistent.json"},
   };
   for (const auto& [args, want] : cases) {
     const auto r = testing::run_shell(advise + " " + args + " 2>&1");

@@ -21,6 +21,7 @@ constexpr const char* kUsage = R"(usage: gradsync-advise [flags]
 
 The configuration (gradsync-train's flags):
   --model mlp|cnn      (mlp: 784-2048x4-10)
+  --layers FILE        the model as a JSON layer list (include/gradsync/advise.h)
   --hidden H1,H2,...   the MLP's hidden widths
   --batch N            samples per rank (64)
   --optimizer sgd|adam|adamw (sgd)
@@ -46,6 +47,8 @@ Output:
 
 struct Flags {
   std::string model = "mlp", hidden, optimizer = "sgd", profile, json;
+  std::string layers;  // a workload file, in place of --model
+  bool model_given = false, batch_given = false, optimizer_given = false;
   std::size_t batch = 64;
   Plan plan;
   double link_gbps = 0, latency_us = -1;
@@ -68,11 +71,13 @@ Flags parse(int argc, char** argv) {
     if (i + 1 >= argc) usage_error(flag + " needs a value (or is unknown)");
     const std::string v = argv[++i];
     if (flag == "--model")
-      out.model = v;
+      out.model = v, out.model_given = true;
+    else if (flag == "--layers")
+      out.layers = v;
     else if (flag == "--hidden")
       out.hidden = v;
     else if (flag == "--optimizer")
-      out.optimizer = v;
+      out.optimizer = v, out.optimizer_given = true;
     else if (flag == "--codec")
       out.plan.codec = v;
     else if (flag == "--profile")
@@ -80,7 +85,8 @@ Flags parse(int argc, char** argv) {
     else if (flag == "--json")
       out.json = v;
     else if (flag == "--batch")
-      out.batch = static_cast<std::size_t>(f::integer(flag, v, 1, 1 << 24, usage_error));
+      out.batch = static_cast<std::size_t>(f::integer(flag, v, 1, 1 << 24, usage_error)),
+      out.batch_given = true;
     else if (flag == "--bucket-mb")
       out.plan.bucket_mb = f::number(flag, v, 0, 1 << 16, true, usage_error);
     else if (flag == "--first-bucket-mb")
@@ -105,6 +111,9 @@ Flags parse(int argc, char** argv) {
       usage_error("unknown flag " + flag);
   }
   if (out.profile.empty()) usage_error("--profile FILE is needed (see profiles/)");
+  if (!out.layers.empty() && (out.model_given || !out.hidden.empty())) {
+    usage_error("--layers FILE or --model, not both");
+  }
   if (!out.hidden.empty()) {
     if (out.model != "mlp") usage_error("--hidden is for --model mlp");
     out.model = "mlp:" + out.hidden;
@@ -150,16 +159,22 @@ int main(int argc, char** argv) {
     if (flags.link_gbps > 0) profile.inter.bandwidth_gbps = flags.link_gbps;
     if (flags.latency_us >= 0) profile.inter.alpha_us = flags.latency_us;
     if (flags.cores_per_host > 0) profile.cores_per_host = flags.cores_per_host;
-    const auto workload =
-        gradsync::advise::model_workload(flags.model, flags.batch, flags.optimizer);
+    auto workload = flags.layers.empty() ? gradsync::advise::model_workload(
+                                               flags.model, flags.batch, flags.optimizer)
+                                         : gradsync::advise::load_workload(flags.layers);
+    if (!flags.layers.empty()) {  // the flags given override the file's
+      if (flags.batch_given) workload.batch = flags.batch;
+      if (flags.optimizer_given) workload.optimizer = flags.optimizer;
+    }
     const Prediction now = gradsync::advise::predict(profile, workload, flags.plan);
     const auto changes = gradsync::advise::recommend(profile, workload, flags.plan);
 
-    std::printf("%s, %zu parameters, batch %zu, %d ranks on %d hosts (%s)\n", flags.model.c_str(),
-                workload.parameters(), flags.batch, flags.plan.ranks, flags.plan.hosts,
+    std::printf("%s, %zu parameters, batch %zu, %d ranks on %d hosts (%s)\n", workload.name.c_str(),
+                workload.parameters(), workload.batch, flags.plan.ranks, flags.plan.hosts,
                 profile.name.c_str());
     std::printf("bottleneck: %s\n", now.explanation.c_str());
     print_breakdown(now);
+    for (const auto& pitfall : now.pitfalls) std::printf("pitfall: %s\n", pitfall.c_str());
     if (changes.empty()) {
       std::printf("no single change is predicted to make a sample faster\n");
     } else {
@@ -176,13 +191,14 @@ int main(int argc, char** argv) {
       std::ofstream out(flags.json);
       gradsync::json::Writer w(out);
       w.begin_object()
-          .field("model", flags.model)
+          .field("model", workload.name)
           .field("ranks", flags.plan.ranks)
           .field("hosts", flags.plan.hosts)
           .field("profile", profile.name)
           .field("bottleneck", now.bottleneck)
           .field("explanation", now.explanation)
           .field("memory_per_rank_bytes", now.memory_per_rank_bytes);
+      w.field("pitfalls", now.pitfalls);
       w.key("predicted");
       write_prediction(w, now);
       w.key("recommendations").begin_array();

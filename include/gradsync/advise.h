@@ -80,6 +80,9 @@ struct Layer {
   };
   std::vector<Tensor> tensors;
   double forward_flops = 0, backward_flops = 0;
+  // Measured times of the whole micro-batch (ms), where known: they take the place of the
+  // FLOPs over the profile's compute speed.
+  double forward_ms = 0, backward_ms = 0;
 
   std::size_t parameters() const;
 };
@@ -92,6 +95,12 @@ struct Workload {
 
   std::size_t parameters() const;
 };
+
+// A workload from its JSON file: {"name", "batch", "optimizer", "layers": [{"name",
+// "tensors": [{"count", "rows"}] or "parameters", "forward_flops" and "backward_flops" (per
+// sample) or "forward_ms" and "backward_ms" (per micro-batch)}]}, layers in forward order.
+// Throws Error(kInvalidArgument) naming the file and what it cannot read.
+Workload load_workload(const std::string& path);
 
 // The trainer's models by name: "mlp" (784-2048x4-10, 14.2 M parameters), "mlp:256,256" for
 // other hidden sizes, "cnn" (215 k parameters); throws Error(kInvalidArgument) otherwise.
@@ -133,6 +142,10 @@ struct Prediction {
   std::size_t wire_bytes_per_rank = 0;    // per optimizer step
   std::string bottleneck;                 // "compute", "bandwidth", "latency" or "memory"
   std::string explanation;                // the bottleneck in one sentence
+  // The pitfalls of the seeds this plan falls into, a sentence each: buckets so small that
+  // per-call latency dominates, one all-reduce per layer, accumulation left off where the
+  // link is the limit.
+  std::vector<std::string> pitfalls;
   std::vector<BucketPrediction> buckets;  // launch order
 };
 

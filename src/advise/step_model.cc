@@ -310,6 +310,35 @@ void classify(Prediction& p, double latency_s, const Profile& profile, const Pla
   p.explanation = why.str();
 }
 
+// The seeds' pitfalls (seed 002's bucket_cap_mb advice, seed 000's layer groups of 4-8 and
+// accumulation), where this prediction shows them.
+void find_pitfalls(Prediction& p, double latency_s, const Workload& workload, const Plan& plan) {
+  std::size_t calls = 0;
+  for (const auto& b : p.buckets) calls += b.calls;
+  if (calls == 0) return;
+  const double bytes_per_call = 4.0 * static_cast<double>(workload.parameters()) / calls;
+  if (calls > 4 && latency_s > 0.3 * p.comm_s && bytes_per_call < 1 << 20) {
+    std::ostringstream o;
+    o << calls << " calls a step of " << static_cast<long>(bytes_per_call / 1024)
+      << " KiB on average: their fixed costs are " << ms(latency_s) << " of the " << ms(p.comm_s)
+      << " of communication; larger buckets (--bucket-mb) pay them fewer times";
+    p.pitfalls.push_back(o.str());
+  }
+  if (workload.layers.size() > 2 && calls >= workload.layers.size()) {
+    std::ostringstream o;
+    o << "one all-reduce per layer or more (" << calls << " calls for " << workload.layers.size()
+      << " layers): group layers into buckets of several (seed 000: 4-8 layers)";
+    p.pitfalls.push_back(o.str());
+  }
+  if (plan.accumulate == 1 && p.bottleneck == "bandwidth" && p.exposed_comm_s > 0.3 * p.step_s) {
+    std::ostringstream o;
+    o << "accumulation is off while the link is the limit (" << ms(p.exposed_comm_s) << " of the "
+      << ms(p.step_s) << " step waits for it): --accumulate 4 all-reduces a "
+      << "quarter as often";
+    p.pitfalls.push_back(o.str());
+  }
+}
+
 }  // namespace
 
 // The value, the gradient and the state, each read, and the value and state written back.
@@ -354,9 +383,13 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
   Prediction p;
   double forward_s = 0;
   std::vector<double> backward;  // backward order
-  for (const auto& l : workload.layers) forward_s += l.forward_flops * batch / flops_per_s;
+  // A layer's measured time where the workload has one, else its FLOPs at the profile's speed.
+  for (const auto& l : workload.layers) {
+    forward_s += l.forward_ms > 0 ? l.forward_ms * 1e-3 : l.forward_flops * batch / flops_per_s;
+  }
   for (auto l = workload.layers.rbegin(); l != workload.layers.rend(); ++l) {
-    backward.push_back(l->backward_flops * batch / flops_per_s);
+    backward.push_back(l->backward_ms > 0 ? l->backward_ms * 1e-3
+                                          : l->backward_flops * batch / flops_per_s);
   }
   double backward_s = 0;
   for (double b : backward) backward_s += b;
@@ -465,6 +498,7 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
   const std::size_t grads = plan.zero >= 2 ? owned : psi;
   p.memory_per_rank_bytes = (psi + grads + state) * sizeof(float);
   classify(p, latency_s, profile, plan);
+  find_pitfalls(p, latency_s, workload, plan);
   return p;
 }
 

@@ -1,4 +1,5 @@
-// Hardware profiles as JSON files: the shipped ones under profiles/, and gradsync-probe's.
+// The advisor's JSON files: hardware profiles (gradsync-probe's, and shipped ones) and
+// workloads given as layer lists.
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -12,8 +13,9 @@ namespace {
 
 using nlohmann::json;
 
-Error unreadable(const std::string& path, const std::string& why) {
-  return Error(ErrorKind::kInvalidArgument, "profile " + path + ": " + why, Error::kUnknownRank,
+Error unreadable(const std::string& path, const std::string& why,
+                 const std::string& what = "profile") {
+  return Error(ErrorKind::kInvalidArgument, what + " " + path + ": " + why, Error::kUnknownRank,
                Error::kNoPeer, "advise");
 }
 
@@ -82,6 +84,53 @@ Profile load_profile(const std::string& path) {
                      "every speed and cores_per_host must be above 0, the overlap speeds in 0..1");
   if (p.name.empty()) p.name = path;
   return p;
+}
+
+Workload load_workload(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw unreadable(path, "cannot be opened", "workload");
+  Workload w;
+  w.name = path;
+  try {
+    const json j = json::parse(in);
+    take(j, "name", w.name);
+    take(j, "batch", w.batch);
+    take(j, "optimizer", w.optimizer);
+    for (const json& l : j.at("layers")) {
+      Layer layer;
+      take(l, "name", layer.name);
+      if (l.contains("tensors")) {
+        for (const json& t : l.at("tensors")) {
+          Layer::Tensor tensor;
+          take(t, "count", tensor.count);
+          take(t, "rows", tensor.rows);
+          layer.tensors.push_back(tensor);
+        }
+      } else {
+        layer.tensors.push_back({l.at("parameters").get<std::size_t>(), 0});
+      }
+      take(l, "forward_flops", layer.forward_flops);
+      take(l, "backward_flops", layer.backward_flops);
+      take(l, "forward_ms", layer.forward_ms);
+      take(l, "backward_ms", layer.backward_ms);
+      const bool timed = layer.forward_ms > 0 || layer.forward_flops > 0;
+      if (!timed || layer.forward_ms < 0 || layer.backward_ms < 0 || layer.forward_flops < 0 ||
+          layer.backward_flops < 0) {
+        throw unreadable(path,
+                         "layer '" + layer.name +
+                             "' needs forward_flops and backward_flops, or forward_ms and "
+                             "backward_ms, none below 0",
+                         "workload");
+      }
+      w.layers.push_back(std::move(layer));
+    }
+  } catch (const json::exception& e) {
+    throw unreadable(path, e.what(), "workload");
+  }
+  if (w.layers.empty() || w.batch < 1) {
+    throw unreadable(path, "needs at least one layer and a batch of at least 1", "workload");
+  }
+  return w;
 }
 
 std::string profile_json(const Profile& p) {
