@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 
 #include "ddp/buckets.h"
 #include "gradsync/error.h"
@@ -303,6 +304,69 @@ TEST(AdviseWorkload, LayerListWithFlopsOrMeasuredTimes) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("workload " + path), std::string::npos) << e.what();
     }
+  }
+  std::remove(path.c_str());
+}
+
+// A trace as gradsync-train writes one: per rank, per step, forward and backward (with a
+// nested layer span), two bucket all-reduces on the worker, a wait and the optimizer. Rank 1
+// computes 20% longer than rank 0 in every step.
+std::string synthetic_trace(int steps) {
+  std::ostringstream o;
+  o << R"({"traceEvents":[)";
+  bool first = true;
+  auto span = [&](const std::string& name, const char* cat, int rank, int tid, double start_ms,
+                  double dur_ms) {
+    o << (first ? "" : ",") << R"({"name":")" << name << R"(","cat":")" << cat
+      << R"(","ph":"X","ts":)" << start_ms * 1000 << R"(,"dur":)" << dur_ms * 1000 << R"(,"pid":)"
+      << rank << R"(,"tid":)" << tid << "}";
+    first = false;
+  };
+  for (int rank = 0; rank < 2; ++rank) {
+    const double slow = rank == 1 ? 1.2 : 1.0;
+    for (int i = 0; i < steps; ++i) {
+      const double t = i * 100.0;  // each step 100 ms
+      span("forward", "compute", rank, 0, t + 1, 10 * slow);
+      span("backward", "compute", rank, 0, t + 1 + 10 * slow, 20 * slow);
+      span("backward fc1", "compute", rank, 0, t + 2 + 10 * slow, 5);
+      span("allreduce bucket 0 (4 KiB, none)", "comm", rank, 1, t + 20, 2);
+      span("allreduce bucket 1 (16384 KiB, none)", "comm", rank, 1, t + 40, 8);
+      span("wait for buckets", "wait", rank, 0, t + 50, 3);
+      span("optimizer", "optimizer", rank, 0, t + 60, 30);
+    }
+  }
+  o << "]}";
+  return o.str();
+}
+
+TEST(AdviseTrace, MeasuredStepsBucketsAndStragglers) {
+  const std::string path = ::testing::TempDir() + "advise_trace.json";
+  std::ofstream(path) << synthetic_trace(6);
+  const TraceReport t = read_trace(path);
+  EXPECT_EQ(t.ranks, 2);
+  EXPECT_EQ(t.steps, 6u);
+  // The slowest rank's step: from one optimizer's end to the next, 100 ms; its compute 36 ms
+  // (the nested layer span not counted again).
+  EXPECT_NEAR(t.median.step_s, 0.100, 1e-9);
+  EXPECT_NEAR(t.median.compute_s, 0.036, 1e-9);
+  EXPECT_NEAR(t.median.comm_s, 0.010, 1e-9);
+  EXPECT_NEAR(t.median.exposed_comm_s, 0.003, 1e-9);
+  EXPECT_NEAR(t.median.optimizer_s, 0.030, 1e-9);
+  ASSERT_EQ(t.bucket_s.size(), 2u);
+  EXPECT_NEAR(t.bucket_s[1], 0.008, 1e-9);
+  ASSERT_EQ(t.stragglers.size(), 1u);
+  EXPECT_NE(t.stragglers[0].find("rank 1 computes longest in 4 of 4 steps, 20% longer"),
+            std::string::npos)
+      << t.stragglers[0];
+
+  std::ofstream(path) << synthetic_trace(2);
+  EXPECT_THROW(read_trace(path), Error);  // every step but the warm-up ones
+  std::ofstream(path) << R"({"events": []})";
+  try {
+    read_trace(path);
+    ADD_FAILURE() << "read a file without traceEvents";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("trace " + path), std::string::npos) << e.what();
   }
   std::remove(path.c_str());
 }

@@ -81,10 +81,31 @@ TEST_F(TrainerAdvise, AdvisorPrintsAndWritesItsPrediction) {
   std::remove(json.c_str());
 }
 
+// A real trace: two ranks of gradsync-train with GRADSYNC_TIMELINE, then the advisor reads it
+// alone, and beside a prediction.
+TEST_F(TrainerAdvise, ReadsATraceOfATrainingRun) {
+  const std::string trace = ::testing::TempDir() + "trainer_advise_trace.json";
+  auto r = testing::run_shell("GRADSYNC_TIMELINE=" + trace + " " + tool("/tools/gradsync-run") +
+                              " -n 2 -- " + tool("/examples/gradsync-train") +
+                              " --model cnn --max-steps 6 --quiet 2>&1");
+  ASSERT_EQ(r.exit_code(), 0) << r.output;
+  r = testing::run_shell(tool("/tools/gradsync-advise") + " --trace " + trace + " 2>&1");
+  ASSERT_EQ(r.exit_code(), 0) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "measured (" + trace + ", 2 ranks, 6 steps")) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "buckets (median all-reduce): #0 ")) << r.output;
+  r = testing::run_shell(tool("/tools/gradsync-advise") + " --trace " + trace + " --profile " +
+                         profile_ + " --model cnn 2>&1");
+  ASSERT_EQ(r.exit_code(), 0) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "predicted step ")) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "2 ranks on 1 hosts")) << r.output;  // the trace's
+  std::remove(trace.c_str());
+}
+
 TEST_F(TrainerAdvise, BadFlagsAndProfilesAreRefused) {
   const std::string advise = tool("/tools/gradsync-advise");
   const std::pair<std::string, const char*> cases[] = {
-      {"--model cnn", "--profile FILE is needed"},
+      {"--model cnn", "--profile FILE (see gradsync-probe) or --trace FILE is needed"},
+      {"--trace /nonexistent.json", "trace /nonexistent.json: cannot be opened"},
       {"--profile " + profile_ + " --zero 3", "--zero: '3' is not an integer in [0, 2]"},
       {"--profile " + profile_ + " --model resnet", "model 'resnet'"},
       {"--profile " + profile_ + " --model cnn --hidden 64", "--hidden is for --model mlp"},

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <string>
 
 #include "flag_numbers.h"
@@ -36,6 +37,10 @@ The cluster:
   --link-gbps G        bandwidth between hosts, 1e9 B/s (overrides the profile's)
   --latency-us U       latency between hosts (overrides the profile's)
   --cores-per-host C   (overrides the profile's)
+A run to explain:
+  --trace FILE         a GRADSYNC_TIMELINE trace of gradsync-train: the measured breakdown
+                       per step and bucket, and stragglers (with --profile, the prediction
+                       beside it; --ranks defaults to the trace's)
 Output:
   --json FILE          the prediction and the recommendations as JSON
 )";
@@ -48,7 +53,8 @@ Output:
 struct Flags {
   std::string model = "mlp", hidden, optimizer = "sgd", profile, json;
   std::string layers;  // a workload file, in place of --model
-  bool model_given = false, batch_given = false, optimizer_given = false;
+  std::string trace;   // a GRADSYNC_TIMELINE trace of a run
+  bool model_given = false, batch_given = false, optimizer_given = false, ranks_given = false;
   std::size_t batch = 64;
   Plan plan;
   double link_gbps = 0, latency_us = -1;
@@ -98,7 +104,10 @@ Flags parse(int argc, char** argv) {
     else if (flag == "--step-ahead")
       out.plan.step_ahead = f::integer(flag, v, 0, 1, usage_error) == 1;
     else if (flag == "--ranks")
-      out.plan.ranks = static_cast<int>(f::integer(flag, v, 1, 1 << 20, usage_error));
+      out.plan.ranks = static_cast<int>(f::integer(flag, v, 1, 1 << 20, usage_error)),
+      out.ranks_given = true;
+    else if (flag == "--trace")
+      out.trace = v;
     else if (flag == "--hosts")
       out.plan.hosts = static_cast<int>(f::integer(flag, v, 1, 1 << 20, usage_error));
     else if (flag == "--link-gbps")
@@ -110,7 +119,9 @@ Flags parse(int argc, char** argv) {
     else
       usage_error("unknown flag " + flag);
   }
-  if (out.profile.empty()) usage_error("--profile FILE is needed (see profiles/)");
+  if (out.profile.empty() && out.trace.empty()) {
+    usage_error("--profile FILE (see gradsync-probe) or --trace FILE is needed");
+  }
   if (!out.layers.empty() && (out.model_given || !out.hidden.empty())) {
     usage_error("--layers FILE or --model, not both");
   }
@@ -152,9 +163,35 @@ void write_prediction(gradsync::json::Writer& w, const Prediction& p) {
 
 }  // namespace
 
+void print_trace(const std::string& path, const gradsync::advise::TraceReport& t) {
+  const auto& m = t.median;
+  std::printf(
+      "measured (%s, %d ranks, %zu steps, the slowest rank's, median): step %s: "
+      "compute %s, communication %s (%s waited for after backward), packing %s, "
+      "optimizer %s\n",
+      path.c_str(), t.ranks, t.steps, ms(m.step_s).c_str(), ms(m.compute_s).c_str(),
+      ms(m.comm_s).c_str(), ms(m.exposed_comm_s).c_str(), ms(m.pack_s).c_str(),
+      ms(m.optimizer_s).c_str());
+  std::printf("buckets (median all-reduce):");
+  for (std::size_t b = 0; b < t.bucket_s.size(); ++b) {
+    std::printf(" #%zu %s", b, ms(t.bucket_s[b]).c_str());
+  }
+  std::printf("\n");
+  if (t.stragglers.empty()) std::printf("stragglers: none\n");
+  for (const auto& s : t.stragglers) std::printf("straggler: %s\n", s.c_str());
+}
+
 int main(int argc, char** argv) {
-  const Flags flags = parse(argc, argv);
+  Flags flags = parse(argc, argv);
   try {
+    std::optional<gradsync::advise::TraceReport> trace;
+    if (!flags.trace.empty()) {
+      trace = gradsync::advise::read_trace(flags.trace);
+      print_trace(flags.trace, *trace);
+      if (!flags.ranks_given) flags.plan.ranks = trace->ranks;
+      if (flags.profile.empty()) return 0;
+      std::printf("\n");
+    }
     Profile profile = gradsync::advise::load_profile(flags.profile);
     if (flags.link_gbps > 0) profile.inter.bandwidth_gbps = flags.link_gbps;
     if (flags.latency_us >= 0) profile.inter.alpha_us = flags.latency_us;
@@ -199,6 +236,22 @@ int main(int argc, char** argv) {
           .field("explanation", now.explanation)
           .field("memory_per_rank_bytes", now.memory_per_rank_bytes);
       w.field("pitfalls", now.pitfalls);
+      if (trace) {
+        const auto& m = trace->median;
+        w.key("measured")
+            .begin_object()
+            .field("trace", flags.trace)
+            .field("steps", trace->steps)
+            .field("step_s", m.step_s)
+            .field("compute_s", m.compute_s)
+            .field("comm_s", m.comm_s)
+            .field("exposed_comm_s", m.exposed_comm_s)
+            .field("pack_s", m.pack_s)
+            .field("optimizer_s", m.optimizer_s)
+            .field("bucket_s", trace->bucket_s)
+            .field("stragglers", trace->stragglers)
+            .end_object();
+      }
       w.key("predicted");
       write_prediction(w, now);
       w.key("recommendations").begin_array();

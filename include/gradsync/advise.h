@@ -140,8 +140,10 @@ struct Prediction {
   double optimizer_s = 0;                 // the step, and step-ahead's passes where they apply
   std::size_t memory_per_rank_bytes = 0;  // parameters, gradients, optimizer state, buckets
   std::size_t wire_bytes_per_rank = 0;    // per optimizer step
-  std::string bottleneck;                 // "compute", "bandwidth", "latency" or "memory"
-  std::string explanation;                // the bottleneck in one sentence
+  // "compute", "bandwidth", "latency", "codec" (encoding and decoding dominate the
+  // communication) or "memory".
+  std::string bottleneck;
+  std::string explanation;  // the bottleneck in one sentence
   // The pitfalls of the seeds this plan falls into, a sentence each: buckets so small that
   // per-call latency dominates, one all-reduce per layer, accumulation left off where the
   // link is the limit.
@@ -152,6 +154,24 @@ struct Prediction {
 // The step of `plan` on `profile`. Throws Error(kInvalidArgument) for a plan it cannot model
 // (ranks not a multiple of hosts, an unknown codec or one the profile has no speed for).
 Prediction predict(const Profile& profile, const Workload& workload, const Plan& plan);
+
+// What a GRADSYNC_TIMELINE trace of a training run measured (gradsync-train's spans: compute,
+// comm, wait, pack, optimizer; a step ends with its optimizer span). Per step, the slowest
+// rank's figures; medians over the steps after the first two (the Reducer rebuilds its
+// buckets after the first).
+struct MeasuredStep {
+  double step_s = 0, compute_s = 0, comm_s = 0, exposed_comm_s = 0, pack_s = 0, optimizer_s = 0;
+};
+struct TraceReport {
+  int ranks = 0;
+  std::size_t steps = 0;                // complete steps on every rank
+  MeasuredStep median;                  // of the slowest rank's steps
+  std::vector<double> bucket_s;         // per bucket index: median all-reduce time
+  std::vector<std::string> stragglers;  // a sentence per rank whose compute lags the others'
+};
+// Throws Error(kInvalidArgument) naming the file if it is not such a trace, or holds no
+// complete step.
+TraceReport read_trace(const std::string& path);
 
 struct Recommendation {
   std::string knob;  // "bucket-mb", "codec", "accumulate", ...

@@ -296,6 +296,11 @@ void classify(Prediction& p, double latency_s, const Profile& profile, const Pla
     why << "compute-bound: " << static_cast<int>(std::lround(100 * compute_share)) << "% of the "
         << ms(p.step_s) << " step computes, and only " << ms(p.exposed_comm_s)
         << " of communication shows";
+  } else if (p.codec_s > 0.5 * p.comm_s) {
+    p.bottleneck = "codec";
+    why << "codec-bound: encoding and decoding take " << ms(p.codec_s) << " of the " << ms(p.comm_s)
+        << " of communication, " << ms(p.exposed_comm_s)
+        << " of the step not hidden behind compute; a cheaper codec or none may pay";
   } else if (latency_s > 0.5 * p.comm_s) {
     p.bottleneck = "latency";
     why << "latency-bound: the calls' fixed costs take " << ms(latency_s) << " of the "
@@ -312,7 +317,8 @@ void classify(Prediction& p, double latency_s, const Profile& profile, const Pla
 
 // The seeds' pitfalls (seed 002's bucket_cap_mb advice, seed 000's layer groups of 4-8 and
 // accumulation), where this prediction shows them.
-void find_pitfalls(Prediction& p, double latency_s, const Workload& workload, const Plan& plan) {
+void find_pitfalls(Prediction& p, double latency_s, const Workload& workload, const Plan& plan,
+                   bool whole_buckets) {
   std::size_t calls = 0;
   for (const auto& b : p.buckets) calls += b.calls;
   if (calls == 0) return;
@@ -324,7 +330,9 @@ void find_pitfalls(Prediction& p, double latency_s, const Workload& workload, co
       << " of communication; larger buckets (--bucket-mb) pay them fewer times";
     p.pitfalls.push_back(o.str());
   }
-  if (workload.layers.size() > 2 && calls >= workload.layers.size()) {
+  // Only where buckets are what decides it: a codec that reduces tensor by tensor makes a
+  // call per tensor whatever the buckets.
+  if (whole_buckets && workload.layers.size() > 2 && calls >= workload.layers.size()) {
     std::ostringstream o;
     o << "one all-reduce per layer or more (" << calls << " calls for " << workload.layers.size()
       << " layers): group layers into buckets of several (seed 000: 4-8 layers)";
@@ -498,7 +506,7 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
   const std::size_t grads = plan.zero >= 2 ? owned : psi;
   p.memory_per_rank_bytes = (psi + grads + state) * sizeof(float);
   classify(p, latency_s, profile, plan);
-  find_pitfalls(p, latency_s, workload, plan);
+  find_pitfalls(p, latency_s, workload, plan, pricer.whole_buckets());
   return p;
 }
 
