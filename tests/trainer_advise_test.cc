@@ -79,6 +79,18 @@ TEST_F(TrainerAdvise, AdvisorPrintsAndWritesItsPrediction) {
     EXPECT_TRUE(testing::contains(text.str(), key)) << key << " in " << text.str();
   }
   std::remove(json.c_str());
+
+  // --plot draws the plan and each change (gnuplot, which scripts/install-deps.sh installs).
+  const std::string png = ::testing::TempDir() + "trainer_advise.png";
+  const auto drawn =
+      testing::run_shell(tool("/tools/gradsync-advise") + " --profile " + profile_ +
+                         " --model cnn --ranks 2 --bucket-mb 0.01 --plot " + png + " 2>&1");
+  ASSERT_EQ(drawn.exit_code(), 0) << drawn.output;
+  std::ifstream image(png, std::ios::binary);
+  char magic[4] = {};
+  image.read(magic, 4);
+  EXPECT_EQ(std::string(magic + 1, 3), "PNG");
+  std::remove(png.c_str());
 }
 
 // A real trace: two ranks of gradsync-train with GRADSYNC_TIMELINE, then the advisor reads it

@@ -43,6 +43,7 @@ A run to explain:
                        beside it; --ranks defaults to the trace's)
 Output:
   --json FILE          the prediction and the recommendations as JSON
+  --plot FILE.png      the predicted breakdown of the plan and each change (needs gnuplot)
 )";
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -54,6 +55,7 @@ struct Flags {
   std::string model = "mlp", hidden, optimizer = "sgd", profile, json;
   std::string layers;  // a workload file, in place of --model
   std::string trace;   // a GRADSYNC_TIMELINE trace of a run
+  std::string plot;    // a PNG to draw
   bool model_given = false, batch_given = false, optimizer_given = false, ranks_given = false;
   std::size_t batch = 64;
   Plan plan;
@@ -108,6 +110,8 @@ Flags parse(int argc, char** argv) {
       out.ranks_given = true;
     else if (flag == "--trace")
       out.trace = v;
+    else if (flag == "--plot")
+      out.plot = v;
     else if (flag == "--hosts")
       out.plan.hosts = static_cast<int>(f::integer(flag, v, 1, 1 << 20, usage_error));
     else if (flag == "--link-gbps")
@@ -181,6 +185,51 @@ void print_trace(const std::string& path, const gradsync::advise::TraceReport& t
   for (const auto& s : t.stragglers) std::printf("straggler: %s\n", s.c_str());
 }
 
+// Stacked bars, one per candidate (the plan first): compute, the communication not hidden
+// behind it, the optimizer, per sample-equivalent step (accumulation's steps divided by K).
+// gnuplot draws them; false (after saying why) if it cannot.
+bool plot(const std::string& png, const Plan& plan, const Prediction& now,
+          const std::vector<gradsync::advise::Recommendation>& changes) {
+  const std::string data = png + ".dat";
+  {
+    std::ofstream out(data);
+    auto row = [&](const std::string& label, const Prediction& p, int accumulate) {
+      const double k = 1e3 / accumulate;
+      out << '"' << label << "\" " << p.compute_s * k << ' ' << p.exposed_comm_s * k << ' '
+          << p.optimizer_s * k << '\n';
+    };
+    row("now", now, plan.accumulate);
+    for (const auto& r : changes) {
+      int k = plan.accumulate;
+      if (r.knob == "accumulate") k = std::atoi(r.proposed.c_str());
+      row(r.knob + "=" + r.proposed, r.predicted, k);
+    }
+    if (!out) {
+      std::fprintf(stderr, "gradsync-advise: %s\n", gradsync::flags::cannot_write(data).c_str());
+      return false;
+    }
+  }
+  const std::string script =
+      "set terminal pngcairo size 1000,500; set output '" + png +
+      "'; set style data histograms; set style histogram rowstacked; set style fill solid "
+      "border -1; set boxwidth 0.7; set xtics rotate by -30; set ylabel 'ms per micro-batch "
+      "step'; set key outside; set title 'gradsync-advise: predicted step by candidate'; plot '" +
+      data +
+      "' using 2:xtic(1) title 'compute', '' using 3 title 'exposed communication', "
+      "'' using 4 title 'optimizer'";
+  const std::string command = "gnuplot -e \"" + script + "\"";
+  const int status = std::system(command.c_str());
+  std::remove(data.c_str());
+  if (status != 0) {
+    std::fprintf(stderr,
+                 "gradsync-advise: gnuplot could not draw %s (exit %d; "
+                 "scripts/install-deps.sh installs gnuplot-nox)\n",
+                 png.c_str(), status);
+    return false;
+  }
+  return true;
+}
+
 int main(int argc, char** argv) {
   Flags flags = parse(argc, argv);
   try {
@@ -224,6 +273,7 @@ int main(int argc, char** argv) {
       }
       std::printf("(change: time per sample; accumulation puts more samples in a step)\n");
     }
+    if (!flags.plot.empty() && !plot(flags.plot, flags.plan, now, changes)) return 1;
     if (!flags.json.empty()) {
       std::ofstream out(flags.json);
       gradsync::json::Writer w(out);
