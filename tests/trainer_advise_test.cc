@@ -113,11 +113,23 @@ TEST_F(TrainerAdvise, ReadsATraceOfATrainingRun) {
   std::remove(trace.c_str());
 }
 
+// --confirm runs the plan and the top changes with gradsync-train here, and prints both.
+TEST_F(TrainerAdvise, ConfirmRunsTheCandidates) {
+  const auto r = testing::run_shell(tool("/tools/gradsync-advise") + " --profile " + profile_ +
+                                    " --model cnn --ranks 2 --confirm 3 2>&1");
+  ASSERT_EQ(r.exit_code(), 0) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "confirmed on this host (gradsync-train, 3 steps"))
+      << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "\nnow ")) << r.output;
+  EXPECT_FALSE(testing::contains(r.output, "(run failed)")) << r.output;
+}
+
 TEST_F(TrainerAdvise, BadFlagsAndProfilesAreRefused) {
   const std::string advise = tool("/tools/gradsync-advise");
   const std::pair<std::string, const char*> cases[] = {
       {"--model cnn", "--profile FILE (see gradsync-probe) or --trace FILE is needed"},
       {"--trace /nonexistent.json", "trace /nonexistent.json: cannot be opened"},
+      {"--profile " + profile_ + " --ranks 4 --hosts 2 --confirm 5", "--confirm runs"},
       {"--profile " + profile_ + " --zero 3", "--zero: '3' is not an integer in [0, 2]"},
       {"--profile " + profile_ + " --model resnet", "model 'resnet'"},
       {"--profile " + profile_ + " --model cnn --hidden 64", "--hidden is for --model mlp"},

@@ -1,10 +1,14 @@
 // gradsync-advise: predicts one training step of gradsync-train's configuration on a cluster
 // (a hardware profile, or flags describing one), names its bottleneck, and ranks the changes
 // that the step model predicts to be faster. Pure arithmetic: it runs no rank.
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <optional>
+#include <sstream>
 #include <string>
 
 #include "flag_numbers.h"
@@ -44,6 +48,8 @@ A run to explain:
 Output:
   --json FILE          the prediction and the recommendations as JSON
   --plot FILE.png      the predicted breakdown of the plan and each change (needs gnuplot)
+  --confirm STEPS      run the plan and the top three changes with gradsync-train on this
+                       host for STEPS steps each, and print predicted against measured
 )";
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -61,6 +67,7 @@ struct Flags {
   Plan plan;
   double link_gbps = 0, latency_us = -1;
   int cores_per_host = 0;
+  int confirm_steps = 0;  // run the plan and the top three changes for this many steps
 };
 
 Flags parse(int argc, char** argv) {
@@ -112,6 +119,8 @@ Flags parse(int argc, char** argv) {
       out.trace = v;
     else if (flag == "--plot")
       out.plot = v;
+    else if (flag == "--confirm")
+      out.confirm_steps = static_cast<int>(f::integer(flag, v, 3, 100000, usage_error));
     else if (flag == "--hosts")
       out.plan.hosts = static_cast<int>(f::integer(flag, v, 1, 1 << 20, usage_error));
     else if (flag == "--link-gbps")
@@ -128,6 +137,11 @@ Flags parse(int argc, char** argv) {
   }
   if (!out.layers.empty() && (out.model_given || !out.hidden.empty())) {
     usage_error("--layers FILE or --model, not both");
+  }
+  if (out.confirm_steps > 0 && (!out.layers.empty() || out.plan.hosts > 1)) {
+    usage_error(
+        "--confirm runs gradsync-train's own models on this host: not with --layers or "
+        "--hosts above 1 (bench/advise/validate.py measures across namespace hosts)");
   }
   if (!out.hidden.empty()) {
     if (out.model != "mlp") usage_error("--hidden is for --model mlp");
@@ -230,6 +244,79 @@ bool plot(const std::string& png, const Plan& plan, const Prediction& now,
   return true;
 }
 
+// Where gradsync-run and gradsync-train are: beside this program (an install's bin/), or in
+// the build tree's tools/ and examples/.
+std::string sibling(const std::string& name) {
+  char self[4096] = {};
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+  const std::string dir = n > 0 ? std::string(self, static_cast<std::size_t>(n)) : "";
+  const std::string here = dir.substr(0, dir.rfind('/'));
+  for (const std::string& candidate :
+       {here + "/" + name, here + "/../examples/" + name, here + "/../tools/" + name}) {
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+  }
+  return name;  // from PATH
+}
+
+// gradsync-train's flags for `plan` on the trainer's model `model` ("mlp", "mlp:H,..", "cnn").
+std::string train_flags(const std::string& model, const gradsync::advise::Workload& w,
+                        const Plan& p) {
+  std::ostringstream o;
+  const auto colon = model.find(':');
+  o << " --model " << model.substr(0, colon);
+  if (colon != std::string::npos) o << " --hidden " << model.substr(colon + 1);
+  o << " --batch " << w.batch << " --optimizer " << w.optimizer << " --codec '" << p.codec
+    << "' --bucket-mb " << p.bucket_mb << " --first-bucket-mb " << p.first_bucket_mb
+    << " --accumulate " << p.accumulate << " --zero " << p.zero << " --step-ahead "
+    << (p.step_ahead ? 1 : 0) << (p.overlap ? "" : " --no-overlap");
+  return o.str();
+}
+
+// Runs `plan` for `steps` steps under GRADSYNC_TIMELINE and returns its measured median step
+// (read_trace); negative if the run failed.
+double measure(const Flags& flags, const gradsync::advise::Workload& w, const Plan& plan) {
+  char dir[] = "/tmp/gradsync-advise.XXXXXX";
+  if (!::mkdtemp(dir)) return -1;
+  const std::string trace = std::string(dir) + "/trace.json";
+  const std::string command = "GRADSYNC_TIMELINE=" + trace + " " + sibling("gradsync-run") +
+                              " -n " + std::to_string(plan.ranks) + " -- " +
+                              sibling("gradsync-train") + train_flags(flags.model, w, plan) +
+                              " --quiet --max-steps " + std::to_string(flags.confirm_steps + 3) +
+                              " > " + dir + "/log 2>&1";
+  double step = -1;
+  if (std::system(command.c_str()) == 0) step = gradsync::advise::read_trace(trace).median.step_s;
+  std::filesystem::remove_all(dir);
+  return step;
+}
+
+void confirm(const Flags& flags, const gradsync::advise::Workload& w, const Prediction& now,
+             const std::vector<gradsync::advise::Recommendation>& changes) {
+  std::printf("\nconfirmed on this host (gradsync-train, %d steps each, median):\n",
+              flags.confirm_steps);
+  std::printf("%-34s %12s %12s %8s\n", "candidate", "predicted", "measured", "error");
+  auto row = [&](const std::string& label, const Plan& plan, const Prediction& p) {
+    const double measured = measure(flags, w, plan);
+    if (measured <= 0) {
+      std::printf("%-34s %12s %12s\n", label.c_str(), ms(p.step_s).c_str(), "(run failed)");
+      return;
+    }
+    std::printf("%-34s %12s %12s %+7.1f%%\n", label.c_str(), ms(p.step_s).c_str(),
+                ms(measured).c_str(), 100 * (p.step_s / measured - 1));
+  };
+  row("now", flags.plan, now);
+  for (std::size_t i = 0; i < changes.size() && i < 3; ++i) {
+    Plan plan = flags.plan;
+    const auto& r = changes[i];
+    if (r.knob == "bucket-mb") plan.bucket_mb = std::atof(r.proposed.c_str());
+    if (r.knob == "first-bucket-mb") plan.first_bucket_mb = std::atof(r.proposed.c_str());
+    if (r.knob == "codec") plan.codec = r.proposed;
+    if (r.knob == "accumulate") plan.accumulate = std::atoi(r.proposed.c_str());
+    if (r.knob == "overlap") plan.overlap = r.proposed == "on";
+    if (r.knob == "zero") plan.zero = std::atoi(r.proposed.c_str());
+    row(r.knob + "=" + r.proposed, plan, r.predicted);
+  }
+}
+
 int main(int argc, char** argv) {
   Flags flags = parse(argc, argv);
   try {
@@ -274,6 +361,7 @@ int main(int argc, char** argv) {
       std::printf("(change: time per sample; accumulation puts more samples in a step)\n");
     }
     if (!flags.plot.empty() && !plot(flags.plot, flags.plan, now, changes)) return 1;
+    if (flags.confirm_steps > 0) confirm(flags, workload, now, changes);
     if (!flags.json.empty()) {
       std::ofstream out(flags.json);
       gradsync::json::Writer w(out);
