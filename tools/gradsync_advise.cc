@@ -213,11 +213,7 @@ bool plot(const std::string& png, const Plan& plan, const Prediction& now,
           << p.optimizer_s * k << '\n';
     };
     row("now", now, plan.accumulate);
-    for (const auto& r : changes) {
-      int k = plan.accumulate;
-      if (r.knob == "accumulate") k = std::atoi(r.proposed.c_str());
-      row(r.knob + "=" + r.proposed, r.predicted, k);
-    }
+    for (const auto& r : changes) row(r.knob + "=" + r.proposed, r.predicted, r.plan.accumulate);
     if (!out) {
       std::fprintf(stderr, "gradsync-advise: %s\n", gradsync::flags::cannot_write(data).c_str());
       return false;
@@ -305,15 +301,8 @@ void confirm(const Flags& flags, const gradsync::advise::Workload& w, const Pred
   };
   row("now", flags.plan, now);
   for (std::size_t i = 0; i < changes.size() && i < 3; ++i) {
-    Plan plan = flags.plan;
     const auto& r = changes[i];
-    if (r.knob == "bucket-mb") plan.bucket_mb = std::atof(r.proposed.c_str());
-    if (r.knob == "first-bucket-mb") plan.first_bucket_mb = std::atof(r.proposed.c_str());
-    if (r.knob == "codec") plan.codec = r.proposed;
-    if (r.knob == "accumulate") plan.accumulate = std::atoi(r.proposed.c_str());
-    if (r.knob == "overlap") plan.overlap = r.proposed == "on";
-    if (r.knob == "zero") plan.zero = std::atoi(r.proposed.c_str());
-    row(r.knob + "=" + r.proposed, plan, r.predicted);
+    row(r.knob + "=" + r.proposed, r.plan, r.predicted);
   }
 }
 

@@ -370,10 +370,11 @@ void probe_codecs(gradsync::Context& ctx, const Flags& f, gradsync::advise::Prof
   for (std::size_t i = 0; i < names.size(); ++i) {
     time(names[i], specs[i]);
     // A quantised ring re-encodes at every hop without error feedback: that speed too.
-    if (gradsync::compress::make_codec(names[i] == "none" ? "none" : specs[i])->traits().pattern ==
+    if (gradsync::compress::make_codec(specs[i])->traits().pattern ==
         gradsync::compress::Pattern::kQuantizedRing) {
-      time(names[i] + ":ef=0",
-           specs[i] + (specs[i].find(':') == std::string::npos ? ":" : ",") + "ef=0");
+      auto raw = gradsync::compress::CodecSpec::parse(specs[i]);
+      raw.params["ef"] = 0;
+      time(names[i] + ":ef=0", raw.to_string());
     }
   }
 }

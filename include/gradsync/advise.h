@@ -176,7 +176,8 @@ TraceReport read_trace(const std::string& path);
 struct Recommendation {
   std::string knob;  // "bucket-mb", "codec", "accumulate", ...
   std::string now, proposed;
-  Prediction predicted;  // the plan with this one change
+  Plan plan;             // the plan with this one change
+  Prediction predicted;  // of `plan`
   double change = 0;     // predicted step over the current plan's, minus 1 (negative: faster)
   std::string why, risk;
 };

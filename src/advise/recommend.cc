@@ -122,7 +122,7 @@ std::vector<Recommendation> recommend(const Profile& profile, const Workload& wo
                       p.memory_per_rank_bytes <= profile.memory_bytes_per_rank;
     if (change >= -0.01 && !(current.bottleneck == "memory" && fits)) continue;
     out.push_back(
-        {c.knob, describe(plan, c.knob), c.proposed, std::move(p), change, c.why, c.risk});
+        {c.knob, describe(plan, c.knob), c.proposed, c.plan, std::move(p), change, c.why, c.risk});
   }
   std::stable_sort(out.begin(), out.end(), [](const Recommendation& a, const Recommendation& b) {
     return a.change < b.change;

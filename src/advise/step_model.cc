@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <sstream>
 
 #include "cost/cost_model.h"
@@ -56,7 +57,8 @@ class CallPricer {
     }
     if (plan.codec != "none") {
       codec_ = compress::make_codec(plan.codec);
-      const std::string name = plan.codec.substr(0, plan.codec.find(':'));
+      const auto spec = compress::CodecSpec::parse(codec_->spec());  // defaults filled in
+      const std::string& name = spec.name;
       const auto enc = profile.encode_gbps.find(name), dec = profile.decode_gbps.find(name);
       if (enc == profile.encode_gbps.end() || dec == profile.decode_gbps.end()) {
         throw invalid("profile '" + profile.name + "' has no encode and decode speed for codec '" +
@@ -67,16 +69,15 @@ class CallPricer {
       // A ring's hops re-encode without error feedback, at that speed where probed.
       const auto raw_encode = profile.encode_gbps.find(name + ":ef=0");
       reencode_gbps_ = raw_encode != profile.encode_gbps.end() ? raw_encode->second : encode_gbps_;
-      const std::string spec = codec_->spec();  // "powersgd:rank=4,ef=1"
-      const auto at = spec.find("rank=");
-      if (at != std::string::npos) powersgd_rank_ = std::stoul(spec.substr(at + 5));
+      powersgd_rank_ = static_cast<std::size_t>(spec.get("rank", 0));
+      holds_back_ = spec.get("ef", 0) == 1;
     }
   }
 
   bool whole_buckets() const { return !codec_ || codec_->traits().whole_buckets; }
-  // The codec keeps residuals (error feedback, "ef=1" in its canonical spec, PowerSGD's own
-  // included): what step-ahead steps by.
-  bool holds_back() const { return codec_ && codec_->spec().find("ef=1") != std::string::npos; }
+  // The codec keeps residuals (error feedback, PowerSGD's own included): what step-ahead
+  // steps by.
+  bool holds_back() const { return holds_back_; }
 
   // One call over a tensor (or a bucket) of `floats` floats; `rows`: its matrix rows, for
   // PowerSGD (0: a vector, or a bucket of several tensors).
@@ -202,6 +203,7 @@ class CallPricer {
   // This plan's ranks and hosts, per collective, by size.
   std::map<std::string, std::vector<Profile::Timed>> timed_;
   std::size_t powersgd_rank_ = 0;
+  bool holds_back_ = false;
   std::unique_ptr<compress::Codec> codec_;
   double encode_gbps_ = 0, decode_gbps_ = 0, reencode_gbps_ = 0;
 };
@@ -472,11 +474,10 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
     }
     const auto [backward_end, worker_end] =
         run_step(backward, p.buckets, waits_for, work, plan.overlap);
-    for (std::size_t b = 0; b < p.buckets.size(); ++b) {
-      double at = 0;
-      for (std::size_t l = 0; l <= waits_for[b]; ++l) at += backward[l];
-      p.buckets[b].ready_s = at;
-    }
+    std::vector<double> layer_end(backward.size());  // as if backward ran alone
+    std::partial_sum(backward.begin(), backward.end(), layer_end.begin());
+    for (std::size_t b = 0; b < p.buckets.size(); ++b)
+      p.buckets[b].ready_s = layer_end[waits_for[b]];
     last_micro_s = forward_s + std::max(backward_end, worker_end);
   } else {
     // As ZeroOptimizer::step: stage 1 all-reduces the whole gradient and uses its shard,
