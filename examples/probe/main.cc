@@ -1,8 +1,10 @@
 // gradsync-probe: measures what gradsync-advise needs to know of the cluster it runs on and
 // writes it as a hardware profile. Run it under gradsync-run with the ranks a job would use:
 // every rank computes, steps its optimizer and runs each codec at the same time as the others,
-// so the figures include the ranks' competition for cores and memory. Links: the cost-model
-// constants the context measured at start-up (Context::cost_model()).
+// so the figures include the ranks' competition for cores and memory. Links by ping-pong
+// between rank 0 and a rank of its host and of another host; the reduction speed, and the
+// links where the job has no such pair, from the context's start-up calibration
+// (Context::cost_model()).
 #include <sched.h>
 #include <unistd.h>
 
@@ -109,9 +111,9 @@ double timed(gradsync::Context& ctx, int repeats, const std::function<void()>& b
   std::vector<double> times;
   for (int r = 0; r < repeats; ++r) {
     ctx.barrier();
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = Clock::now();
     body();
-    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    times.push_back(since(t0));
   }
   return slowest_median(ctx, std::move(times));
 }
@@ -410,7 +412,6 @@ int main(int argc, char** argv) {
     if (mate > 0) p.intra = probe_link(*ctx, flags, mate);
     p.inter = remote > 0 ? probe_link(*ctx, flags, remote) : p.intra;
     p.reduce_gbps = constant(costs, "reduce_gbps", p.reduce_gbps);
-    p.copy_gbps = constant(costs, "copy_gbps", p.copy_gbps);
     probe_copy(*ctx, flags, p);
     if (ctx->size() > 1) probe_collectives(*ctx, flags, p);
     probe_compute(*ctx, flags, p);
