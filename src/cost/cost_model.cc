@@ -106,12 +106,25 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes, int hosts)
     }
     if (a == Algorithm::kHierarchical || a == Algorithm::kSharedMemory) a = Algorithm::kRing;
     if ((a == Algorithm::kRecursiveDoubling || a == Algorithm::kHalvingDoubling) && spread) {
-      // Their partners differ in one bit of the rank per step: where launchers number each
-      // host's ranks in a row (L a power of two), log2(L) of the log2(N) steps stay inside a
-      // host. Priced as that mix of the two links.
-      const double inside_share = std::log2(static_cast<double>(n / hosts)) / std::log2(n);
-      return inside_share * allreduce_us(a, n, bytes, 1) +
-             (1 - inside_share) * flat.allreduce_us(a, n, bytes, 1);
+      // Their partners differ in one bit of the rank per step. Launchers number each host's
+      // L ranks in a row, so partners under L apart share a host, and in the other log2(H)
+      // steps every rank of a host sends at once over the host's one link. Recursive doubling
+      // sends the whole message in each step; halving-doubling's reduce-scatter starts with
+      // the farthest partner (half the message across hosts, then a quarter, ...) and its
+      // all-gather ends with it, so the host's link carries L(H-1)/H of the message each way:
+      // L times what the hierarchical algorithm sends (measured: docs/performance-notes.md).
+      const int L = n / hosts;
+      const double S = static_cast<double>(bytes);
+      const double steps_across = log2_int(floor_pow2(hosts));
+      const double hfrac = (hosts - 1.0) / hosts;
+      const double local = p_.beta_us_per_byte() + p_.gamma_us_per_byte();  // stage and reduce
+      if (a == Algorithm::kRecursiveDoubling) {
+        return allreduce_us(a, L, bytes, 1) +
+               steps_across * (across.alpha_us + L * S * across.beta_us_per_byte() + S * local);
+      }
+      return allreduce_us(a, L, static_cast<std::size_t>(S / hosts), 1) +
+             2 * steps_across * across.alpha_us + 2 * L * hfrac * S * across.beta_us_per_byte() +
+             hfrac * S * local;
     }
     return flat.allreduce_us(a, n, bytes, 1);
   }
