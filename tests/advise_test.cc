@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -29,8 +30,7 @@ Profile simple_profile() {
   p.inter = {20.0, 1.0};
   p.compute_gflops = 100;
   p.optimizer_gbps = 10;
-  p.encode_gbps = {{"fp16", 10}, {"topk", 1}};
-  p.decode_gbps = {{"fp16", 10}, {"topk", 20}};
+  p.codecs = {{"fp16", {{0, 10, 10}}}, {"topk", {{0, 1, 20}}}};
   return p;
 }
 
@@ -181,7 +181,7 @@ TEST(AdvisePredict, Fp16HalvesTheWireBetweenHostsAndIsFreeInSharedMemory) {
 
 TEST(AdvisePredict, PowerSgdSendsFactorsOfMatricesAndVectorsWhole) {
   Profile profile = simple_profile();
-  profile.encode_gbps["powersgd"] = profile.decode_gbps["powersgd"] = 5;
+  profile.codecs["powersgd"] = {{0, 5, 5}};
   Workload w;
   w.batch = 1;
   w.layers = {{"fc", {{1024 * 512, 1024}, {1024, 0}}, 1e6, 2e6}};
@@ -191,10 +191,27 @@ TEST(AdvisePredict, PowerSgdSendsFactorsOfMatricesAndVectorsWhole) {
   EXPECT_EQ(p.wire_bytes_per_rank, (1024u * 4 + 512 * 4 + 1024) * 4);
 }
 
+TEST(AdvisePredict, CodecSpeedFollowsTheTensorSize) {
+  Profile profile = simple_profile();
+  const std::size_t small = std::size_t{1} << 20, large = std::size_t{16} << 20;
+  profile.codecs["topk"] = {{large, 1, 20}, {small, 2, 20}};  // any order
+  const auto codec_s = [&](std::size_t floats) {
+    return predict(profile, two_layers(floats), Plan{.ranks = 2, .codec = "topk:ratio=0.01"})
+        .codec_s;
+  };
+  // Two tensors, each encoded once and its peer's payload decoded once.
+  const auto expected = [](std::size_t floats, double encode_gbps) {
+    return 2 * 4.0 * floats * (1 / encode_gbps + 1 / 20.0) * 1e-9;
+  };
+  EXPECT_NEAR(codec_s(small / 4), expected(small / 4, 2), 1e-9);  // below: the smallest's
+  EXPECT_NEAR(codec_s(4 * small), expected(4 * small, std::sqrt(2.0)), 1e-9);  // halfway, log-log
+  EXPECT_NEAR(codec_s(2 * large), expected(2 * large, 1), 1e-9);  // beyond: the largest's
+}
+
 TEST(AdvisePredict, StepAheadPassesWhereACodecHoldsBack) {
   Profile profile = simple_profile();
   for (const char* name : {"int8", "powersgd", "fp16"}) {
-    profile.encode_gbps[name] = profile.decode_gbps[name] = 5;
+    profile.codecs[name] = {{0, 5, 5}};
   }
   const auto w = two_layers(1 << 20);
   for (const std::string codec :
@@ -382,8 +399,9 @@ TEST(AdviseProfile, JsonRoundTripAndRefusals) {
   EXPECT_EQ(back.name, p.name);
   EXPECT_EQ(back.cores_per_host, p.cores_per_host);
   EXPECT_EQ(back.inter.alpha_us, p.inter.alpha_us);
-  EXPECT_EQ(back.encode_gbps, p.encode_gbps);
-  EXPECT_EQ(back.decode_gbps, p.decode_gbps);
+  ASSERT_EQ(back.codecs.size(), p.codecs.size());
+  EXPECT_EQ(back.codecs.at("topk").front().encode_gbps, 1);
+  EXPECT_EQ(back.codecs.at("topk").front().decode_gbps, 20);
   { std::ofstream(path) << R"({"compute_gflops": -1})"; }
   expect_refusal([&] { load_profile(path); },
                  "profile " + path + ": every speed and cores_per_host must be above 0");
@@ -391,6 +409,58 @@ TEST(AdviseProfile, JsonRoundTripAndRefusals) {
   expect_refusal([&] { load_profile(path); }, "profile " + path + ": ");  // a string, not a number
   std::remove(path.c_str());
   expect_refusal([&] { load_profile(path); }, "profile " + path + ": cannot be opened");
+}
+
+TEST(AdviseCollective, ARingAtLargeSizesRunsAtTheLinksSpeed) {
+  Profile p = simple_profile();
+  p.shared_memory = false;  // a GPU's peers: no shared-memory all-reduce
+  p.reduce_gbps = 1e9;      // reduction free,
+  p.cache_mib = 1 << 20;    // and no memory traffic beyond the links':
+  const auto c = predict_collective(p, "allreduce", 8, 1, std::size_t{1} << 30);
+  EXPECT_EQ(c.algorithm, "ring");
+  EXPECT_NEAR(c.busbw_gbps, p.intra.bandwidth_gbps, 0.01);  // nccl-tests' bus bandwidth
+  EXPECT_NEAR(c.algbw_gbps * 2 * 7 / 8, c.busbw_gbps, 1e-9);
+  const auto gather = predict_collective(p, "allgather", 8, 1, std::size_t{1} << 30);
+  EXPECT_NEAR(gather.busbw_gbps, p.intra.bandwidth_gbps, 0.01);
+  // Between hosts: hierarchical, the links between hosts the limit.
+  const auto across = predict_collective(p, "allreduce", 16, 2, std::size_t{1} << 30);
+  EXPECT_EQ(across.algorithm, "hier");
+  EXPECT_LT(across.busbw_gbps, c.busbw_gbps);
+  // Small messages: fixed costs, so a lower bus bandwidth.
+  EXPECT_LT(predict_collective(p, "allreduce", 8, 1, 4096).busbw_gbps, 0.5 * c.busbw_gbps);
+  expect_refusal([&] { predict_collective(p, "broadcast", 8, 1, 4096); }, "collective 'broadcast'");
+  expect_refusal([&] { predict_collective(p, "allreduce", 6, 4, 4096); },
+                 "ranks must be a multiple");
+}
+
+TEST(AdviseCollective, TimedCurvesRuleWhereTheProfileHasThem) {
+  Profile p = simple_profile();
+  p.timed = {{"allreduce", 2, 1, 4096, 10}, {"allreduce", 2, 1, 4096 * 16, 40}};
+  const auto c = predict_collective(p, "allreduce", 2, 1, 4096 * 4);
+  EXPECT_EQ(c.algorithm, "timed");
+  EXPECT_NEAR(c.us, 20, 1e-9);  // log-log halfway between 10 and 40
+  EXPECT_NE(predict_collective(p, "allreduce", 4, 1, 4096 * 4).algorithm, "timed");  // other shape
+}
+
+// Every shipped profile loads, cites its sources, and predicts a plausible step for a model
+// on 2 hosts of its GPUs.
+TEST(AdviseProfile, ShippedProfilesLoadAndCiteTheirSources) {
+  int seen = 0;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(gradsync::testing::source_dir() + "/profiles")) {
+    if (entry.path().extension() != ".json") continue;
+    ++seen;
+    const Profile p = load_profile(entry.path().string());
+    SCOPED_TRACE(entry.path().string());
+    EXPECT_GE(p.sources.size(), 4u);
+    EXPECT_FALSE(p.shared_memory);  // GPU machines
+    EXPECT_GT(p.memory_bytes_per_rank, 0u);
+    const auto step = predict(p, model_workload("mlp", 64, "sgd"),
+                              Plan{.ranks = 16, .hosts = 2, .codec = "fp16"});
+    EXPECT_GT(step.step_s, step.compute_s);
+    EXPECT_LT(step.step_s, 1.0);
+  }
+  EXPECT_GE(seen, 8);
 }
 
 }  // namespace

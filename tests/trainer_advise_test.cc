@@ -57,8 +57,9 @@ TEST_F(TrainerAdvise, ProbedProfileDescribesTheRanks) {
     EXPECT_GT(t.us, 0);
   }
   for (const auto& name : compress::codec_names()) {
-    EXPECT_GT(p.encode_gbps.count(name), 0u) << name;
-    EXPECT_GT(p.decode_gbps.count(name), 0u) << name;
+    ASSERT_EQ(p.codecs.count(name), 1u) << name;
+    EXPECT_EQ(p.codecs.at(name).size(), 2u) << name;  // two tensor sizes
+    for (const auto& at : p.codecs.at(name)) EXPECT_GT(at.encode_gbps, 0) << name;
   }
 }
 

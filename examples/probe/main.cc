@@ -351,32 +351,39 @@ void probe_copy(gradsync::Context& ctx, const Flags& f, gradsync::advise::Profil
   p.copy_gbps = kBytes / seconds * 1e-9;
 }
 
+// Each codec at two tensor sizes, a matrix of 1 Mi floats and one of 16 Mi: top-k's selection
+// and the caches make the speed per byte fall with the size (the advisor interpolates).
 void probe_codecs(gradsync::Context& ctx, const Flags& f, gradsync::advise::Profile& p) {
-  constexpr std::size_t kRows = 2048, kFloats = kRows * kRows;  // 16 MiB: beyond the caches
-  std::vector<float> gradient(kFloats), decoded(kFloats);
   std::mt19937 gen(static_cast<unsigned>(ctx.rank()) + 1);
   std::normal_distribution<float> normal;
-  for (auto& g : gradient) g = normal(gen);
-  const double bytes = kFloats * sizeof(float);
   const auto names = gradsync::compress::codec_names();
   const auto specs = gradsync::compress::codec_examples();
-  const auto time = [&](const std::string& key, const std::string& spec) {
-    auto codec = gradsync::compress::make_codec(spec);
-    const gradsync::compress::Tensor tensor("probe", kRows);
-    std::vector<std::uint8_t> payload;
-    p.encode_gbps[key] =
-        bytes / timed(ctx, f.repeats, [&] { codec->encode(tensor, gradient, payload); }) * 1e-9;
-    p.decode_gbps[key] =
-        bytes / timed(ctx, f.repeats, [&] { codec->decode_add(payload, decoded); }) * 1e-9;
-  };
-  for (std::size_t i = 0; i < names.size(); ++i) {
-    time(names[i], specs[i]);
-    // A quantised ring re-encodes at every hop without error feedback: that speed too.
-    if (gradsync::compress::make_codec(specs[i])->traits().pattern ==
-        gradsync::compress::Pattern::kQuantizedRing) {
-      auto raw = gradsync::compress::CodecSpec::parse(specs[i]);
-      raw.params["ef"] = 0;
-      time(names[i] + ":ef=0", raw.to_string());
+  for (const std::size_t rows : {std::size_t{1024}, std::size_t{4096}}) {
+    const std::size_t floats = rows * rows;
+    std::vector<float> gradient(floats), decoded(floats);
+    for (auto& g : gradient) g = normal(gen);
+    const double bytes = static_cast<double>(floats * sizeof(float));
+    const auto time = [&](const std::string& key, const std::string& spec) {
+      auto codec = gradsync::compress::make_codec(spec);
+      const gradsync::compress::Tensor tensor("probe", rows);
+      std::vector<std::uint8_t> payload;
+      gradsync::advise::Profile::CodecSpeed speed;
+      speed.floats = floats;
+      speed.encode_gbps =
+          bytes / timed(ctx, f.repeats, [&] { codec->encode(tensor, gradient, payload); }) * 1e-9;
+      speed.decode_gbps =
+          bytes / timed(ctx, f.repeats, [&] { codec->decode_add(payload, decoded); }) * 1e-9;
+      p.codecs[key].push_back(speed);
+    };
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      time(names[i], specs[i]);
+      // A quantised ring re-encodes at every hop without error feedback: that speed too.
+      if (gradsync::compress::make_codec(specs[i])->traits().pattern ==
+          gradsync::compress::Pattern::kQuantizedRing) {
+        auto raw = gradsync::compress::CodecSpec::parse(specs[i]);
+        raw.params["ef"] = 0;
+        time(names[i] + ":ef=0", raw.to_string());
+      }
     }
   }
 }

@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "gradsync/types.h"
+
 namespace gradsync::advise {
 
 // One class of link: between ranks of one host, or between hosts.
@@ -29,6 +31,18 @@ struct Profile {
   Link inter;                        // hosts
   double reduce_gbps = 10.0;         // reduction throughput over the input bytes
   double copy_gbps = 10.0;           // one rank's memcpy beyond the cache, payload bytes/s
+  // The memory a host's ranks keep their collectives' buffers in without a cost beyond the
+  // links', MiB, all ranks of a host together: the last-level cache of a CPU (beyond it the
+  // cost model adds main-memory traffic); for GPUs, their memories, which their collectives
+  // read at several times the links' speed, in the same pass as they transfer.
+  double cache_mib = 32;
+  // Ranks of one host may use gradsync's shared-memory all-reduce: processes on CPUs, not
+  // GPUs (whose peers are reached over NVLink or PCIe, by the ring and its relatives).
+  bool shared_memory = true;
+  // Reductions run in the same pass as the transfers and cost no time of their own: GPUs,
+  // whose collective kernels add what arrives at memory speed, several times the links'.
+  // On CPUs the cores that reduce also move the bytes: reduce_gbps adds its time.
+  bool reduce_in_transfer = false;
   // Compute speed of one rank while every rank of its host computes, 1e9 FLOP/s; and the
   // optimizer's memory traffic rate, bytes/s, likewise.
   double compute_gflops = 20.0;
@@ -51,20 +65,28 @@ struct Profile {
     double us = 0;
   };
   std::vector<Timed> timed;
-  // Codec throughput over the float32 gradient bytes, per codec name ("int8", "topk", ...):
-  // encode, and decode (decode_add) of one payload. A codec missing here is refused.
+  // Codec throughput over the float32 gradient bytes: encode, and decode (decode_add) of one
+  // payload, for a tensor of `floats` floats (0: any size). Top-k's selection and the caches
+  // make the speed depend on the size: a call between two timed sizes is priced on a
+  // log-log line through them, beyond them at the nearest.
+  struct CodecSpeed {
+    std::size_t floats = 0;
+    double encode_gbps = 0, decode_gbps = 0;
+  };
+  // Per codec name ("int8", "topk", ...), by size; a codec missing here is refused.
   // "int8:ef=0" and the like: without error feedback, as a quantised ring re-encodes at
   // every hop.
-  std::map<std::string, double> encode_gbps, decode_gbps;
+  std::map<std::string, std::vector<CodecSpeed>> codecs;
 };
 
 // A profile from its JSON file: {"name", "sources": [...], "cores_per_host",
 // "intra": {"alpha_us", "bandwidth_gbps"}, "inter": {...}, "reduce_gbps", "copy_gbps",
+// "cache_mib", "shared_memory", "reduce_in_transfer",
 // "compute_gflops", "optimizer_gbps", "memory_bytes_per_rank", "overlap_compute_speed",
-// "overlap_comm_speed", "overlap_codec_compute_speed", "overlap_codec_speed", "encode_gbps":
-// {codec: GB/s}, "decode_gbps": {...}, "allreduce": [{"ranks", "hosts", "bytes", "us"}, ...]}; a
-// field left out keeps Profile's default. Throws Error(kInvalidArgument) naming the file and the
-// field it cannot read.
+// "overlap_comm_speed", "overlap_codec_compute_speed", "overlap_codec_speed", "codecs":
+// {codec: [{"floats", "encode_gbps", "decode_gbps"}, ...]}, "timed": [{"collective", "ranks",
+// "hosts", "bytes", "us"}, ...]}; a field left out keeps Profile's default. Throws
+// Error(kInvalidArgument) naming the file and the field it cannot read.
 Profile load_profile(const std::string& path);
 // The same JSON (gradsync-probe writes it).
 std::string profile_json(const Profile& profile);
@@ -154,6 +176,23 @@ struct Prediction {
 // The step of `plan` on `profile`. Throws Error(kInvalidArgument) for a plan it cannot model
 // (ranks not a multiple of hosts, an unknown codec or one the profile has no speed for).
 Prediction predict(const Profile& profile, const Workload& workload, const Plan& plan);
+
+// One float32 collective alone, as nccl-tests times it: "allreduce", "reduce_scatter" or
+// "allgather" of `bytes` (the whole vector: every rank's share together) over `ranks` ranks
+// spread evenly over `hosts` hosts, on `profile` (its timed curves at that shape, else the
+// cost model's pick). Bus bandwidth as nccl-tests defines it: the algorithm bandwidth
+// (bytes / time) times 2(N-1)/N for an all-reduce, (N-1)/N for the others, so that it reads
+// against a link's speed whatever N.
+struct CollectivePrediction {
+  double us = 0;
+  double algbw_gbps = 0, busbw_gbps = 0;
+  std::string algorithm;  // to_string(Algorithm): "ring", "hier", ...; "timed" off a curve
+};
+// `algorithm`: priced as that all-reduce algorithm (nccl-tests' NCCL_ALGO=Ring is kRing);
+// kAuto: as gradsync would pick.
+CollectivePrediction predict_collective(const Profile& profile, const std::string& collective,
+                                        int ranks, int hosts, std::size_t bytes,
+                                        Algorithm algorithm = Algorithm::kAuto);
 
 // What a GRADSYNC_TIMELINE trace of a training run measured (gradsync-train's spans: compute,
 // comm, wait, pack, optimizer; a step ends with its optimizer span). Per step, the slowest

@@ -45,6 +45,9 @@ Profile load_profile(const std::string& path) {
     take_link(j, "inter", p.inter);
     take(j, "reduce_gbps", p.reduce_gbps);
     take(j, "copy_gbps", p.copy_gbps);
+    take(j, "cache_mib", p.cache_mib);
+    take(j, "shared_memory", p.shared_memory);
+    take(j, "reduce_in_transfer", p.reduce_in_transfer);
     take(j, "compute_gflops", p.compute_gflops);
     take(j, "optimizer_gbps", p.optimizer_gbps);
     take(j, "memory_bytes_per_rank", p.memory_bytes_per_rank);
@@ -52,8 +55,22 @@ Profile load_profile(const std::string& path) {
     take(j, "overlap_comm_speed", p.overlap_comm_speed);
     take(j, "overlap_codec_compute_speed", p.overlap_codec_compute_speed);
     take(j, "overlap_codec_speed", p.overlap_codec_speed);
-    take(j, "encode_gbps", p.encode_gbps);
-    take(j, "decode_gbps", p.decode_gbps);
+    if (j.contains("codecs")) {
+      for (const auto& [name, speeds] : j.at("codecs").items()) {
+        for (const json& at : speeds) {
+          Profile::CodecSpeed speed;
+          take(at, "floats", speed.floats);
+          speed.encode_gbps = at.at("encode_gbps").get<double>();
+          speed.decode_gbps = at.at("decode_gbps").get<double>();
+          if (!(speed.encode_gbps > 0 && speed.decode_gbps > 0)) {
+            throw unreadable(path,
+                             "codec '" + name + "': encode_gbps and decode_gbps must be above 0");
+          }
+          p.codecs[name].push_back(speed);
+        }
+        if (p.codecs[name].empty()) throw unreadable(path, "codec '" + name + "' has no speeds");
+      }
+    }
     if (j.contains("timed")) {
       for (const json& t : j.at("timed")) {
         p.timed.push_back({t.at("collective").get<std::string>(), t.at("ranks").get<int>(),
@@ -76,7 +93,7 @@ Profile load_profile(const std::string& path) {
   const bool positive = p.cores_per_host > 0 && p.intra.alpha_us >= 0 &&
                         p.intra.bandwidth_gbps > 0 && p.inter.alpha_us >= 0 &&
                         p.inter.bandwidth_gbps > 0 && p.reduce_gbps > 0 && p.copy_gbps > 0 &&
-                        p.compute_gflops > 0 && p.optimizer_gbps > 0 &&
+                        p.cache_mib >= 0 && p.compute_gflops > 0 && p.optimizer_gbps > 0 &&
                         fraction(p.overlap_compute_speed) && fraction(p.overlap_comm_speed) &&
                         fraction(p.overlap_codec_compute_speed) && fraction(p.overlap_codec_speed);
   if (!positive)
@@ -142,15 +159,24 @@ std::string profile_json(const Profile& p) {
       {"inter", {{"alpha_us", p.inter.alpha_us}, {"bandwidth_gbps", p.inter.bandwidth_gbps}}},
       {"reduce_gbps", p.reduce_gbps},
       {"copy_gbps", p.copy_gbps},
+      {"cache_mib", p.cache_mib},
+      {"shared_memory", p.shared_memory},
+      {"reduce_in_transfer", p.reduce_in_transfer},
       {"compute_gflops", p.compute_gflops},
       {"optimizer_gbps", p.optimizer_gbps},
       {"memory_bytes_per_rank", p.memory_bytes_per_rank},
       {"overlap_compute_speed", p.overlap_compute_speed},
       {"overlap_comm_speed", p.overlap_comm_speed},
       {"overlap_codec_compute_speed", p.overlap_codec_compute_speed},
-      {"overlap_codec_speed", p.overlap_codec_speed},
-      {"encode_gbps", p.encode_gbps},
-      {"decode_gbps", p.decode_gbps}};
+      {"overlap_codec_speed", p.overlap_codec_speed}};
+  json codecs = json::object();
+  for (const auto& [name, speeds] : p.codecs) {
+    for (const auto& at : speeds) {
+      codecs[name].push_back({{"floats", at.floats},
+                              {"encode_gbps", at.encode_gbps},
+                              {"decode_gbps", at.decode_gbps}});
+    }
+  }
   json timed = json::array();
   for (const auto& t : p.timed) {
     timed.push_back({{"collective", t.collective},
@@ -160,6 +186,7 @@ std::string profile_json(const Profile& p) {
                      {"us", t.us}});
   }
   json out = j;
+  out["codecs"] = codecs;
   out["timed"] = timed;
   return out.dump(2) + "\n";
 }

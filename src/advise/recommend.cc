@@ -57,10 +57,7 @@ std::vector<Candidate> candidates(const Profile& profile, const Plan& now) {
          "rank 4 within 0.3 points on the MLP (BENCHMARKS.md, convergence)"},
     };
     for (const auto& c : kCodecs) {
-      if (now.codec.rfind(c.name, 0) == 0 || !profile.encode_gbps.count(c.name) ||
-          !profile.decode_gbps.count(c.name)) {
-        continue;
-      }
+      if (now.codec.rfind(c.name, 0) == 0 || !profile.codecs.count(c.name)) continue;
       Plan p = now;
       p.codec = c.spec;
       out.push_back(

@@ -29,8 +29,10 @@ cost::CostModel cost_model_of(const Profile& p) {
   cost::LinkParams l;
   l.alpha_us = p.intra.alpha_us;
   l.bandwidth_gbps = p.intra.bandwidth_gbps;
-  l.reduce_gbps = p.reduce_gbps;
+  // A reduction that runs in the transfer's pass adds no time: as if infinitely fast.
+  l.reduce_gbps = p.reduce_in_transfer ? std::numeric_limits<double>::infinity() : p.reduce_gbps;
   l.copy_gbps = p.copy_gbps;
+  l.cache_mib = p.cache_mib;
   l.inter_alpha_us = p.inter.alpha_us;
   l.inter_bandwidth_gbps = p.inter.bandwidth_gbps;
   return cost::CostModel(l);
@@ -46,10 +48,14 @@ struct CallCost {
 
 class CallPricer {
  public:
-  CallPricer(const Profile& profile, const Plan& plan)
-      : profile_(profile), plan_(plan), model_(cost_model_of(profile)) {
+  // `algorithm`: every all-reduce by that one, priced by the cost model; kAuto: the timed
+  // curves where the profile has them, else the cost model's pick.
+  CallPricer(const Profile& profile, const Plan& plan, Algorithm algorithm = Algorithm::kAuto)
+      : profile_(profile), plan_(plan), model_(cost_model_of(profile)), algorithm_(algorithm) {
     for (const auto& t : profile.timed) {
-      if (t.ranks == plan.ranks && t.hosts == plan.hosts) timed_[t.collective].push_back(t);
+      if (algorithm == Algorithm::kAuto && t.ranks == plan.ranks && t.hosts == plan.hosts) {
+        timed_[t.collective].push_back(t);
+      }
     }
     for (auto& [name, curve] : timed_) {
       std::sort(curve.begin(), curve.end(),
@@ -59,16 +65,15 @@ class CallPricer {
       codec_ = compress::make_codec(plan.codec);
       const auto spec = compress::CodecSpec::parse(codec_->spec());  // defaults filled in
       const std::string& name = spec.name;
-      const auto enc = profile.encode_gbps.find(name), dec = profile.decode_gbps.find(name);
-      if (enc == profile.encode_gbps.end() || dec == profile.decode_gbps.end()) {
+      const auto speeds = profile.codecs.find(name);
+      if (speeds == profile.codecs.end() || speeds->second.empty()) {
         throw invalid("profile '" + profile.name + "' has no encode and decode speed for codec '" +
                       name + "'");
       }
-      encode_gbps_ = enc->second;
-      decode_gbps_ = dec->second;
+      speeds_ = by_size(speeds->second);
       // A ring's hops re-encode without error feedback, at that speed where probed.
-      const auto raw_encode = profile.encode_gbps.find(name + ":ef=0");
-      reencode_gbps_ = raw_encode != profile.encode_gbps.end() ? raw_encode->second : encode_gbps_;
+      const auto raw = profile.codecs.find(name + ":ef=0");
+      reencode_speeds_ = raw != profile.codecs.end() ? by_size(raw->second) : speeds_;
       powersgd_rank_ = static_cast<std::size_t>(spec.get("rank", 0));
       holds_back_ = spec.get("ef", 0) == 1;
     }
@@ -88,8 +93,12 @@ class CallPricer {
     const std::size_t raw = floats * sizeof(float);
     const auto pattern = codec_ ? codec_->traits().pattern : compress::Pattern::kFloat32;
     const std::size_t cols = rows ? floats / rows : 0;
+    const double encode_gbps =
+        codec_ ? speed_at(speeds_, floats, &Profile::CodecSpeed::encode_gbps) : 0;
+    const double decode_gbps =
+        codec_ ? speed_at(speeds_, floats, &Profile::CodecSpeed::decode_gbps) : 0;
     const bool low_rank = pattern == compress::Pattern::kLowRank;
-    const bool fused_in_shm = pattern == compress::Pattern::kHalfRing && plan_.hosts == 1 &&
+    const bool fused_in_shm = pattern == compress::Pattern::kHalfRing && in_shared_memory() &&
                               model_.choose_allreduce(n, raw, true, 1) == Algorithm::kSharedMemory;
     if (fused_in_shm) {
       // The shared-memory all-reduce rounds its sums to 16 bits as it copies: a float32
@@ -102,14 +111,14 @@ class CallPricer {
       const std::size_t r = std::min({powersgd_rank_, rows, cols});
       add_allreduce(c, rows * r * sizeof(float));
       add_allreduce(c, cols * r * sizeof(float));
-      c.codec_us = raw * 1e-3 / encode_gbps_ + raw * 1e-3 / decode_gbps_;
+      c.codec_us = raw * 1e-3 / encode_gbps + raw * 1e-3 / decode_gbps;
     } else if (pattern == compress::Pattern::kGather || pattern == compress::Pattern::kIndexUnion) {
       // Every rank's payload to every rank, each decoded and added.
       const std::size_t payload = codec_->encoded_bytes(floats);
       c.us = gather_us(payload * static_cast<std::size_t>(n));
       c.latency_us = gather_us(0);
       c.wire_bytes = payload * static_cast<std::size_t>(n - 1);
-      c.codec_us = raw * 1e-3 / encode_gbps_ + (n - 1) * raw * 1e-3 / decode_gbps_;
+      c.codec_us = raw * 1e-3 / encode_gbps + (n - 1) * raw * 1e-3 / decode_gbps;
     } else {
       add_allreduce(c, codec_ ? codec_->encoded_bytes(floats) : raw);
       if (codec_) {
@@ -118,17 +127,32 @@ class CallPricer {
         const bool per_hop =
             pattern == compress::Pattern::kHalfRing || pattern == compress::Pattern::kQuantizedRing;
         const double hops = per_hop ? static_cast<double>(n - 1) / n : 0;
+        const double reencode_gbps =
+            speed_at(reencode_speeds_, floats, &Profile::CodecSpeed::encode_gbps);
         c.codec_us =
-            raw * 1e-3 * ((1 + hops) / decode_gbps_ + 1 / encode_gbps_ + hops / reencode_gbps_);
+            raw * 1e-3 * ((1 + hops) / decode_gbps + 1 / encode_gbps + hops / reencode_gbps);
       }
     }
     const double wire_us = c.us;
     c.us += c.codec_us;
-    // On one host every byte moves through the cores (shared memory); across hosts the cores
-    // reduce what arrives and run the codec, and the links do the rest.
-    c.cpu_us =
-        plan_.hosts == 1 ? c.us : c.codec_us + std::min(wire_us, raw * 1e-3 / profile_.reduce_gbps);
+    // Ranks sharing a host's memory move every byte through the cores; otherwise the cores
+    // (or a GPU's) reduce what arrives and run the codec, and the links do the rest.
+    c.cpu_us = in_shared_memory()
+                   ? c.us
+                   : c.codec_us + std::min(wire_us, raw * 1e-3 / profile_.reduce_gbps);
     return c;
+  }
+
+  // What prices a float32 `collective` of `bytes`: "timed" where the profile's curves do,
+  // else the cost model's all-reduce pick (a reduce-scatter is half of it) or the ring
+  // all-gather.
+  std::string algorithm(const std::string& collective, std::size_t bytes) const {
+    const bool from_curve = collective == "allreduce" ? timed("allreduce") != nullptr
+                                                      : timed(collective) || timed("allreduce");
+    if (from_curve) return "timed";
+    if (collective == "allgather") return "ring";
+    if (algorithm_ != Algorithm::kAuto) return to_string(algorithm_);
+    return to_string(model_.choose_allreduce(plan_.ranks, bytes, in_shared_memory(), plan_.hosts));
   }
 
   // ZeRO: the gradients reduce-scattered (half a ring all-reduce) and the updated parameters
@@ -158,7 +182,9 @@ class CallPricer {
       c.us += interpolate(*curve, bytes);
       c.latency_us += curve->front().us;
     } else {
-      const Algorithm a = model_.choose_allreduce(n, bytes, plan_.hosts == 1, plan_.hosts);
+      const Algorithm a = algorithm_ != Algorithm::kAuto
+                              ? algorithm_
+                              : model_.choose_allreduce(n, bytes, in_shared_memory(), plan_.hosts);
       c.us += model_.allreduce_us(a, n, bytes, plan_.hosts);
       c.latency_us += model_.allreduce_us(a, n, 0, plan_.hosts);
     }
@@ -175,6 +201,31 @@ class CallPricer {
     if (const auto* curve = timed("allreduce")) return interpolate(*curve, total_bytes) / 2;
     return model_.allgather_us(plan_.ranks, total_bytes, plan_.hosts);
   }
+
+  static std::vector<Profile::CodecSpeed> by_size(std::vector<Profile::CodecSpeed> speeds) {
+    std::sort(speeds.begin(), speeds.end(),
+              [](const auto& a, const auto& b) { return a.floats < b.floats; });
+    return speeds;
+  }
+  // On a log-log line through the two timed sizes around `floats`; beyond them, the nearest.
+  static double speed_at(const std::vector<Profile::CodecSpeed>& speeds, std::size_t floats,
+                         double Profile::CodecSpeed::*gbps) {
+    if (floats <= speeds.front().floats || speeds.size() == 1) return speeds.front().*gbps;
+    for (std::size_t i = 1; i < speeds.size(); ++i) {
+      const auto& lo = speeds[i - 1];
+      const auto& hi = speeds[i];
+      if (floats <= hi.floats) {
+        if (lo.floats == 0) return hi.*gbps;  // "any size" beside timed sizes: those rule
+        const double x = std::log(static_cast<double>(floats) / lo.floats) /
+                         std::log(static_cast<double>(hi.floats) / lo.floats);
+        return std::exp(std::log(lo.*gbps) + x * std::log(hi.*gbps / lo.*gbps));
+      }
+    }
+    return speeds.back().*gbps;
+  }
+
+  // The shared-memory all-reduce is open to the plan: one host whose ranks share memory.
+  bool in_shared_memory() const { return plan_.hosts == 1 && profile_.shared_memory; }
 
   const std::vector<Profile::Timed>* timed(const std::string& collective) const {
     const auto it = timed_.find(collective);
@@ -200,12 +251,13 @@ class CallPricer {
   const Profile& profile_;
   const Plan& plan_;
   cost::CostModel model_;
+  Algorithm algorithm_;
   // This plan's ranks and hosts, per collective, by size.
   std::map<std::string, std::vector<Profile::Timed>> timed_;
   std::size_t powersgd_rank_ = 0;
   bool holds_back_ = false;
   std::unique_ptr<compress::Codec> codec_;
-  double encode_gbps_ = 0, decode_gbps_ = 0, reencode_gbps_ = 0;
+  std::vector<Profile::CodecSpeed> speeds_, reencode_speeds_;  // by size
 };
 
 // A stretch of a bucket's work on the worker. While backward also runs, each goes at its
@@ -368,6 +420,41 @@ std::size_t Workload::parameters() const {
   std::size_t n = 0;
   for (const auto& l : layers) n += l.parameters();
   return n;
+}
+
+CollectivePrediction predict_collective(const Profile& profile, const std::string& collective,
+                                        int ranks, int hosts, std::size_t bytes,
+                                        Algorithm algorithm) {
+  if (ranks < 1 || hosts < 1 || ranks % hosts != 0 || bytes < sizeof(float)) {
+    throw invalid(collective + " of " + std::to_string(bytes) + " bytes over " +
+                  std::to_string(ranks) + " ranks on " + std::to_string(hosts) +
+                  " hosts: ranks must be a multiple of hosts, and bytes at least one float");
+  }
+  Plan plan;
+  plan.ranks = ranks;
+  plan.hosts = hosts;
+  const CallPricer pricer(profile, plan, algorithm);
+  const std::size_t floats = bytes / sizeof(float);
+  const double n = ranks;
+  CollectivePrediction c;
+  double bus_factor = (n - 1) / n;
+  if (collective == "allreduce") {
+    c.us = pricer.allreduce(floats).us;
+    bus_factor *= 2;
+  } else if (collective == "reduce_scatter") {
+    c.us = pricer.reduce_scatter_us(floats);
+  } else if (collective == "allgather") {
+    c.us = pricer.allgather_us(floats);
+  } else {
+    throw invalid("collective '" + collective +
+                  "': the model knows allreduce, reduce_scatter and allgather");
+  }
+  c.algorithm = ranks > 1 ? pricer.algorithm(collective, bytes) : "none";
+  if (c.us > 0) {
+    c.algbw_gbps = static_cast<double>(bytes) / c.us * 1e-3;
+    c.busbw_gbps = c.algbw_gbps * bus_factor;
+  }
+  return c;
 }
 
 Prediction predict(const Profile& profile, const Workload& workload, const Plan& plan) {
