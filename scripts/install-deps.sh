@@ -12,6 +12,8 @@ packages=(
   libtorch-dev pybind11-dev python3-numpy python3-pytest  # the Python package and torch backend
   libopenblas-dev zlib1g-dev dataset-fashion-mnist        # the trainer: BLAS, gzip, its data set
   nlohmann-json3-dev                                      # the advisor's profiles (JSON)
+  python3-torchvision                                     # bench/advise/published.py: the layers
+                                                          # of published models (ResNet, VGG, ...)
   iproute2 procps psmisc                                  # launcher/failure tests (ip, pkill, fuser),
                                                           # network-namespace hosts (ip netns, tc)
   gnuplot-nox                                             # bench/netns scaling plot

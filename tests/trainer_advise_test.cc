@@ -125,6 +125,28 @@ TEST_F(TrainerAdvise, ConfirmRunsTheCandidates) {
   EXPECT_FALSE(testing::contains(r.output, "(run failed)")) << r.output;
 }
 
+// A shipped GPU profile, as nccl-tests would be read: one size, a given algorithm, as JSON.
+TEST(AdviseCollectiveTool, PredictsNcclTestsStyleBusBandwidth) {
+  const std::string json = ::testing::TempDir() + "advise_collective.json";
+  const auto r =
+      testing::run_shell(tool("/tools/gradsync-advise") + " --profile " + testing::source_dir() +
+                         "/profiles/dgx-h100-8xndr.json --collective allreduce --ranks "
+                         "8 --bytes 4294967296 --algo ring --json " +
+                         json + " 2>&1");
+  ASSERT_EQ(r.exit_code(), 0) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "allreduce, 8 ranks on 1 hosts")) << r.output;
+  std::stringstream text;
+  text << std::ifstream(json).rdbuf();
+  EXPECT_TRUE(testing::contains(text.str(), "\"bytes\": 4294967296")) << text.str();
+  EXPECT_TRUE(testing::contains(text.str(), "\"algorithm\": \"ring\"")) << text.str();
+  // The profile's NVLink rate is its ring's bus bandwidth: the reduction rides the transfer.
+  const auto p = advise::load_profile(testing::source_dir() + "/profiles/dgx-h100-8xndr.json");
+  const auto c =
+      advise::predict_collective(p, "allreduce", 8, 1, std::size_t{1} << 32, Algorithm::kRing);
+  EXPECT_NEAR(c.busbw_gbps, p.intra.bandwidth_gbps, 0.01 * p.intra.bandwidth_gbps);
+  std::remove(json.c_str());
+}
+
 TEST_F(TrainerAdvise, BadFlagsAndProfilesAreRefused) {
   const std::string advise = tool("/tools/gradsync-advise");
   const std::pair<std::string, const char*> cases[] = {
@@ -139,6 +161,10 @@ TEST_F(TrainerAdvise, BadFlagsAndProfilesAreRefused) {
       {"--profile " + profile_ + " --bucket-mb 0", "--bucket-mb: '0' is not a number in (0, "},
       {"--profile " + profile_ + " --layers x.json --model cnn", "--layers FILE or --model"},
       {"--profile " + profile_ + " --layers /nonexistent.json", "workload /nonexistent.json"},
+      {"--profile " + profile_ + " --collective bcast", "--collective: 'bcast' is not"},
+      {"--profile " + profile_ + " --bytes 4096", "--bytes and --algo go with --collective"},
+      {"--profile " + profile_ + " --collective allreduce --algo tree", "unknown algorithm 'tree'"},
+      {"--collective allreduce", "--profile FILE"},
   };
   for (const auto& [args, want] : cases) {
     const auto r = testing::run_shell(advise + " " + args + " 2>&1");

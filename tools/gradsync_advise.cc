@@ -41,6 +41,13 @@ The cluster:
   --link-gbps G        bandwidth between hosts, 1e9 B/s (overrides the profile's)
   --latency-us U       latency between hosts (overrides the profile's)
   --cores-per-host C   (overrides the profile's)
+Collectives alone:
+  --collective NAME    allreduce, reduce_scatter or allgather: its predicted time, algorithm
+                       and bus bandwidth (as nccl-tests reports it) from 4 KiB to 1 GiB, on
+                       the cluster, instead of a training step
+  --bytes B            that size alone
+  --algo A             priced as that all-reduce algorithm (ring, rd, hd, hier, shm), as
+                       NCCL_ALGO=Ring fixes NCCL's (default: as gradsync picks)
 A run to explain:
   --trace FILE         a GRADSYNC_TIMELINE trace of gradsync-train: the measured breakdown
                        per step and bucket, and stragglers (with --profile, the prediction
@@ -59,9 +66,12 @@ Output:
 
 struct Flags {
   std::string model = "mlp", hidden, optimizer = "sgd", profile, json;
-  std::string layers;  // a workload file, in place of --model
-  std::string trace;   // a GRADSYNC_TIMELINE trace of a run
-  std::string plot;    // a PNG to draw
+  std::string layers;      // a workload file, in place of --model
+  std::string trace;       // a GRADSYNC_TIMELINE trace of a run
+  std::string plot;        // a PNG to draw
+  std::string collective;  // a collective to tabulate, instead of a training step
+  std::size_t bytes = 0;   // its one size; 0: 4 KiB to 1 GiB
+  gradsync::Algorithm algorithm = gradsync::Algorithm::kAuto;  // its all-reduce algorithm
   bool model_given = false, batch_given = false, optimizer_given = false, ranks_given = false;
   std::size_t batch = 64;
   Plan plan;
@@ -119,6 +129,14 @@ Flags parse(int argc, char** argv) {
       out.trace = v;
     else if (flag == "--plot")
       out.plot = v;
+    else if (flag == "--collective")
+      out.collective = v;
+    else if (flag == "--algo") {
+      const auto a = gradsync::parse_algorithm(v);
+      if (!a) usage_error("--algo: unknown algorithm '" + v + "'");
+      out.algorithm = *a;
+    } else if (flag == "--bytes")
+      out.bytes = static_cast<std::size_t>(f::integer(flag, v, 4, 1LL << 40, usage_error));
     else if (flag == "--confirm")
       out.confirm_steps = static_cast<int>(f::integer(flag, v, 3, 100000, usage_error));
     else if (flag == "--hosts")
@@ -137,6 +155,18 @@ Flags parse(int argc, char** argv) {
   }
   if (!out.layers.empty() && (out.model_given || !out.hidden.empty())) {
     usage_error("--layers FILE or --model, not both");
+  }
+  if (!out.collective.empty() &&
+      (out.profile.empty() || !out.trace.empty() || out.confirm_steps > 0 || !out.plot.empty())) {
+    usage_error("--collective needs --profile, and goes without --trace, --confirm and --plot");
+  }
+  if (!out.collective.empty() && out.collective != "allreduce" &&
+      out.collective != "reduce_scatter" && out.collective != "allgather") {
+    usage_error("--collective: '" + out.collective +
+                "' is not allreduce, reduce_scatter or allgather");
+  }
+  if ((out.bytes > 0 || out.algorithm != gradsync::Algorithm::kAuto) && out.collective.empty()) {
+    usage_error("--bytes and --algo go with --collective");
   }
   if (out.confirm_steps > 0 && (!out.layers.empty() || out.plan.hosts > 1)) {
     usage_error(
@@ -240,6 +270,54 @@ bool plot(const std::string& png, const Plan& plan, const Prediction& now,
   return true;
 }
 
+// The collective's predicted time and bus bandwidth from 4 KiB to 1 GiB, as nccl-tests
+// prints its measurements; and as JSON.
+int tabulate(const Flags& flags, const Profile& profile) {
+  const auto& plan = flags.plan;
+  std::printf("%s, %d ranks on %d hosts (%s), float32, predicted\n", flags.collective.c_str(),
+              plan.ranks, plan.hosts, profile.name.c_str());
+  std::printf("%12s %12s %12s %12s  %s\n", "bytes", "time (us)", "algbw (GB/s)", "busbw (GB/s)",
+              "algorithm");
+  std::vector<std::pair<std::size_t, gradsync::advise::CollectivePrediction>> rows;
+  std::vector<std::size_t> sizes;
+  for (std::size_t bytes = 4096; bytes <= (std::size_t{1} << 30); bytes *= 4)
+    sizes.push_back(bytes);
+  if (flags.bytes > 0) sizes = {flags.bytes};
+  for (const std::size_t bytes : sizes) {
+    const auto c = gradsync::advise::predict_collective(profile, flags.collective, plan.ranks,
+                                                        plan.hosts, bytes, flags.algorithm);
+    std::printf("%12zu %12.1f %12.2f %12.2f  %s\n", bytes, c.us, c.algbw_gbps, c.busbw_gbps,
+                c.algorithm.c_str());
+    rows.emplace_back(bytes, c);
+  }
+  if (flags.json.empty()) return 0;
+  std::ofstream out(flags.json);
+  gradsync::json::Writer w(out);
+  w.begin_object()
+      .field("collective", flags.collective)
+      .field("ranks", plan.ranks)
+      .field("hosts", plan.hosts)
+      .field("profile", profile.name);
+  w.key("sizes").begin_array();
+  for (const auto& [bytes, c] : rows) {
+    w.begin_object()
+        .field("bytes", bytes)
+        .field("us", c.us)
+        .field("algbw_gbps", c.algbw_gbps)
+        .field("busbw_gbps", c.busbw_gbps)
+        .field("algorithm", c.algorithm)
+        .end_object();
+  }
+  w.end_array().end_object();
+  out << "\n";
+  if (!out) {
+    std::fprintf(stderr, "gradsync-advise: %s\n",
+                 gradsync::flags::cannot_write(flags.json).c_str());
+    return 1;
+  }
+  return 0;
+}
+
 // Where gradsync-run and gradsync-train are: beside this program (an install's bin/), or in
 // the build tree's tools/ and examples/.
 std::string sibling(const std::string& name) {
@@ -321,6 +399,7 @@ int main(int argc, char** argv) {
     if (flags.link_gbps > 0) profile.inter.bandwidth_gbps = flags.link_gbps;
     if (flags.latency_us >= 0) profile.inter.alpha_us = flags.latency_us;
     if (flags.cores_per_host > 0) profile.cores_per_host = flags.cores_per_host;
+    if (!flags.collective.empty()) return tabulate(flags, profile);
     auto workload = flags.layers.empty() ? gradsync::advise::model_workload(
                                                flags.model, flags.batch, flags.optimizer)
                                          : gradsync::advise::load_workload(flags.layers);
