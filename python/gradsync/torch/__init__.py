@@ -29,8 +29,10 @@ _check_torch_version()
 from ._backend import ProcessGroupGradsync, _create_process_group  # noqa: E402
 from . import hooks  # noqa: E402,F401
 from .observe import stats, write_timeline  # noqa: E402
+from .workload import save_workload, workload  # noqa: E402
 
 if not hasattr(dist.Backend, "GRADSYNC"):
     dist.Backend.register_backend("gradsync", _create_process_group)
 
-__all__ = ["ProcessGroupGradsync", "hooks", "stats", "write_timeline"]
+__all__ = ["ProcessGroupGradsync", "hooks", "save_workload", "stats", "workload",
+           "write_timeline"]
