@@ -335,7 +335,9 @@ TEST(AdviseWorkload, LayerListWithFlopsOrMeasuredTimes) {
 // A trace as gradsync-train writes one: per rank, per step, forward and backward (with a
 // nested layer span), two bucket all-reduces on the worker, a wait and the optimizer. Rank 1
 // computes 20% longer than rank 0 in every step.
-std::string synthetic_trace(int steps) {
+// gradsync-train's spans, or with `pytorch` gradsync.torch's (a "step" span from one DDP
+// forward to the next, forward and backward, and the calls as the backend names them).
+std::string synthetic_trace(int steps, bool pytorch = false) {
   std::ostringstream o;
   o << R"({"traceEvents":[)";
   bool first = true;
@@ -350,6 +352,14 @@ std::string synthetic_trace(int steps) {
     const double slow = rank == 1 ? 1.2 : 1.0;
     for (int i = 0; i < steps; ++i) {
       const double t = i * 100.0;  // each step 100 ms
+      if (pytorch) {
+        span("step " + std::to_string(i + 1), "step", rank, 0, t, 100);
+        span("forward", "compute", rank, 0, t, 10 * slow);
+        span("backward", "compute", rank, 0, t + 10 * slow, 20 * slow);
+        span("ALLREDUCE 4 KiB", "comm", rank, 1, t + 20, 2);
+        span("ALLREDUCE 16384 KiB", "comm", rank, 1, t + 40, 8);
+        continue;
+      }
       span("forward", "compute", rank, 0, t + 1, 10 * slow);
       span("backward", "compute", rank, 0, t + 1 + 10 * slow, 20 * slow);
       span("backward fc1", "compute", rank, 0, t + 2 + 10 * slow, 5);
@@ -388,6 +398,27 @@ TEST(AdviseTrace, MeasuredStepsBucketsAndStragglers) {
                  "holds 2 complete steps on every rank; at least 3 are needed");
   std::ofstream(path) << R"({"events": []})";
   expect_refusal([&] { read_trace(path); }, "trace " + path + ": ");  // no traceEvents
+  std::remove(path.c_str());
+}
+
+TEST(AdviseTrace, PyTorchStepsFromDdpForwardToForward) {
+  const std::string path = ::testing::TempDir() + "advise_torch_trace.json";
+  std::ofstream(path) << synthetic_trace(6, true);
+  const TraceReport t = read_trace(path);
+  EXPECT_EQ(t.ranks, 2);
+  EXPECT_EQ(t.steps, 6u);
+  // Both ranks' steps last 100 ms: the slowest is the one that computed longest, rank 1
+  // (forward 12 + backward 24 ms). Its all-reduces end at 48 ms, 12 ms after backward; the
+  // remaining 52 ms are the optimizer and whatever precedes the next forward.
+  EXPECT_NEAR(t.median.step_s, 0.100, 1e-9);
+  EXPECT_NEAR(t.median.compute_s, 0.036, 1e-9);
+  EXPECT_NEAR(t.median.comm_s, 0.010, 1e-9);
+  EXPECT_NEAR(t.median.exposed_comm_s, 0.012, 1e-9);
+  EXPECT_NEAR(t.median.optimizer_s, 0.052, 1e-9);
+  ASSERT_EQ(t.bucket_s.size(), 2u);  // DDP's buckets: the step's all-reduces in order
+  EXPECT_NEAR(t.bucket_s[0], 0.002, 1e-9);
+  EXPECT_NEAR(t.bucket_s[1], 0.008, 1e-9);
+  ASSERT_EQ(t.stragglers.size(), 1u);
   std::remove(path.c_str());
 }
 

@@ -104,7 +104,9 @@ TEST_F(TrainerAdvise, ReadsATraceOfATrainingRun) {
   ASSERT_EQ(r.exit_code(), 0) << r.output;
   r = testing::run_shell(tool("/tools/gradsync-advise") + " --trace " + trace + " 2>&1");
   ASSERT_EQ(r.exit_code(), 0) << r.output;
-  EXPECT_TRUE(testing::contains(r.output, "measured (" + trace + ", 2 ranks, 6 steps")) << r.output;
+  EXPECT_TRUE(
+      testing::contains(r.output, "measured (" + trace + ", gradsync-train, 2 ranks, 6 steps"))
+      << r.output;
   EXPECT_TRUE(testing::contains(r.output, "buckets (median all-reduce): #0 ")) << r.output;
   r = testing::run_shell(tool("/tools/gradsync-advise") + " --trace " + trace + " --profile " +
                          profile_ + " --model cnn 2>&1");

@@ -214,11 +214,13 @@ void write_prediction(gradsync::json::Writer& w, const Prediction& p) {
 void print_trace(const std::string& path, const gradsync::advise::TraceReport& t) {
   const auto& m = t.median;
   std::printf(
-      "measured (%s, %d ranks, %zu steps, the slowest rank's, median): step %s: "
+      "measured (%s, %s, %d ranks, %zu steps, the slowest rank's, median): step %s: "
       "compute %s, communication %s (%s waited for after backward), packing %s, "
-      "optimizer %s\n",
-      path.c_str(), t.ranks, t.steps, ms(m.step_s).c_str(), ms(m.compute_s).c_str(),
-      ms(m.comm_s).c_str(), ms(m.exposed_comm_s).c_str(), ms(m.pack_s).c_str(),
+      "%s %s\n",
+      path.c_str(), t.pytorch ? "PyTorch" : "gradsync-train", t.ranks, t.steps,
+      ms(m.step_s).c_str(), ms(m.compute_s).c_str(), ms(m.comm_s).c_str(),
+      ms(m.exposed_comm_s).c_str(), ms(m.pack_s).c_str(),
+      t.pytorch ? "optimizer and the rest until the next forward" : "optimizer",
       ms(m.optimizer_s).c_str());
   std::printf("buckets (median all-reduce):");
   for (std::size_t b = 0; b < t.bucket_s.size(); ++b) {

@@ -195,13 +195,18 @@ CollectivePrediction predict_collective(const Profile& profile, const std::strin
                                         Algorithm algorithm = Algorithm::kAuto);
 
 // What a GRADSYNC_TIMELINE trace of a training run measured (gradsync-train's spans: compute,
-// comm, wait, pack, optimizer; a step ends with its optimizer span). Per step, the slowest
+// comm, wait, pack, optimizer; a step ends with its optimizer span; or gradsync.torch's: a
+// step span per DDP forward, forward and backward, the backend's calls). Per step, the slowest
 // rank's figures; medians over the steps after the first two (the Reducer rebuilds its
 // buckets after the first).
 struct MeasuredStep {
   double step_s = 0, compute_s = 0, comm_s = 0, exposed_comm_s = 0, pack_s = 0, optimizer_s = 0;
 };
 struct TraceReport {
+  // The run's kind: gradsync-train's, or a PyTorch job's through gradsync.torch (steps from
+  // one DDP forward to the next; its optimizer_s is all that follows backward and its
+  // all-reduces until the next forward).
+  bool pytorch = false;
   int ranks = 0;
   std::size_t steps = 0;                // complete steps on every rank
   MeasuredStep median;                  // of the slowest rank's steps

@@ -545,7 +545,8 @@ PYBIND11_MODULE(_gradsync, m) {
       [](std::string name, const std::string& category, std::int64_t start_us,
          std::int64_t end_us) {
         // The timeline keeps a category's pointer: only the ones gradsync knows.
-        static const char* const kKnown[] = {"compute", "comm", "pack", "wait", "optimizer"};
+        static const char* const kKnown[] = {"compute", "comm",      "pack",
+                                             "wait",    "optimizer", "step"};
         const char* cat = "compute";
         for (const char* k : kKnown) {
           if (category == k) cat = k;

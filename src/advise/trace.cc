@@ -74,35 +74,70 @@ TraceReport read_trace(const std::string& path) {
   } catch (const json::exception& e) {
     throw unreadable(e.what());
   }
-  // Each rank's steps: from the end of one optimizer span to the end of the next.
+  // Each rank's steps. gradsync-train's end with its optimizer span; a PyTorch job's
+  // (gradsync.torch's timeline) are "step" spans from one DDP forward to the next, holding
+  // forward and backward as compute spans and gradsync's calls.
   std::vector<std::vector<MeasuredStep>> steps;  // [rank][step]
   std::vector<int> ranks;
   std::map<int, std::vector<double>> buckets;
+  bool pytorch = false;
   for (auto& [rank, events] : by_rank) {
     std::sort(events.begin(), events.end(),
               [](const Event& a, const Event& b) { return a.start < b.start; });
     std::vector<MeasuredStep> mine;
-    std::vector<const Event*> step;  // this step's events so far
-    double previous_end = -1;        // of the last optimizer span: what lies between is the step's
-    for (const auto& e : events) {
-      step.push_back(&e);
-      if (e.category != "optimizer") continue;
-      MeasuredStep m;
-      m.step_s = e.end - (previous_end >= 0 ? previous_end : step.front()->start);
-      previous_end = e.end;
+    const auto add_step = [&](const std::vector<const Event*>& step, MeasuredStep m) {
       m.compute_s = outer_seconds(step, "compute");
       m.comm_s = outer_seconds(step, "comm");
-      m.exposed_comm_s = outer_seconds(step, "wait");
       m.pack_s = outer_seconds(step, "pack");
-      m.optimizer_s = e.end - e.start;
       if (mine.size() >= kWarmupSteps) {
+        int call = 0;  // a PyTorch step's all-reduces, in order: DDP's buckets
         for (const Event* b : step) {
-          const int k = bucket_of(b->name);
+          const int k = b->name.rfind("ALLREDUCE ", 0) == 0 ? call++ : bucket_of(b->name);
           if (k >= 0) buckets[k].push_back(b->end - b->start);
         }
       }
       mine.push_back(m);
-      step.clear();
+    };
+    const bool torch_steps = std::none_of(events.begin(), events.end(),
+                                          [](const Event& e) { return e.category == "optimizer"; });
+    if (torch_steps) {
+      pytorch = true;
+      for (const auto& window : events) {
+        if (window.category != "step") continue;
+        std::vector<const Event*> step;
+        double compute_end = window.start, comm_end = window.start;
+        // The events that start within the window (sorted by their start).
+        const auto first = std::lower_bound(events.begin(), events.end(), window.start,
+                                            [](const Event& e, double t) { return e.start < t; });
+        for (auto it = first; it != events.end() && it->start < window.end; ++it) {
+          const Event& e = *it;
+          if (&e == &window) continue;
+          step.push_back(&e);
+          if (e.category == "compute") compute_end = std::max(compute_end, e.end);
+          if (e.category == "comm") comm_end = std::max(comm_end, e.end);
+        }
+        MeasuredStep m;
+        m.step_s = window.end - window.start;
+        // What DDP waited for after backward, and all that follows until the next forward
+        // (the optimizer, zeroing the gradients, the next batch).
+        m.exposed_comm_s = std::max(0.0, comm_end - compute_end);
+        m.optimizer_s = std::max(0.0, window.end - std::max(compute_end, comm_end));
+        add_step(step, m);
+      }
+    } else {
+      std::vector<const Event*> step;  // this step's events so far
+      double previous_end = -1;  // of the last optimizer span: what lies between is the step's
+      for (const auto& e : events) {
+        step.push_back(&e);
+        if (e.category != "optimizer") continue;
+        MeasuredStep m;
+        m.step_s = e.end - (previous_end >= 0 ? previous_end : step.front()->start);
+        previous_end = e.end;
+        m.exposed_comm_s = outer_seconds(step, "wait");
+        m.optimizer_s = e.end - e.start;
+        add_step(step, m);
+        step.clear();
+      }
     }
     steps.push_back(std::move(mine));
     ranks.push_back(rank);
@@ -112,10 +147,11 @@ TraceReport read_trace(const std::string& path) {
   if (common <= kWarmupSteps) {
     throw unreadable("holds " + std::to_string(common) +
                      " complete steps on every rank; at least " + std::to_string(kWarmupSteps + 1) +
-                     " are needed (spans of category "
-                     "\"optimizer\" end each step)");
+                     " are needed (spans of category \"optimizer\" end each step of "
+                     "gradsync-train; spans of category \"step\" are a PyTorch job's)");
   }
   TraceReport r;
+  r.pytorch = pytorch;
   r.ranks = static_cast<int>(steps.size());
   r.steps = common;
   std::vector<double> step, compute, comm, exposed, pack, optimizer;

@@ -1,6 +1,8 @@
 """Observability from Python: gradsync.torch.stats() per training step, and one timeline
 holding torch's steps and gradsync's calls."""
 import json
+import os
+import subprocess
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -42,6 +44,22 @@ def test_the_timeline_holds_torchs_steps_and_gradsyncs_calls(tmp_path):
     assert results[0][2] > 0 and results[1][2] == 0
     events = json.loads(path.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
-    names = {(e.get("pid"), e.get("name", "").split(" ")[0]) for e in events}
+    names = {(e.get("pid"), e.get("cat"), e.get("name", "").split(" ")[0]) for e in events}
     for rank in (0, 1):
-        assert (rank, "step") in names and (rank, "ALLREDUCE") in names, sorted(names)[:20]
+        for span in (("step", "step"), ("compute", "forward"), ("compute", "backward"),
+                     ("comm", "ALLREDUCE")):
+            assert (rank, *span) in names, (span, sorted(names)[:20])
+    # Each backward lies inside its step, after its forward.
+    spans = {(e["pid"], e["name"]): (e["ts"], e["ts"] + e["dur"]) for e in events
+             if e.get("ph") == "X"}
+    for (rank, name), (start, end) in spans.items():
+        # The last forward's step has no span: it ends at a forward that never came.
+        if name.startswith("backward ") and (rank, "step " + name.split()[1]) in spans:
+            step = spans[(rank, "step " + name.split()[1])]
+            forward = spans[(rank, "forward " + name.split()[1])]
+            assert step[0] <= forward[0] <= forward[1] <= start <= end <= step[1], name
+    # gradsync-advise reads it: five steps after the six forwards, two of them warm-up.
+    out = subprocess.run([os.path.join(os.environ["GRADSYNC_BUILD_DIR"], "tools",
+                                       "gradsync-advise"), "--trace", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "PyTorch, 2 ranks, 5 steps" in out and "buckets (median all-reduce): #0" in out, out

@@ -3,10 +3,15 @@ one timeline with torch's steps and gradsync's calls (GRADSYNC_TIMELINE=FILE, wr
 gradsync.torch.write_timeline()).
 
 A step runs from one forward of a DistributedDataParallel module to the next: a forward
-pre-hook marks each, so training code needs no change.
+pre-hook marks each, so training code needs no change. With the timeline on, the step's
+forward and backward are recorded too (category "compute"), backward from the gradient of
+the module's output to the end of the autograd pass, before DDP's wait for its all-reduces:
+gradsync-advise --trace reads from them what communication backward did not hide.
 """
+import torch
 import torch.distributed as dist
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import (register_module_forward_hook,
+                                     register_module_forward_pre_hook)
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import _gradsync
@@ -22,13 +27,50 @@ def _mark_step(module, _inputs):
         return
     now = _gradsync.now_us()
     if _marks and _gradsync.timeline_enabled():
-        _gradsync.timeline_record(f"step {len(_marks)}", "compute", _marks[-1], now)
+        _gradsync.timeline_record(f"step {len(_marks)}", "step", _marks[-1], now)
     _marks.append(now)
     if len(_marks) > _MAX_MARKS:
         del _marks[: _MAX_MARKS // 2]
 
 
+def _first_tensor(output):
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    items = output.values() if isinstance(output, dict) else output
+    if isinstance(items, (list, tuple)) or isinstance(output, dict):
+        for item in items:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _mark_forward(module, _inputs, output):
+    if type(module) is not DistributedDataParallel or not _marks:
+        return
+    if not _gradsync.timeline_enabled():
+        return
+    step = len(_marks)
+    _gradsync.timeline_record(f"forward {step}", "compute", _marks[-1], _gradsync.now_us())
+    tensor = _first_tensor(output)
+    if tensor is None:
+        return
+
+    def backward_started(grad):
+        start = _gradsync.now_us()
+
+        def backward_done():
+            _gradsync.timeline_record(f"backward {step}", "compute", start, _gradsync.now_us())
+
+        # Runs when the autograd pass ends, before DDP's own callback waits for its buckets.
+        torch.autograd.Variable._execution_engine.queue_callback(backward_done)
+        return grad
+
+    tensor.register_hook(backward_started)
+
+
 _hook = register_module_forward_pre_hook(_mark_step)
+_forward_hook = register_module_forward_hook(_mark_forward)
 
 
 def _group(group):
