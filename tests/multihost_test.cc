@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <fstream>
 #include <thread>
 
 #include "harness.h"
@@ -48,6 +49,8 @@ class Cluster {
            "'";
   }
   std::string ns(int host) const { return prefix_ + "-h" + std::to_string(host); }
+  // A launcher prefix for tools that start a command on each host ({host}: its index).
+  std::string launcher() const { return script() + " exec --prefix " + prefix_ + " {host}"; }
 
  private:
   int hosts_;
@@ -307,6 +310,26 @@ TEST(AcrossHostsFailures, SocketInterfaceIsChosenByName) {
                 contains(r.output, "eth0="))
         << r.output;
   }
+}
+
+// gradsync-advise --confirm across hosts: one gradsync-run per host through the launcher,
+// every candidate measured (its trace gathered on host 0) beside its prediction.
+TEST(AdviseAcrossHosts, ConfirmRunsEveryCandidateOnEveryHost) {
+  Cluster cluster(2);
+  SKIP_UNLESS_UP(cluster);
+  const std::string profile = ::testing::TempDir() + "advise_hosts_profile.json";
+  std::ofstream(profile) << R"({"name": "two hosts", "cores_per_host": 1,
+      "intra": {"alpha_us": 5, "bandwidth_gbps": 5}, "inter": {"alpha_us": 50,
+      "bandwidth_gbps": 1}, "compute_gflops": 5})";
+  const ShellResult r =
+      run_shell(testing::build_dir() + "/tools/gradsync-advise --profile " + profile +
+                " --model cnn --ranks 4 --hosts 2 --confirm 3 --launcher '" + cluster.launcher() +
+                "' --master-addr " + cluster.addr(0) + " --master-port 29560 2>&1");
+  std::remove(profile.c_str());
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "confirmed on 2 hosts (gradsync-train, 3 steps each")) << r.output;
+  EXPECT_TRUE(contains(r.output, "\nnow ")) << r.output;
+  EXPECT_FALSE(contains(r.output, "(run failed)")) << r.output;
 }
 
 }  // namespace

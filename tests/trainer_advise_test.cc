@@ -154,7 +154,8 @@ TEST_F(TrainerAdvise, BadFlagsAndProfilesAreRefused) {
   const std::pair<std::string, const char*> cases[] = {
       {"--model cnn", "--profile FILE (see gradsync-probe) or --trace FILE is needed"},
       {"--trace /nonexistent.json", "trace /nonexistent.json: cannot be opened"},
-      {"--profile " + profile_ + " --ranks 4 --hosts 2 --confirm 5", "--confirm runs"},
+      {"--profile " + profile_ + " --ranks 4 --hosts 2 --confirm 5",
+       "--confirm on several hosts needs --launcher"},
       {"--profile " + profile_ + " --zero 3", "--zero: '3' is not an integer in [0, 2]"},
       {"--profile " + profile_ + " --model resnet", "model 'resnet'"},
       {"--profile " + profile_ + " --model cnn --hidden 64", "--hidden is for --model mlp"},

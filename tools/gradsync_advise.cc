@@ -55,8 +55,13 @@ A run to explain:
 Output:
   --json FILE          the prediction and the recommendations as JSON
   --plot FILE.png      the predicted breakdown of the plan and each change (needs gnuplot)
-  --confirm STEPS      run the plan and the top three changes with gradsync-train on this
-                       host for STEPS steps each, and print predicted against measured
+  --confirm STEPS      run the plan and the top three changes with gradsync-train for STEPS
+                       steps each, and print predicted against measured: on this host, or
+                       with --hosts H on H hosts through
+  --launcher CMD       a command that runs what follows it on host {host} ("ssh node{host}",
+                       "scripts/netns-cluster.sh exec --prefix P {host}"); the tools must
+                       have the same paths there, and rank 0's host be this one
+  --master-addr A      host 0's address     --master-port P (29650; each run the next)
 )";
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -77,7 +82,9 @@ struct Flags {
   Plan plan;
   double link_gbps = 0, latency_us = -1;
   int cores_per_host = 0;
-  int confirm_steps = 0;  // run the plan and the top three changes for this many steps
+  int confirm_steps = 0;              // run the plan and the top three changes for this many steps
+  std::string launcher, master_addr;  // --confirm across hosts
+  int master_port = 29650;
 };
 
 Flags parse(int argc, char** argv) {
@@ -139,6 +146,12 @@ Flags parse(int argc, char** argv) {
       out.bytes = static_cast<std::size_t>(f::integer(flag, v, 4, 1LL << 40, usage_error));
     else if (flag == "--confirm")
       out.confirm_steps = static_cast<int>(f::integer(flag, v, 3, 100000, usage_error));
+    else if (flag == "--launcher")
+      out.launcher = v;
+    else if (flag == "--master-addr")
+      out.master_addr = v;
+    else if (flag == "--master-port")
+      out.master_port = static_cast<int>(f::integer(flag, v, 1024, 65000, usage_error));
     else if (flag == "--hosts")
       out.plan.hosts = static_cast<int>(f::integer(flag, v, 1, 1 << 20, usage_error));
     else if (flag == "--link-gbps")
@@ -168,10 +181,12 @@ Flags parse(int argc, char** argv) {
   if ((out.bytes > 0 || out.algorithm != gradsync::Algorithm::kAuto) && out.collective.empty()) {
     usage_error("--bytes and --algo go with --collective");
   }
-  if (out.confirm_steps > 0 && (!out.layers.empty() || out.plan.hosts > 1)) {
-    usage_error(
-        "--confirm runs gradsync-train's own models on this host: not with --layers or "
-        "--hosts above 1 (bench/advise/validate.py measures across namespace hosts)");
+  if (out.confirm_steps > 0 && !out.layers.empty()) {
+    usage_error("--confirm runs gradsync-train's own models: not with --layers");
+  }
+  if (out.confirm_steps > 0 && out.plan.hosts > 1 &&
+      (out.launcher.find("{host}") == std::string::npos || out.master_addr.empty())) {
+    usage_error("--confirm on several hosts needs --launcher CMD (with {host}) and --master-addr");
   }
   if (!out.hidden.empty()) {
     if (out.model != "mlp") usage_error("--hidden is for --model mlp");
@@ -348,17 +363,43 @@ std::string train_flags(const std::string& model, const gradsync::advise::Worklo
   return o.str();
 }
 
+// `launcher` with {host} replaced by `host`.
+std::string on_host(const std::string& launcher, int host) {
+  std::string out = launcher;
+  for (auto at = out.find("{host}"); at != std::string::npos; at = out.find("{host}")) {
+    out.replace(at, 6, std::to_string(host));
+  }
+  return out;
+}
+
 // Runs `plan` for `steps` steps under GRADSYNC_TIMELINE and returns its measured median step
-// (read_trace); negative if the run failed.
-double measure(const Flags& flags, const gradsync::advise::Workload& w, const Plan& plan) {
+// (read_trace); negative if the run failed. On several hosts, one gradsync-run per host
+// through the launcher, all at once; rank 0 gathers the timeline on host 0.
+double measure(const Flags& flags, const gradsync::advise::Workload& w, const Plan& plan, int run) {
   char dir[] = "/tmp/gradsync-advise.XXXXXX";
   if (!::mkdtemp(dir)) return -1;
   const std::string trace = std::string(dir) + "/trace.json";
-  const std::string command = "GRADSYNC_TIMELINE=" + trace + " " + sibling("gradsync-run") +
-                              " -n " + std::to_string(plan.ranks) + " -- " +
-                              sibling("gradsync-train") + train_flags(flags.model, w, plan) +
-                              " --quiet --max-steps " + std::to_string(flags.confirm_steps + 3) +
-                              " > " + dir + "/log 2>&1";
+  const std::string train = sibling("gradsync-train") + train_flags(flags.model, w, plan) +
+                            " --quiet --max-steps " + std::to_string(flags.confirm_steps + 3);
+  std::string command;
+  if (plan.hosts == 1) {
+    command = "GRADSYNC_TIMELINE=" + trace + " " + sibling("gradsync-run") + " -n " +
+              std::to_string(plan.ranks) + " -- " + train + " > " + dir + "/log 2>&1";
+  } else {
+    // Every host's run in the background, then each one's exit status.
+    std::string waits = "status=0";
+    for (int h = 0; h < plan.hosts; ++h) {
+      command += on_host(flags.launcher, h) + " env GRADSYNC_TIMELINE=" + trace + " " +
+                 sibling("gradsync-run") + " --nnodes " + std::to_string(plan.hosts) +
+                 " --node-rank " + std::to_string(h) + " -n " +
+                 std::to_string(plan.ranks / plan.hosts) + " --master-addr " + flags.master_addr +
+                 " --master-port " + std::to_string(flags.master_port + run) + " -- " + train +
+                 " > " + dir + "/log" + std::to_string(h) + " 2>&1 & p" + std::to_string(h) +
+                 "=$!; ";
+      waits += "; wait $p" + std::to_string(h) + " || status=1";
+    }
+    command += waits + "; exit $status";  // std::system's shell runs it
+  }
   double step = -1;
   if (std::system(command.c_str()) == 0) step = gradsync::advise::read_trace(trace).median.step_s;
   std::filesystem::remove_all(dir);
@@ -367,11 +408,14 @@ double measure(const Flags& flags, const gradsync::advise::Workload& w, const Pl
 
 void confirm(const Flags& flags, const gradsync::advise::Workload& w, const Prediction& now,
              const std::vector<gradsync::advise::Recommendation>& changes) {
-  std::printf("\nconfirmed on this host (gradsync-train, %d steps each, median):\n",
-              flags.confirm_steps);
+  std::printf(
+      "\nconfirmed on %s (gradsync-train, %d steps each, median):\n",
+      flags.plan.hosts == 1 ? "this host" : (std::to_string(flags.plan.hosts) + " hosts").c_str(),
+      flags.confirm_steps);
   std::printf("%-34s %12s %12s %8s\n", "candidate", "predicted", "measured", "error");
+  int run = 0;
   auto row = [&](const std::string& label, const Plan& plan, const Prediction& p) {
-    const double measured = measure(flags, w, plan);
+    const double measured = measure(flags, w, plan, run++);
     if (measured <= 0) {
       std::printf("%-34s %12s %12s\n", label.c_str(), ms(p.step_s).c_str(), "(run failed)");
       return;
