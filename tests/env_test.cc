@@ -48,7 +48,8 @@ class EnvGuard {
                           "GRADSYNC_ALGO",
                           "GRADSYNC_TIMEOUT",
                           "GRADSYNC_TOKEN",
-                          "GRADSYNC_TOPOLOGY"}) {
+                          "GRADSYNC_TOPOLOGY",
+                          "TORCHELASTIC_RUN_ID"}) {
       ::unsetenv(k);
     }
   }
@@ -71,6 +72,23 @@ TEST(Env, TorchrunConvention) {
   EXPECT_EQ(o.master_port, 1234);
   EXPECT_EQ(o.token, "s3cret");
   EXPECT_EQ(o.timeout.count(), 300000);
+}
+
+// torchrun's agent listens on MASTER_PORT with torch's own store: gradsync's store moves to
+// the next port, unless the caller brings a store (the torch backend, which uses torch's) or
+// names the port itself.
+TEST(Env, UnderTorchrunTheStoreTakesTheNextPort) {
+  EnvGuard g({{"RANK", "1"},
+              {"WORLD_SIZE", "2"},
+              {"MASTER_PORT", "1234"},
+              {"TORCHELASTIC_RUN_ID", "none"}});
+  EXPECT_EQ(env::resolve({}).master_port, 1235);
+  Options named;
+  named.master_port = 4000;
+  EXPECT_EQ(env::resolve(named).master_port, 4000);
+  Options with_store;
+  with_store.store = make_inproc_store();
+  EXPECT_EQ(env::resolve(with_store).master_port, 1234);
 }
 
 TEST(Env, MpirunPmiAndSrunConventions) {

@@ -114,6 +114,9 @@ Options resolve(const Options& in) {
   if (o.master_addr.empty()) o.master_addr = knobs::text("MASTER_ADDR").value_or("127.0.0.1");
   if (o.master_port < 0) {
     o.master_port = static_cast<int>(knobs::integer("MASTER_PORT").value_or(29500));
+    // torchrun's agent already listens there with torch's store, which gradsync's store
+    // protocol cannot share; every rank it starts moves to the next port alike.
+    if (!o.store && knobs::text("TORCHELASTIC_RUN_ID")) ++o.master_port;
   }
   // The ranks before anything else: later errors name this rank.
   if (o.size < 1 || o.size > knobs::kMaxWorldSize) {

@@ -100,7 +100,8 @@ constexpr Knob kKnobs[] = {
     {"MASTER_ADDR", "127.0.0.1", "a host name or address", "Options::master_addr",
      "The host of rank 0's rendezvous store.", kLauncher, false},
     {"MASTER_PORT", "29500", "an integer in [1, 65535]", "Options::master_port",
-     "The port of rank 0's rendezvous store.", kLauncher, false, 1, 65535},
+     "The port of rank 0's rendezvous store (under torchrun, the next one: TORCHELASTIC_RUN_ID).",
+     kLauncher, false, 1, 65535},
     {"MPI_LOCALNRANKS", "unset", "an integer in [1, 1048576]", "Options::local_size",
      "LOCAL_WORLD_SIZE under MPICH's Hydra; read when LOCAL_WORLD_SIZE and "
      "OMPI_COMM_WORLD_LOCAL_SIZE are unset.",
@@ -143,6 +144,10 @@ constexpr Knob kKnobs[] = {
     {"SLURM_PROCID", "unset", "an integer in [0, WORLD_SIZE)", "Options::rank",
      "RANK under srun; read when RANK, OMPI_COMM_WORLD_RANK and PMI_RANK are unset.", kLauncher,
      false, 0, kMaxRank},
+    {"TORCHELASTIC_RUN_ID", "unset", "any text", "Options::master_port",
+     "Set by torchrun, whose agent hosts torch's own store on MASTER_PORT: gradsync's store "
+     "(C++ programs, gradsync.init()) then uses MASTER_PORT + 1.",
+     kLauncher, false},
     {"WORLD_SIZE", "1", "an integer in [1, 1048576]", "Options::size",
      "The ranks of the job (torchrun, gradsync-run).", kLauncher, false, 1, kMaxWorldSize},
 };
