@@ -164,6 +164,34 @@ TEST(AdvisePredict, ZeroShardsStateAndGradients) {
   EXPECT_NEAR(z1.optimizer_s, replicated.optimizer_s / 4, 1e-15);
 }
 
+// ZeRO 3 by hand: two layers of 1000 floats (forward 1 ms, backward 2 ms each), gathers of
+// 0.5 ms and reduce-scatters of 0.3 ms. Forward: gather 0 [0, 0.5], layer 0 [0.5, 1.5],
+// gather 1 prefetched [0.5, 1], layer 1 [1.5, 2.5]. Backward: gather 1 again [1.5, 2] (due
+// when layer 1's forward began), layer 1 [2.5, 4.5] with gather 0 prefetched [2.5, 3], its
+// reduce-scatter [4.5, 4.8], layer 0 [4.5, 6.5], its reduce-scatter [6.5, 6.8].
+TEST(AdvisePredict, ZeroThreeGathersEachLayerBeforeForwardAndBackward) {
+  Workload w = two_layers(1000);
+  w.optimizer = "adamw";
+  Profile profile = simple_profile();
+  profile.timed = {{"allgather", 4, 1, 4000, 500}, {"reduce_scatter", 4, 1, 4000, 300}};
+  const auto z3 = predict(profile, w, Plan{.ranks = 4, .zero = 3});
+  const double optimizer_s = 28.0 * 500 / 10e9;  // adamw: 7 floats a parameter, a quarter each
+  EXPECT_NEAR(z3.optimizer_s, optimizer_s, 1e-15);
+  EXPECT_NEAR(z3.step_s, 6.8e-3 + optimizer_s, 1e-12);
+  EXPECT_NEAR(z3.compute_s, 6e-3, 1e-12);
+  EXPECT_NEAR(z3.exposed_comm_s, 0.8e-3, 1e-12);
+  EXPECT_NEAR(z3.comm_s, 2 * (0.5e-3 + 0.5e-3) + 2 * 0.3e-3, 1e-12);
+  // 3 x (N-1)/N of the parameters: two gathers and a reduce-scatter.
+  EXPECT_EQ(z3.wire_bytes_per_rank, 3u * 3 * 500 * 4);
+  // A quarter of parameters, gradients and both moments, plus the gathered layer, the one
+  // prefetched and its gradients.
+  EXPECT_EQ(z3.memory_per_rank_bytes, (500u + 500 + 2 * 500 + 3 * 1000) * 4);
+  // Every micro-batch gathers and reduce-scatters again.
+  const auto twice = predict(profile, w, Plan{.ranks = 4, .accumulate = 2, .zero = 3});
+  EXPECT_NEAR(twice.step_s, 2 * 6.8e-3 + optimizer_s, 1e-12);
+  EXPECT_EQ(twice.wire_bytes_per_rank, 2 * z3.wire_bytes_per_rank);
+}
+
 TEST(AdvisePredict, Fp16HalvesTheWireBetweenHostsAndIsFreeInSharedMemory) {
   const Profile profile = simple_profile();
   const auto w = two_layers(1 << 20);

@@ -156,7 +156,7 @@ TEST_F(TrainerAdvise, BadFlagsAndProfilesAreRefused) {
       {"--trace /nonexistent.json", "trace /nonexistent.json: cannot be opened"},
       {"--profile " + profile_ + " --ranks 4 --hosts 2 --confirm 5",
        "--confirm on several hosts needs --launcher"},
-      {"--profile " + profile_ + " --zero 3", "--zero: '3' is not an integer in [0, 2]"},
+      {"--profile " + profile_ + " --zero 4", "--zero: '4' is not an integer in [0, 3]"},
       {"--profile " + profile_ + " --model resnet", "model 'resnet'"},
       {"--profile " + profile_ + " --model cnn --hidden 64", "--hidden is for --model mlp"},
       {"--profile " + profile_ + " --ranks 3 --hosts 2", "ranks must be a multiple of hosts"},

@@ -32,7 +32,7 @@ The configuration (gradsync-train's flags):
   --optimizer sgd|adam|adamw (sgd)
   --codec SPEC         (none)
   --bucket-mb MB       (25)        --first-bucket-mb MB (1)
-  --accumulate K       (1)         --zero 0|1|2 (0)
+  --accumulate K       (1)         --zero 0|1|2|3 (0; 3 is predicted, not in gradsync-train)
   --no-overlap         all-reduce after backward
   --step-ahead 0|1     step-ahead error feedback, as gradsync-train's (1)
 The cluster:
@@ -126,7 +126,7 @@ Flags parse(int argc, char** argv) {
     else if (flag == "--accumulate")
       out.plan.accumulate = static_cast<int>(f::integer(flag, v, 1, 1 << 16, usage_error));
     else if (flag == "--zero")
-      out.plan.zero = static_cast<int>(f::integer(flag, v, 0, 2, usage_error));
+      out.plan.zero = static_cast<int>(f::integer(flag, v, 0, 3, usage_error));
     else if (flag == "--step-ahead")
       out.plan.step_ahead = f::integer(flag, v, 0, 1, usage_error) == 1;
     else if (flag == "--ranks")
@@ -415,6 +415,11 @@ void confirm(const Flags& flags, const gradsync::advise::Workload& w, const Pred
   std::printf("%-34s %12s %12s %8s\n", "candidate", "predicted", "measured", "error");
   int run = 0;
   auto row = [&](const std::string& label, const Plan& plan, const Prediction& p) {
+    if (plan.zero == 3) {
+      std::printf("%-34s %12s %12s\n", label.c_str(), ms(p.step_s).c_str(),
+                  "(gradsync-train has no ZeRO 3)");
+      return;
+    }
     const double measured = measure(flags, w, plan, run++);
     if (measured <= 0) {
       std::printf("%-34s %12s %12s\n", label.c_str(), ms(p.step_s).c_str(), "(run failed)");

@@ -139,7 +139,9 @@ struct Plan {
   std::string codec = "none";
   double bucket_mb = 25, first_bucket_mb = 1;
   int accumulate = 1;  // micro-batches per optimizer step
-  int zero = 0;        // 0: replicated optimizer; 1, 2: sharded state (and gradients)
+  // 0: replicated optimizer; 1, 2: sharded state (and gradients); 3: parameters too, each
+  // layer's gathered before its forward and backward (FSDP; not in gradsync-train yet).
+  int zero = 0;
   bool overlap = true;
   // gradsync-train's step-ahead error feedback, with SGD and a codec that holds gradient
   // back: three more passes over the parameters a step.

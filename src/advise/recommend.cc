@@ -84,10 +84,18 @@ std::vector<Candidate> candidates(const Profile& profile, const Plan& now) {
   }
   // ZeRO shards the optimizer's work as well as its state: each rank steps 1/N of the
   // parameters, for an all-gather of them after the step.
-  for (int z : {1, 2}) {
+  for (int z : {1, 2, 3}) {
     if (z == now.zero || now.codec != "none" || now.ranks == 1) continue;
     Plan p = now;
     p.zero = z;
+    if (z == 3) {
+      out.push_back({"zero", "3", p,
+                     "parameters sharded too: each layer's gathered just before its forward and "
+                     "backward",
+                     "none to accuracy; 1.5x DDP's traffic; not in gradsync-train yet (torch's "
+                     "FSDP, DeepSpeed)"});
+      continue;
+    }
     out.push_back({"zero", number(z), p,
                    z == 1 ? "optimizer state and its step sharded across ranks"
                           : "optimizer state, its step and the reduced gradients sharded",
@@ -117,7 +125,8 @@ std::vector<Recommendation> recommend(const Profile& profile, const Workload& wo
     const double change = p.step_s / c.plan.accumulate / per_sample - 1;
     const bool fits = profile.memory_bytes_per_rank == 0 ||
                       p.memory_per_rank_bytes <= profile.memory_bytes_per_rank;
-    if (change >= -0.01 && !(current.bottleneck == "memory" && fits)) continue;
+    // Never a plan that does not fit; where the current one does not, every one that does.
+    if (!fits || (change >= -0.01 && current.bottleneck != "memory")) continue;
     out.push_back(
         {c.knob, describe(plan, c.knob), c.proposed, c.plan, std::move(p), change, c.why, c.risk});
   }

@@ -323,6 +323,37 @@ std::pair<double, double> run_step(const std::vector<double>& layers,
   return {backward_end, std::max(t, backward_end)};
 }
 
+// ZeRO stage 3 (FSDP): one micro-batch whose layers own only their shard of the parameters.
+// Each layer's parameters are all-gathered before its forward and again before its
+// backward, the next layer's prefetched while this one computes; each layer's gradients
+// are reduce-scattered once its backward ends. One worker runs the calls in the order they
+// become due; compute and calls each go at their speed while both run. Layer times, gathers
+// and reduce-scatters in seconds, forward order. Returns the micro-batch's end.
+double zero3_micro_batch(const std::vector<double>& forward, const std::vector<double>& backward,
+                         const std::vector<double>& gather, const std::vector<double>& scatter,
+                         double compute_speed, double comm_speed) {
+  const std::size_t layers = forward.size();
+  double worker = 0, compute = 0;  // when each is next free
+  std::vector<double> gathered(layers), started(layers);
+  for (std::size_t l = 0; l < layers; ++l) {
+    // One ahead: layer l's gather begins once layer l-1 has begun computing.
+    const double due = l == 0 ? 0 : started[l - 1];
+    gathered[l] = worker = std::max(worker, due) + gather[l] / comm_speed;
+    started[l] = std::max(compute, gathered[l]);
+    compute = started[l] + forward[l] / compute_speed;
+  }
+  // Backward, last layer first: its own gather is due at once, the next one's when it starts.
+  std::size_t last = layers - 1;
+  gathered[last] = worker = std::max(worker, started[last]) + gather[last] / comm_speed;
+  for (std::size_t k = layers; k-- > 0;) {
+    const double start = std::max(compute, gathered[k]);
+    if (k > 0) gathered[k - 1] = worker = std::max(worker, start) + gather[k - 1] / comm_speed;
+    compute = start + backward[k] / compute_speed;
+    worker = std::max(worker, compute) + scatter[k] / comm_speed;
+  }
+  return std::max(compute, worker);
+}
+
 std::size_t optimizer_state_floats(const std::string& optimizer) {
   return optimizer == "sgd" ? 1 : 2;
 }
@@ -386,7 +417,10 @@ void find_pitfalls(Prediction& p, double latency_s, const Workload& workload, co
   }
   // Only where buckets are what decides it: a codec that reduces tensor by tensor makes a
   // call per tensor whatever the buckets.
-  if (whole_buckets && workload.layers.size() > 2 && calls >= workload.layers.size()) {
+  // And where four such calls would fit DDP's default 25 MiB bucket: layers of gigabytes are
+  // calls of their own whatever the buckets.
+  if (whole_buckets && workload.layers.size() > 2 && calls >= workload.layers.size() &&
+      4 * bytes_per_call <= 25 * kMiB) {
     std::ostringstream o;
     o << "one all-reduce per layer or more (" << calls << " calls for " << workload.layers.size()
       << " layers): group layers into buckets of several (seed 000: 4-8 layers)";
@@ -462,10 +496,10 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
     throw invalid("plan of " + std::to_string(plan.ranks) + " ranks on " +
                   std::to_string(plan.hosts) + " hosts: ranks must be a multiple of hosts");
   }
-  if (plan.accumulate < 1 || plan.zero < 0 || plan.zero > 2 || plan.bucket_mb <= 0 ||
+  if (plan.accumulate < 1 || plan.zero < 0 || plan.zero > 3 || plan.bucket_mb <= 0 ||
       plan.first_bucket_mb <= 0 || workload.batch < 1 || workload.layers.empty()) {
     throw invalid(
-        "plan or workload out of range (accumulate >= 1, zero 0-2, bucket sizes > 0, "
+        "plan or workload out of range (accumulate >= 1, zero 0-3, bucket sizes > 0, "
         "batch >= 1, at least one layer)");
   }
   if (plan.zero > 0 && plan.codec != "none") {
@@ -521,6 +555,10 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
   double last_micro_s = 0;  // the micro-batch that communicates, from the start of its forward
   double tail_comm_s = 0;   // ZeRO's all-gather after the optimizer
   double latency_s = 0;     // of comm_s, the calls' fixed costs
+  // A micro-batch before the last, where it differs from forward and backward alone (ZeRO 3
+  // communicates in every one); and memory beyond the shards (ZeRO 3's gathered layers).
+  double accumulated_micro_s = forward_s + backward_s;
+  std::size_t working_floats = 0;
   if (plan.zero == 0) {
     std::vector<std::size_t> waits_for;
     std::vector<std::vector<Phase>> work;
@@ -566,6 +604,33 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
     for (std::size_t b = 0; b < p.buckets.size(); ++b)
       p.buckets[b].ready_s = layer_end[waits_for[b]];
     last_micro_s = forward_s + std::max(backward_end, worker_end);
+  } else if (plan.zero == 3) {
+    std::vector<double> forward_layers, gather, scatter;
+    std::size_t largest = 0;
+    for (const auto& l : workload.layers) {
+      const std::size_t floats = l.parameters();
+      largest = std::max(largest, floats);
+      forward_layers.push_back(l.forward_ms > 0 ? l.forward_ms * 1e-3
+                                                : l.forward_flops * batch / flops_per_s);
+      gather.push_back(floats > 0 && n > 1 ? pricer.allgather_us(floats) * 1e-6 : 0);
+      scatter.push_back(floats > 0 && n > 1 ? pricer.reduce_scatter_us(floats) * 1e-6 : 0);
+      if (floats > 0 && n > 1) {
+        latency_s += 2 * pricer.allgather_us(1) * 1e-6 + pricer.reduce_scatter_us(1) * 1e-6;
+      }
+    }
+    const std::vector<double> backward_layers(backward.rbegin(), backward.rend());
+    for (std::size_t l = 0; l < gather.size(); ++l) p.comm_s += 2 * gather[l] + scatter[l];
+    p.comm_s *= plan.accumulate;
+    latency_s *= plan.accumulate;
+    last_micro_s = zero3_micro_batch(forward_layers, backward_layers, gather, scatter,
+                                     busy_phase.compute_speed, busy_phase.worker_speed);
+    // Every micro-batch gathers and reduce-scatters: the gradients stay sharded.
+    accumulated_micro_s = last_micro_s;
+    p.wire_bytes_per_rank =
+        n > 1 ? static_cast<std::size_t>(3.0 * (n - 1) / n * psi * sizeof(float) * plan.accumulate)
+              : 0;
+    // A layer being computed and the next one prefetched, whole, and one layer's gradients.
+    working_floats = 3 * largest;
   } else {
     // As ZeroOptimizer::step: stage 1 all-reduces the whole gradient and uses its shard,
     // stage 2 reduce-scatters it; both all-gather the updated parameters.
@@ -587,12 +652,13 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
     p.optimizer_s += 28.0 * static_cast<double>(psi) / (profile.optimizer_gbps * 1e9);
   }
   p.step_s =
-      (plan.accumulate - 1) * (forward_s + backward_s) + last_micro_s + p.optimizer_s + tail_comm_s;
+      (plan.accumulate - 1) * accumulated_micro_s + last_micro_s + p.optimizer_s + tail_comm_s;
   p.exposed_comm_s = std::max(0.0, p.step_s - p.compute_s - p.optimizer_s);
 
   const std::size_t state = optimizer_state_floats(workload.optimizer) * owned;
   const std::size_t grads = plan.zero >= 2 ? owned : psi;
-  p.memory_per_rank_bytes = (psi + grads + state) * sizeof(float);
+  const std::size_t params = plan.zero >= 3 ? owned : psi;
+  p.memory_per_rank_bytes = (params + grads + state + working_floats) * sizeof(float);
   classify(p, latency_s, profile, plan);
   find_pitfalls(p, latency_s, workload, plan, pricer.whole_buckets());
   return p;
