@@ -401,21 +401,28 @@ std::string synthetic_trace(int steps, bool pytorch = false) {
   return o.str();
 }
 
+void expect_median(const TraceReport& t, double step_s, double compute_s, double comm_s,
+                   double exposed_s, double optimizer_s) {
+  EXPECT_EQ(t.ranks, 2);
+  EXPECT_EQ(t.steps, 6u);
+  EXPECT_NEAR(t.median.step_s, step_s, 1e-9);
+  EXPECT_NEAR(t.median.compute_s, compute_s, 1e-9);
+  EXPECT_NEAR(t.median.comm_s, comm_s, 1e-9);
+  EXPECT_NEAR(t.median.exposed_comm_s, exposed_s, 1e-9);
+  EXPECT_NEAR(t.median.optimizer_s, optimizer_s, 1e-9);
+  ASSERT_EQ(t.bucket_s.size(), 2u);
+  EXPECT_NEAR(t.bucket_s[1], 0.008, 1e-9);
+  EXPECT_EQ(t.stragglers.size(), 1u);
+}
+
 TEST(AdviseTrace, MeasuredStepsBucketsAndStragglers) {
   const std::string path = ::testing::TempDir() + "advise_trace.json";
   std::ofstream(path) << synthetic_trace(6);
   const TraceReport t = read_trace(path);
-  EXPECT_EQ(t.ranks, 2);
-  EXPECT_EQ(t.steps, 6u);
+  EXPECT_FALSE(t.pytorch);
   // The slowest rank's step: from one optimizer's end to the next, 100 ms; its compute 36 ms
   // (the nested layer span not counted again).
-  EXPECT_NEAR(t.median.step_s, 0.100, 1e-9);
-  EXPECT_NEAR(t.median.compute_s, 0.036, 1e-9);
-  EXPECT_NEAR(t.median.comm_s, 0.010, 1e-9);
-  EXPECT_NEAR(t.median.exposed_comm_s, 0.003, 1e-9);
-  EXPECT_NEAR(t.median.optimizer_s, 0.030, 1e-9);
-  ASSERT_EQ(t.bucket_s.size(), 2u);
-  EXPECT_NEAR(t.bucket_s[1], 0.008, 1e-9);
+  expect_median(t, 0.100, 0.036, 0.010, 0.003, 0.030);
   ASSERT_EQ(t.stragglers.size(), 1u);
   EXPECT_NE(t.stragglers[0].find("rank 1 computes longest in 4 of 4 steps, 20% longer"),
             std::string::npos)
@@ -433,20 +440,13 @@ TEST(AdviseTrace, PyTorchStepsFromDdpForwardToForward) {
   const std::string path = ::testing::TempDir() + "advise_torch_trace.json";
   std::ofstream(path) << synthetic_trace(6, true);
   const TraceReport t = read_trace(path);
-  EXPECT_EQ(t.ranks, 2);
-  EXPECT_EQ(t.steps, 6u);
+  EXPECT_TRUE(t.pytorch);
   // Both ranks' steps last 100 ms: the slowest is the one that computed longest, rank 1
   // (forward 12 + backward 24 ms). Its all-reduces end at 48 ms, 12 ms after backward; the
-  // remaining 52 ms are the optimizer and whatever precedes the next forward.
-  EXPECT_NEAR(t.median.step_s, 0.100, 1e-9);
-  EXPECT_NEAR(t.median.compute_s, 0.036, 1e-9);
-  EXPECT_NEAR(t.median.comm_s, 0.010, 1e-9);
-  EXPECT_NEAR(t.median.exposed_comm_s, 0.012, 1e-9);
-  EXPECT_NEAR(t.median.optimizer_s, 0.052, 1e-9);
-  ASSERT_EQ(t.bucket_s.size(), 2u);  // DDP's buckets: the step's all-reduces in order
+  // remaining 52 ms are the optimizer and whatever precedes the next forward. Buckets are
+  // the step's all-reduces in order.
+  expect_median(t, 0.100, 0.036, 0.010, 0.012, 0.052);
   EXPECT_NEAR(t.bucket_s[0], 0.002, 1e-9);
-  EXPECT_NEAR(t.bucket_s[1], 0.008, 1e-9);
-  ASSERT_EQ(t.stragglers.size(), 1u);
   std::remove(path.c_str());
 }
 

@@ -165,7 +165,7 @@ TEST_F(TrainerAdvise, BadFlagsAndProfilesAreRefused) {
       {"--profile " + profile_ + " --layers x.json --model cnn", "--layers FILE or --model"},
       {"--profile " + profile_ + " --layers /nonexistent.json", "workload /nonexistent.json"},
       {"--profile " + profile_ + " --collective bcast", "--collective: 'bcast' is not"},
-      {"--profile " + profile_ + " --bytes 4096", "--bytes and --algo go with --collective"},
+      {"--profile " + profile_ + " --bytes 4096", "--bytes goes with --collective"},
       {"--profile " + profile_ + " --collective allreduce --algo tree", "unknown algorithm 'tree'"},
       {"--collective allreduce", "--profile FILE"},
   };

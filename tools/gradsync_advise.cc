@@ -35,6 +35,8 @@ The configuration (gradsync-train's flags):
   --accumulate K       (1)         --zero 0|1|2|3 (0; 3 is predicted, not in gradsync-train)
   --no-overlap         all-reduce after backward
   --step-ahead 0|1     step-ahead error feedback, as gradsync-train's (1)
+  --algo A             every all-reduce by that algorithm (ring, rd, hd, hier, shm), as
+                       GRADSYNC_ALGO (or NCCL_ALGO=Ring) fixes it (default: as gradsync picks)
 The cluster:
   --profile FILE       a hardware profile (profiles/*.json, or gradsync-probe's)
   --ranks N            (2)         --hosts H (1)
@@ -46,8 +48,6 @@ Collectives alone:
                        and bus bandwidth (as nccl-tests reports it) from 4 KiB to 1 GiB, on
                        the cluster, instead of a training step
   --bytes B            that size alone
-  --algo A             priced as that all-reduce algorithm (ring, rd, hd, hier, shm), as
-                       NCCL_ALGO=Ring fixes NCCL's (default: as gradsync picks)
 A run to explain:
   --trace FILE         a GRADSYNC_TIMELINE trace of gradsync-train: the measured breakdown
                        per step and bucket, and stragglers (with --profile, the prediction
@@ -76,7 +76,6 @@ struct Flags {
   std::string plot;        // a PNG to draw
   std::string collective;  // a collective to tabulate, instead of a training step
   std::size_t bytes = 0;   // its one size; 0: 4 KiB to 1 GiB
-  gradsync::Algorithm algorithm = gradsync::Algorithm::kAuto;  // its all-reduce algorithm
   bool model_given = false, batch_given = false, optimizer_given = false, ranks_given = false;
   std::size_t batch = 64;
   Plan plan;
@@ -141,7 +140,7 @@ Flags parse(int argc, char** argv) {
     else if (flag == "--algo") {
       const auto a = gradsync::parse_algorithm(v);
       if (!a) usage_error("--algo: unknown algorithm '" + v + "'");
-      out.algorithm = *a;
+      out.plan.algorithm = *a;
     } else if (flag == "--bytes")
       out.bytes = static_cast<std::size_t>(f::integer(flag, v, 4, 1LL << 40, usage_error));
     else if (flag == "--confirm")
@@ -178,9 +177,7 @@ Flags parse(int argc, char** argv) {
     usage_error("--collective: '" + out.collective +
                 "' is not allreduce, reduce_scatter or allgather");
   }
-  if ((out.bytes > 0 || out.algorithm != gradsync::Algorithm::kAuto) && out.collective.empty()) {
-    usage_error("--bytes and --algo go with --collective");
-  }
+  if (out.bytes > 0 && out.collective.empty()) usage_error("--bytes goes with --collective");
   if (out.confirm_steps > 0 && !out.layers.empty()) {
     usage_error("--confirm runs gradsync-train's own models: not with --layers");
   }
@@ -287,6 +284,14 @@ bool plot(const std::string& png, const Plan& plan, const Prediction& now,
   return true;
 }
 
+// Ends a --json file: 0, or 1 after saying it could not be written.
+int finish_json(std::ofstream& out, const std::string& path) {
+  out << "\n";
+  if (out) return 0;
+  std::fprintf(stderr, "gradsync-advise: %s\n", gradsync::flags::cannot_write(path).c_str());
+  return 1;
+}
+
 // The collective's predicted time and bus bandwidth from 4 KiB to 1 GiB, as nccl-tests
 // prints its measurements; and as JSON.
 int tabulate(const Flags& flags, const Profile& profile) {
@@ -302,7 +307,7 @@ int tabulate(const Flags& flags, const Profile& profile) {
   if (flags.bytes > 0) sizes = {flags.bytes};
   for (const std::size_t bytes : sizes) {
     const auto c = gradsync::advise::predict_collective(profile, flags.collective, plan.ranks,
-                                                        plan.hosts, bytes, flags.algorithm);
+                                                        plan.hosts, bytes, plan.algorithm);
     std::printf("%12zu %12.1f %12.2f %12.2f  %s\n", bytes, c.us, c.algbw_gbps, c.busbw_gbps,
                 c.algorithm.c_str());
     rows.emplace_back(bytes, c);
@@ -326,13 +331,7 @@ int tabulate(const Flags& flags, const Profile& profile) {
         .end_object();
   }
   w.end_array().end_object();
-  out << "\n";
-  if (!out) {
-    std::fprintf(stderr, "gradsync-advise: %s\n",
-                 gradsync::flags::cannot_write(flags.json).c_str());
-    return 1;
-  }
-  return 0;
+  return finish_json(out, flags.json);
 }
 
 // Where gradsync-run and gradsync-train are: beside this program (an install's bin/), or in
@@ -381,15 +380,19 @@ double measure(const Flags& flags, const gradsync::advise::Workload& w, const Pl
   const std::string trace = std::string(dir) + "/trace.json";
   const std::string train = sibling("gradsync-train") + train_flags(flags.model, w, plan) +
                             " --quiet --max-steps " + std::to_string(flags.confirm_steps + 3);
+  const std::string algo =
+      plan.algorithm == gradsync::Algorithm::kAuto
+          ? ""
+          : std::string(" GRADSYNC_ALGO=") + gradsync::to_string(plan.algorithm);
   std::string command;
   if (plan.hosts == 1) {
-    command = "GRADSYNC_TIMELINE=" + trace + " " + sibling("gradsync-run") + " -n " +
+    command = "GRADSYNC_TIMELINE=" + trace + algo + " " + sibling("gradsync-run") + " -n " +
               std::to_string(plan.ranks) + " -- " + train + " > " + dir + "/log 2>&1";
   } else {
     // Every host's run in the background, then each one's exit status.
     std::string waits = "status=0";
     for (int h = 0; h < plan.hosts; ++h) {
-      command += on_host(flags.launcher, h) + " env GRADSYNC_TIMELINE=" + trace + " " +
+      command += on_host(flags.launcher, h) + " env GRADSYNC_TIMELINE=" + trace + algo + " " +
                  sibling("gradsync-run") + " --nnodes " + std::to_string(plan.hosts) +
                  " --node-rank " + std::to_string(h) + " -n " +
                  std::to_string(plan.ranks / plan.hosts) + " --master-addr " + flags.master_addr +
@@ -525,12 +528,7 @@ int main(int argc, char** argv) {
         w.end_object();
       }
       w.end_array().end_object();
-      out << "\n";
-      if (!out) {
-        std::fprintf(stderr, "gradsync-advise: %s\n",
-                     gradsync::flags::cannot_write(flags.json).c_str());
-        return 1;
-      }
+      if (finish_json(out, flags.json) != 0) return 1;
     }
   } catch (const gradsync::Error& e) {
     std::fprintf(stderr, "gradsync-advise: %s\n", e.what());

@@ -8,6 +8,9 @@ published measurements (bench/advise/published.json, each with its source):
   by their FLOPs, backward twice forward), then gradsync-advise --layers on N GPUs; the
   prediction is N x batch / the predicted step, against the published N-GPU throughput.
 
+Both price NCCL's ring (--algo ring), the algorithm those runs used; the collective rows also
+show what gradsync itself would pick.
+
 The profiles' figures come from specifications and from measurements other than these
 (point-to-point rates, NIC rates): none is fitted to the rows it is compared with.
 
@@ -81,7 +84,7 @@ def training_row(build, row, models):
         one_step_s = row["batch"] / row["one_gpu_per_s"]
         json.dump(timed_workload(flops, row["batch"], one_step_s - optimizer_s), open(path, "w"))
         out = advise(build, "--layers", path, "--profile", profile, "--ranks", str(row["ranks"]),
-                     "--hosts", str(row["hosts"]), *row["plan"].split())
+                     "--hosts", str(row["hosts"]), "--algo", row["algo"], *row["plan"].split())
     predicted = row["ranks"] * row["batch"] / out["predicted"]["step_s"]
     return predicted, out
 

@@ -143,6 +143,9 @@ struct Plan {
   // layer's gathered before its forward and backward (FSDP; not in gradsync-train yet).
   int zero = 0;
   bool overlap = true;
+  // Every all-reduce by this algorithm, as GRADSYNC_ALGO (or NCCL_ALGO) fixes it; kAuto: the
+  // profile's timed curves, else the cost model's pick.
+  Algorithm algorithm = Algorithm::kAuto;
   // gradsync-train's step-ahead error feedback, with SGD and a codec that holds gradient
   // back: three more passes over the parameters a step.
   bool step_ahead = true;

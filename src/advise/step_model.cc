@@ -343,7 +343,7 @@ double zero3_micro_batch(const std::vector<double>& forward, const std::vector<d
     compute = started[l] + forward[l] / compute_speed;
   }
   // Backward, last layer first: its own gather is due at once, the next one's when it starts.
-  std::size_t last = layers - 1;
+  const std::size_t last = layers - 1;
   gathered[last] = worker = std::max(worker, started[last]) + gather[last] / comm_speed;
   for (std::size_t k = layers; k-- > 0;) {
     const double start = std::max(compute, gathered[k]);
@@ -507,7 +507,7 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
         "ZeRO with a codec: gradsync-train refuses it (sharded gradients are "
         "reduce-scattered uncompressed)");
   }
-  const CallPricer pricer(profile, plan);
+  const CallPricer pricer(profile, plan, plan.algorithm);
   const double flops_per_s = profile.compute_gflops * 1e9;
   const auto batch = static_cast<double>(workload.batch);
 
