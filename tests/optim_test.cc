@@ -46,6 +46,102 @@ TEST(Optimizers, SgdAndAdamWFollowTheirFormulas) {
   testing::expect_error(ErrorKind::kInvalidArgument, [&] { adam->step(p, g); });
 }
 
+// LARS and LAMB against their formulas worked in double precision, tensor by tensor: two
+// tensors whose norms differ by 100x get steps scaled by their own trust ratios, and a tensor
+// at zero steps as plain SGD or Adam (ratio 1).
+double l2(const std::vector<double>& x) {
+  double s = 0;
+  for (double v : x) s += v * v;
+  return std::sqrt(s);
+}
+
+TEST(Optimizers, LarsAndLambScaleEachTensorByItsTrustRatio) {
+  const std::vector<std::size_t> sizes = {3, 2, 2};
+  const std::vector<float> w0 = {10.0f, -20.0f, 5.0f, 0.1f, -0.2f, 0.0f, 0.0f};
+  const std::vector<float> g = {0.5f, 0.25f, -1.0f, 0.03f, 0.01f, 0.2f, -0.1f};
+  const optim::LarsOptions lo{.lr = 0.5f, .momentum = 0.9f, .weight_decay = 0.01f, .trust = 0.02f};
+  const optim::LambOptions bo{.lr = 0.01f, .weight_decay = 0.1f};
+  std::vector<double> lars_w(w0.begin(), w0.end()), lars_b(w0.size(), 0.0);
+  std::vector<double> lamb_w(w0.begin(), w0.end()), m(w0.size(), 0.0), v(w0.size(), 0.0);
+  auto lars = optim::make_lars(sizes, lo);
+  auto lamb = optim::make_lamb(sizes, bo);
+  std::vector<float> lars_p = w0, lamb_p = w0;
+  for (int step = 1; step <= 3; ++step) {
+    lars->step(lars_p, g);
+    lamb->step(lamb_p, g);
+    std::size_t first = 0;
+    for (std::size_t n : sizes) {
+      std::vector<double> w(lars_w.begin() + first, lars_w.begin() + first + n), gt(n);
+      for (std::size_t i = 0; i < n; ++i) gt[i] = g[first + i];
+      const double wn = l2(w), gn = l2(gt);
+      const double ratio = wn > 0 && gn > 0 ? lo.trust * wn / (gn + lo.weight_decay * wn) : 1;
+      for (std::size_t i = 0; i < n; ++i) {
+        auto& b = lars_b[first + i];
+        b = lo.momentum * b + lo.lr * ratio * (gt[i] + lo.weight_decay * w[i]);
+        lars_w[first + i] -= b;
+      }
+      std::vector<double> u(n), lw(lamb_w.begin() + first, lamb_w.begin() + first + n);
+      for (std::size_t i = 0; i < n; ++i) {
+        auto& mi = m[first + i];
+        auto& vi = v[first + i];
+        mi = bo.beta1 * mi + (1 - bo.beta1) * gt[i];
+        vi = bo.beta2 * vi + (1 - bo.beta2) * gt[i] * gt[i];
+        u[i] = mi / (1 - std::pow(bo.beta1, step)) /
+                   (std::sqrt(vi / (1 - std::pow(bo.beta2, step))) + bo.eps) +
+               bo.weight_decay * lw[i];
+      }
+      const double lwn = l2(lw), un = l2(u);
+      const double r = lwn > 0 && un > 0 ? lwn / un : 1;
+      for (std::size_t i = 0; i < n; ++i) lamb_w[first + i] -= bo.lr * r * u[i];
+      first += n;
+    }
+    for (std::size_t i = 0; i < w0.size(); ++i) {
+      EXPECT_NEAR(lars_p[i], lars_w[i], 1e-5 * (1 + std::abs(lars_w[i]))) << step << " " << i;
+      EXPECT_NEAR(lamb_p[i], lamb_w[i], 1e-5 * (1 + std::abs(lamb_w[i]))) << step << " " << i;
+    }
+  }
+  // The large tensor moved by about its own scale times the rate, the small one likewise:
+  // LAMB's step is lr x ||w|| whatever the gradient's size.
+  EXPECT_NEAR(std::abs(lamb_p[0] - w0[0]) / std::abs(lamb_p[3] - w0[3]), 100, 50);
+  EXPECT_EQ(lars->state_bytes(), 7u * 4);
+  EXPECT_EQ(lamb->state_bytes(), 14u * 4);
+  EXPECT_TRUE(lamb->needs_whole_tensors());
+  // State round trips; another optimizer's is refused.
+  auto copy = optim::make_lamb(sizes, bo);
+  copy->load_state(lamb->save_state());
+  std::vector<float> a = lamb_p, c = lamb_p;
+  lamb->step(a, g);
+  copy->step(c, g);
+  EXPECT_EQ(a, c);
+  testing::expect_error(ErrorKind::kProtocol, [&] { copy->load_state(lars->save_state()); });
+  testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+    std::vector<float> short_p(3);
+    lars->step(short_p, std::span<const float>(g.data(), 3));
+  });
+}
+
+// ZeRO's shards cut tensors: LARS and LAMB need them whole, so stages 1 and 2 refuse them
+// and stage 0 steps them.
+TEST(Zero, StagesOneAndTwoRefuseOptimizersThatNeedWholeTensors) {
+  testing::run_inproc_contexts(2, [&](Context& ctx) {
+    auto lamb = [](std::size_t c) { return optim::make_lamb({c}); };
+    for (int stage : {1, 2}) {
+      try {
+        ZeroOptimizer zero(ctx, 10, stage, lamb);
+        ADD_FAILURE() << "stage " << stage << " accepted LAMB";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+        EXPECT_NE(std::string(e.what()).find("only stage 0 can step it"), std::string::npos)
+            << e.what();
+      }
+    }
+    ZeroOptimizer zero(ctx, 10, 0, lamb);
+    std::vector<float> p(10, 1.0f), g(10, 0.5f);
+    zero.step(p, g);
+    EXPECT_LT(p[0], 1.0f);
+  });
+}
+
 // A schedule sets the rate before each step: the next steps use it, the state is untouched,
 // and ZeRO passes it to its shards' optimizers.
 TEST(Optimizers, SetLrScalesTheStepsThatFollow) {

@@ -29,6 +29,15 @@ TEST(TrainerFlags, ConflictsAndUnknownValuesAreRefused) {
   r = testing::run_shell(train + " --step-ahead yes 2>&1");
   EXPECT_EQ(r.exit_code(), 2) << r.output;
   EXPECT_TRUE(testing::contains(r.output, "--step-ahead is 0 or 1")) << r.output;
+  r = testing::run_shell(train + " --optimizer lamb --zero 2 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "ZeRO's shards cut tensors: use --zero 0")) << r.output;
+  r = testing::run_shell(train + " --optimizer adam 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "--optimizer is sgd, adamw, lars or lamb")) << r.output;
+  r = testing::run_shell(train + " --lr-scaling cubic 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "--lr-scaling is none, linear or sqrt")) << r.output;
 }
 
 // Every number is read whole and within its range, and refused before any rank starts with
@@ -53,6 +62,8 @@ TEST(TrainerFlags, NumbersAreReadStrictlyAndInRange) {
       {"--first-bucket-mb -1", "--first-bucket-mb: '-1' is not a number in (0, "},
       {"--accumulate 0", "--accumulate: '0' is not an integer in [1, "},
       {"--zero 3", "--zero: '3' is not an integer in [0, 2]"},
+      {"--warmup-epochs -1", "--warmup-epochs: '-1' is not a number in [0, "},
+      {"--base-batch 0", "--base-batch: '0' is not an integer in [1, "},
       {"--seed -1", "--seed: '-1' is not an integer in [0, "},
       {"--seed 0x10", "--seed: '0x10' is not an integer"},
   };
@@ -65,6 +76,23 @@ TEST(TrainerFlags, NumbersAreReadStrictlyAndInRange) {
 
 // A --json path rank 0 cannot write fails the run before its first step, on every rank, not
 // after the whole run (whose report would then be lost).
+// The schedule a run announces (and its checkpoints record): --lr scaled by the global batch
+// over --base-batch, linearly or by the square root, with its warm-up in steps.
+TEST(TrainerFlags, LearningRateScalingAndWarmUpAreAnnounced) {
+  const std::string train = testing::build_dir() + "/examples/gradsync-train";
+  const std::string run = " --model mlp --hidden 64 --batch 64 --max-steps 2 2>&1";
+  auto r = testing::run_shell(train + " --optimizer lars --lr-scaling linear --base-batch 32 " +
+                              "--warmup-epochs 1" + run);
+  ASSERT_EQ(r.exit_code(), 0) << r.output;
+  EXPECT_TRUE(testing::contains(
+      r.output, "lars lr 1 (constant, linear scaling to 2, warm-up over 937 steps)"))
+      << r.output;
+  r = testing::run_shell(train + " --optimizer lamb --lr-scaling sqrt --base-batch 16" + run);
+  ASSERT_EQ(r.exit_code(), 0) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "lamb lr 0.01 (constant, sqrt scaling to 0.02)"))
+      << r.output;
+}
+
 TEST(TrainerFlags, AnUnwritableJsonPathFailsBeforeTraining) {
   const std::string train = testing::build_dir() + "/examples/gradsync-train";
   const std::string run = testing::build_dir() + "/tools/gradsync-run";

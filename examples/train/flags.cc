@@ -20,10 +20,17 @@ constexpr const char* kUsage =
     "  --hidden A,B,...       the MLP's hidden widths (default 2048,2048,2048,2048)\n"
     "  --epochs N             passes over the training set (default 1)\n"
     "  --batch B              samples per rank per micro-batch (default 64)\n"
-    "  --lr X                 learning rate (default 0.05 sgd, 0.001 adamw)\n"
+    "  --lr X                 learning rate (default 0.05 sgd, 0.001 adamw, 0.01 lamb, 1 lars)\n"
     "  --lr-schedule S        constant (default) or cosine: lr (1 + cos(pi t / T)) / 2 at step\n"
     "                         t of T, as torch's CosineAnnealingLR to zero\n"
-    "  --optimizer sgd|adamw  (default sgd, momentum 0.9; none when the codec has momentum=M)\n"
+    "  --lr-scaling S         none (default), linear or sqrt: --lr times (or times the square\n"
+    "                         root of) the global batch (batch x ranks x accumulate) over\n"
+    "  --base-batch B         (default 256), for large batches\n"
+    "  --warmup-epochs E      the rate rises linearly from 0 over the first E epochs (default 0)\n"
+    "  --optimizer O          sgd (default; momentum 0.9, none when the codec has momentum=M),\n"
+    "                         adamw, lars (SGD with momentum and a trust ratio per tensor) or\n"
+    "                         lamb (AdamW with a trust ratio per tensor); lars and lamb need\n"
+    "                         --zero 0\n"
     "  --seed S               weights and data order (default 1)\n"
     "  --codec SPEC           gradient codec (default none; fp16, int8, topk:ratio=0.01, ...)\n"
     "  --bucket-mb X          bucket size (default 25)\n"
@@ -121,9 +128,22 @@ bool read_model_flag(const std::string& flag, Arguments& args, Config& c) {
     const std::string v = args.value_of(flag);
     if (v != "constant" && v != "cosine") usage_error("--lr-schedule is constant or cosine");
     c.cosine = v == "cosine";
+  } else if (flag == "--lr-scaling") {
+    c.lr_scaling = args.value_of(flag);
+    if (c.lr_scaling != "none" && c.lr_scaling != "linear" && c.lr_scaling != "sqrt") {
+      usage_error("--lr-scaling is none, linear or sqrt");
+    }
+  } else if (flag == "--base-batch") {
+    c.base_batch = static_cast<std::size_t>(whole(flag, args.value_of(flag), 1, kMaxBatch));
+  } else if (flag == "--warmup-epochs") {
+    c.warmup_epochs =
+        gradsync::flags::number(flag, args.value_of(flag), 0, kMaxEpochs, false, usage_error);
   } else if (flag == "--optimizer") {
     c.optimizer = args.value_of(flag);
-    if (c.optimizer != "sgd" && c.optimizer != "adamw") usage_error("--optimizer is sgd or adamw");
+    if (c.optimizer != "sgd" && c.optimizer != "adamw" && c.optimizer != "lars" &&
+        c.optimizer != "lamb") {
+      usage_error("--optimizer is sgd, adamw, lars or lamb");
+    }
   } else if (flag == "--seed") {
     c.seed = static_cast<std::uint64_t>(
         whole(flag, args.value_of(flag), 0, std::numeric_limits<long>::max()));
@@ -185,7 +205,15 @@ bool read_run_flag(const std::string& flag, Arguments& args, Config& c) {
 // The defaults that depend on other flags, and the pairs of flags that cannot go together.
 void complete_and_check(Config& c) {
   // --lr itself is refused unless positive, so below 0 can only be the default's marker.
-  if (c.lr < 0) c.lr = c.optimizer == "adamw" ? 0.001 : 0.05;
+  if (c.lr < 0)
+    c.lr = c.optimizer == "adamw"  ? 0.001
+           : c.optimizer == "lamb" ? 0.01
+           : c.optimizer == "lars" ? 1.0
+                                   : 0.05;
+  if ((c.optimizer == "lars" || c.optimizer == "lamb") && c.zero > 0) {
+    usage_error("--optimizer " + c.optimizer +
+                " scales each tensor by its norms; ZeRO's shards cut tensors: use --zero 0");
+  }
   if ((c.resume || c.checkpoint_every) && c.checkpoint.empty()) {
     usage_error("--resume and --checkpoint-every need --checkpoint DIR");
   }

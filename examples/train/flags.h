@@ -18,6 +18,11 @@ struct Config {
   std::size_t batch = 64;
   double lr = -1;  // below 0: the optimizer's default, set by parse_flags
   bool cosine = false;
+  // --lr scaled by the global batch (batch x ranks x accumulate) over base_batch: "none",
+  // "linear" (Goyal et al., for SGD) or "sqrt" (Hoffer et al., for Adam and LAMB).
+  std::string lr_scaling = "none";
+  std::size_t base_batch = 256;
+  double warmup_epochs = 0;  // the rate rises linearly from 0 over these first epochs
   std::string optimizer = "sgd";
   std::uint64_t seed = 1;
   std::string codec = "none";

@@ -82,28 +82,56 @@ double evaluate(gradsync::Context& ctx, Model& model, const Dataset& test, std::
 }
 
 // The learning rate of optimizer step `step` (0-based): a function of the step alone, so a
-// resumed run continues the schedule without saving it.
+// resumed run continues the schedule without saving it. --lr, scaled by the global batch
+// where asked, rises linearly over the warm-up steps, then stays or follows the cosine over
+// the steps left.
 class LearningRate {
  public:
-  LearningRate(const Config& c, std::size_t steps_per_epoch)
-      : lr_(c.lr), cosine_(c.cosine), total_steps_(static_cast<long>(steps_per_epoch) * c.epochs) {
+  LearningRate(const Config& c, std::size_t steps_per_epoch, int world)
+      : peak_(c.lr * scale(c, world)),
+        cosine_(c.cosine),
+        warmup_steps_(std::lround(c.warmup_epochs * static_cast<double>(steps_per_epoch))),
+        total_steps_(static_cast<long>(steps_per_epoch) * c.epochs),
+        scaling_(c.lr_scaling) {
     if (c.max_steps >= 0) total_steps_ = std::min(total_steps_, c.max_steps);
   }
   // For the checkpoint's identity: a resumed run must continue the same schedule.
   std::string describe() const {
-    return cosine_ ? "cosine over " + std::to_string(total_steps_) + " steps" : "constant";
+    std::string d = cosine_ ? "cosine over " + std::to_string(total_steps_) + " steps" : "constant";
+    if (scaling_ != "none") {
+      char peak[32];
+      std::snprintf(peak, sizeof peak, "%g", peak_);
+      d += ", " + scaling_ + " scaling to " + peak;
+    }
+    if (warmup_steps_ > 0) d += ", warm-up over " + std::to_string(warmup_steps_) + " steps";
+    return d;
   }
   float at(long step) const {
-    if (!cosine_) return static_cast<float>(lr_);
-    return static_cast<float>(lr_ * 0.5 *
-                              (1 + std::cos(std::numbers::pi * static_cast<double>(step) /
-                                            static_cast<double>(std::max(total_steps_, 1L)))));
+    if (step < warmup_steps_) {
+      return static_cast<float>(peak_ * static_cast<double>(step + 1) /
+                                static_cast<double>(warmup_steps_));
+    }
+    if (!cosine_) return static_cast<float>(peak_);
+    const double t = static_cast<double>(step - warmup_steps_);
+    const double span = static_cast<double>(std::max(total_steps_ - warmup_steps_, 1L));
+    return static_cast<float>(peak_ * 0.5 * (1 + std::cos(std::numbers::pi * t / span)));
   }
 
  private:
-  double lr_;
+  // The global batch over --base-batch, linearly or by its square root.
+  static double scale(const Config& c, int world) {
+    const double ratio =
+        static_cast<double>(c.batch) * world * c.accumulate / static_cast<double>(c.base_batch);
+    if (c.lr_scaling == "linear") return ratio;
+    if (c.lr_scaling == "sqrt") return std::sqrt(ratio);
+    return 1;
+  }
+
+  double peak_;
   bool cosine_;
+  long warmup_steps_;
   long total_steps_;
+  std::string scaling_;
 };
 
 gradsync::ReducerOptions reducer_options(const Config& c) {
@@ -116,12 +144,17 @@ gradsync::ReducerOptions reducer_options(const Config& c) {
   return ro;
 }
 
-std::unique_ptr<gradsync::optim::Optimizer> make_optimizer(const Config& c, std::size_t count) {
-  if (c.optimizer == "adamw") {
-    return gradsync::optim::make_adamw(count, {.lr = static_cast<float>(c.lr)});
-  }
-  return gradsync::optim::make_sgd(count, {.lr = static_cast<float>(c.lr),
-                                           .momentum = codec_has_momentum(c.codec) ? 0.0f : 0.9f});
+// Over the parameter tensors of these sizes (LARS and LAMB scale each one by its norms).
+std::unique_ptr<gradsync::optim::Optimizer> make_optimizer(const Config& c,
+                                                           std::vector<std::size_t> tensors) {
+  const auto lr = static_cast<float>(c.lr);
+  if (c.optimizer == "lars") return gradsync::optim::make_lars(std::move(tensors), {.lr = lr});
+  if (c.optimizer == "lamb") return gradsync::optim::make_lamb(std::move(tensors), {.lr = lr});
+  std::size_t count = 0;
+  for (std::size_t n : tensors) count += n;
+  if (c.optimizer == "adamw") return gradsync::optim::make_adamw(count, {.lr = lr});
+  return gradsync::optim::make_sgd(
+      count, {.lr = lr, .momentum = codec_has_momentum(c.codec) ? 0.0f : 0.9f});
 }
 
 // What one optimizer step did, for the totals, the curves and the progress line.
@@ -226,17 +259,21 @@ Trainer::Trainer(const Config& c, const gradsync::Options& options)
       model_(make_model(c.model, c.seed, c.hidden)),
       sampler_(train_set_.count, rank_, world_, c.batch, c.seed),
       steps_per_epoch_(sampler_.steps_per_epoch() / static_cast<std::size_t>(c.accumulate)),
-      lr_(c, steps_per_epoch_),
+      lr_(c, steps_per_epoch_, world_),
       images_(c.batch * train_set_.rows * train_set_.cols),
       labels_(c.batch) {
   const std::size_t total = model_->values().size();
   if (c.zero == 0) {
     reducer_.emplace(*ctx_, reducer_options(c));
-    for (auto& p : model_->parameters()) reducer_->add_parameter(p.name, p.count, p.grad, p.rows);
-    optimizer_ = make_optimizer(c, total);
+    std::vector<std::size_t> tensors;
+    for (auto& p : model_->parameters()) {
+      reducer_->add_parameter(p.name, p.count, p.grad, p.rows);
+      tensors.push_back(p.count);
+    }
+    optimizer_ = make_optimizer(c, std::move(tensors));
   } else {
     zero_.emplace(*ctx_, total, c.zero,
-                  [&c](std::size_t count) { return make_optimizer(c, count); });
+                  [&c](std::size_t count) { return make_optimizer(c, {count}); });
   }
   if (steps_per_epoch_ == 0) throw std::runtime_error("an epoch holds no full step: lower --batch");
   // lr * residual is how far plain SGD (with or without momentum) will still move; AdamW
@@ -283,10 +320,10 @@ void Trainer::announce() const {
   if (!talk_) return;
   std::fprintf(stderr,
                "gradsync-train: %s; %d ranks x batch %zu x %d micro-batches; %zu steps per "
-               "epoch; codec %s; zero %d; %s lr %g%s; %s\n",
+               "epoch; codec %s; zero %d; %s lr %g (%s); %s\n",
                model_->describe().c_str(), world_, c_.batch, c_.accumulate, steps_per_epoch_,
                reducer_ ? reducer_->codec_spec().c_str() : "none", c_.zero, c_.optimizer.c_str(),
-               c_.lr, c_.cosine ? " cosine" : "", c_.overlap ? "overlap" : "no overlap");
+               c_.lr, lr_.describe().c_str(), c_.overlap ? "overlap" : "no overlap");
 }
 
 void Trainer::train_from(const Position& start) {

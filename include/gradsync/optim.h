@@ -38,11 +38,35 @@ struct AdamWOptions {
   float weight_decay = 0.01f;
 };
 
+// LARS (You, Gitman and Ginsburg, 2017), for large batches with SGD: each tensor's step is
+// scaled by its trust ratio trust ||w|| / (||g|| + weight_decay ||w||) (1 where either norm
+// is 0); then g += weight_decay w, b = momentum b + lr ratio g, w -= b.
+struct LarsOptions {
+  float lr = 0.1f;
+  float momentum = 0.9f;
+  float weight_decay = 0.0f;
+  float trust = 0.001f;
+};
+
+// LAMB (You et al., 2019), for large batches with Adam: Adam's bias-corrected update plus
+// decoupled weight decay, u = m / (sqrt(v) + eps) + weight_decay w, scaled for each tensor by
+// ||w|| / ||u|| (1 where either norm is 0): w -= lr ratio u.
+struct LambOptions {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-6f;
+  float weight_decay = 0.01f;
+};
+
 // Updates a fixed range of `count` parameters from their gradients; keeps its state (momentum,
 // moments) for exactly that range.
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
+  // Its steps need each tensor whole (LARS, LAMB: norms per tensor), so it cannot step a
+  // ZeRO shard, which cuts tensors anywhere.
+  virtual bool needs_whole_tensors() const { return false; }
   // params.size() == grads.size() == the count it was made for.
   virtual void step(std::span<float> params, std::span<const float> grads) = 0;
   // The learning rate of the steps from now on (a schedule sets it before each step; it is
@@ -57,6 +81,9 @@ class Optimizer {
 
 std::unique_ptr<Optimizer> make_sgd(std::size_t count, SgdOptions options = {});
 std::unique_ptr<Optimizer> make_adamw(std::size_t count, AdamWOptions options = {});
+// Over tensors of these sizes, back to back: count is their sum.
+std::unique_ptr<Optimizer> make_lars(std::vector<std::size_t> tensors, LarsOptions options = {});
+std::unique_ptr<Optimizer> make_lamb(std::vector<std::size_t> tensors, LambOptions options = {});
 
 // Data-parallel optimizer step with ZeRO sharding, collective over the context:
 //   stage 0  all-reduce the gradients; every rank updates every parameter (plain DDP).
@@ -66,6 +93,7 @@ std::unique_ptr<Optimizer> make_adamw(std::size_t count, AdamWOptions options = 
 //            gradient too; update the shard; all-gather the parameters.
 // Shards are contiguous and equal; the count % N elements past them are updated by every
 // rank alike. Every stage follows the same trajectory (to floating-point summation order).
+// Stages 1 and 2 refuse an optimizer that needs whole tensors (Error kInvalidArgument).
 class ZeroOptimizer {
  public:
   using Factory = std::function<std::unique_ptr<Optimizer>(std::size_t count)>;

@@ -1,9 +1,10 @@
-// SGD, AdamW and ZeRO sharding (see optim.h).
+// SGD, AdamW, LARS, LAMB and ZeRO sharding (see optim.h).
 #include "gradsync/optim.h"
 
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "gradsync/bytes.h"
 #include "gradsync/error.h"
@@ -110,7 +111,125 @@ class AdamW final : public Optimizer {
   std::uint64_t steps_ = 0;
 };
 
+// Each tensor's range of a flat buffer, from the tensors' sizes.
+struct Tensors {
+  explicit Tensors(std::vector<std::size_t> sizes) : sizes_(std::move(sizes)) {
+    for (std::size_t n : sizes_) count_ += n;
+  }
+  std::size_t count() const { return count_; }
+  // f(first, size) for each tensor in order.
+  template <class F>
+  void each(F f) const {
+    std::size_t first = 0;
+    for (std::size_t n : sizes_) {
+      f(first, n);
+      first += n;
+    }
+  }
+
+ private:
+  std::vector<std::size_t> sizes_;
+  std::size_t count_ = 0;
+};
+
+double norm(const float* x, std::size_t n) {
+  double sum = 0;
+  for (std::size_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * x[i];
+  return std::sqrt(sum);
+}
+
+// ||w|| / ||u||, or 1 where either is 0 (a tensor at zero, or one with nothing to do).
+double trust_ratio(double numerator, double denominator) {
+  return numerator > 0 && denominator > 0 ? numerator / denominator : 1.0;
+}
+
+class Lars final : public Optimizer {
+ public:
+  Lars(std::vector<std::size_t> tensors, LarsOptions o)
+      : tensors_(std::move(tensors)), o_(o), momentum_(tensors_.count()) {}
+  bool needs_whole_tensors() const override { return true; }
+  void step(std::span<float> p, std::span<const float> g) override {
+    check_sizes(tensors_.count(), p, g);
+    tensors_.each([&](std::size_t first, std::size_t n) {
+      float* w = p.data() + first;
+      const float* grad = g.data() + first;
+      float* b = momentum_.data() + first;
+      const double w_norm = norm(w, n);
+      const double ratio = trust_ratio(o_.trust * w_norm, norm(grad, n) + o_.weight_decay * w_norm);
+      const auto scaled_lr = static_cast<float>(o_.lr * ratio);
+      for (std::size_t i = 0; i < n; ++i) {
+        b[i] = o_.momentum * b[i] + scaled_lr * (grad[i] + o_.weight_decay * w[i]);
+        w[i] -= b[i];
+      }
+    });
+    ++steps_;
+  }
+  void set_lr(float lr) override { o_.lr = lr; }
+  std::size_t state_bytes() const override { return momentum_.size() * sizeof(float); }
+  std::vector<std::uint8_t> save_state() const override { return pack(kMagic, steps_, momentum_); }
+  void load_state(std::span<const std::uint8_t> s) override {
+    unpack(kMagic, s, steps_, momentum_);
+  }
+
+ private:
+  static constexpr char kMagic[4] = {'G', 'S', 'L', 'R'};
+  Tensors tensors_;
+  LarsOptions o_;
+  std::vector<float> momentum_;  // holds lr: b = momentum b + lr ratio g
+  std::uint64_t steps_ = 0;
+};
+
+class Lamb final : public Optimizer {
+ public:
+  Lamb(std::vector<std::size_t> tensors, LambOptions o)
+      : tensors_(std::move(tensors)), o_(o), moments_(2 * tensors_.count()) {}
+  bool needs_whole_tensors() const override { return true; }
+  void step(std::span<float> p, std::span<const float> g) override {
+    const std::size_t count = tensors_.count();
+    check_sizes(count, p, g);
+    ++steps_;
+    const double t = static_cast<double>(steps_);
+    const auto c1 = static_cast<float>(1.0 - std::pow(static_cast<double>(o_.beta1), t));
+    const auto c2 = static_cast<float>(1.0 - std::pow(static_cast<double>(o_.beta2), t));
+    update_.resize(count);
+    tensors_.each([&](std::size_t first, std::size_t n) {
+      float* w = p.data() + first;
+      const float* grad = g.data() + first;
+      float* m = moments_.data() + first;
+      float* v = moments_.data() + count + first;
+      float* u = update_.data() + first;
+      for (std::size_t i = 0; i < n; ++i) {
+        m[i] = o_.beta1 * m[i] + (1 - o_.beta1) * grad[i];
+        v[i] = o_.beta2 * v[i] + (1 - o_.beta2) * grad[i] * grad[i];
+        u[i] = (m[i] / c1) / (std::sqrt(v[i] / c2) + o_.eps) + o_.weight_decay * w[i];
+      }
+      const auto scaled_lr = static_cast<float>(o_.lr * trust_ratio(norm(w, n), norm(u, n)));
+      for (std::size_t i = 0; i < n; ++i) w[i] -= scaled_lr * u[i];
+    });
+  }
+  void set_lr(float lr) override { o_.lr = lr; }
+  std::size_t state_bytes() const override { return moments_.size() * sizeof(float); }
+  std::vector<std::uint8_t> save_state() const override { return pack(kMagic, steps_, moments_); }
+  void load_state(std::span<const std::uint8_t> s) override { unpack(kMagic, s, steps_, moments_); }
+
+ private:
+  static constexpr char kMagic[4] = {'G', 'S', 'L', 'B'};
+  Tensors tensors_;
+  LambOptions o_;
+  std::vector<float> moments_;  // m then v
+  std::vector<float> update_;   // scratch: this step's u
+  std::uint64_t steps_ = 0;
+};
+
 }  // namespace
+
+std::unique_ptr<Optimizer> make_lars(std::vector<std::size_t> tensors, LarsOptions options) {
+  return std::make_unique<Lars>(std::move(tensors), options);
+}
+
+std::unique_ptr<Optimizer> make_lamb(std::vector<std::size_t> tensors, LambOptions options) {
+  return std::make_unique<Lamb>(std::move(tensors), options);
+}
 
 std::unique_ptr<Optimizer> make_sgd(std::size_t count, SgdOptions options) {
   return std::make_unique<Sgd>(count, options);
@@ -137,6 +256,13 @@ ZeroOptimizer::ZeroOptimizer(Context& ctx, std::size_t count, int stage, const F
   tail_ = count - n * shard_;
   main_ = make(shard_);
   tail_opt_ = make(tail_);
+  if (main_->needs_whole_tensors()) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "ZeRO stage " + std::to_string(stage) +
+                    " with an optimizer that scales each tensor by its norms (LARS, LAMB): "
+                    "shards cut tensors, so only stage 0 can step it",
+                ctx.rank(), Error::kNoPeer, "ZeroOptimizer");
+  }
   if (stage == 2) reduced_.resize(shard_);
 }
 
