@@ -35,6 +35,12 @@ TEST(TrainerFlags, ConflictsAndUnknownValuesAreRefused) {
   r = testing::run_shell(train + " --optimizer adam 2>&1");
   EXPECT_EQ(r.exit_code(), 2) << r.output;
   EXPECT_TRUE(testing::contains(r.output, "--optimizer is sgd, adamw, lars or lamb")) << r.output;
+  r = testing::run_shell(train + " --strategy zero3 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "does not shard parameters yet")) << r.output;
+  r = testing::run_shell(train + " --strategy fsdp 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "--strategy is ddp, zero1 or zero2")) << r.output;
   r = testing::run_shell(train + " --lr-scaling cubic 2>&1");
   EXPECT_EQ(r.exit_code(), 2) << r.output;
   EXPECT_TRUE(testing::contains(r.output, "--lr-scaling is none, linear or sqrt")) << r.output;

@@ -40,6 +40,7 @@ constexpr const char* kUsage =
     "                         compute gradients at value - lr * held back (default 1)\n"
     "  --accumulate K         K micro-batches per optimizer step, communicating once\n"
     "  --zero 0|1|2           ZeRO stage (1, 2: sharded optimizer state / gradients)\n"
+    "  --strategy S           ddp (--zero 0), zero1 or zero2 (--zero 1, 2)\n"
     "  --max-steps N          stop after N optimizer steps (benchmarks; default: all)\n"
     "  --data DIR             Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)\n"
     "  --json FILE            rank 0 writes the run's metrics and configuration to FILE\n"
@@ -172,6 +173,14 @@ bool read_communication_flag(const std::string& flag, Arguments& args, Config& c
     c.accumulate = static_cast<int>(whole(flag, args.value_of(flag), 1, kMaxAccumulate));
   } else if (flag == "--zero") {
     c.zero = static_cast<int>(whole(flag, args.value_of(flag), 0, 2));
+  } else if (flag == "--strategy") {
+    const std::string v = args.value_of(flag);
+    if (v == "zero3") {
+      usage_error("--strategy zero3: gradsync-train does not shard parameters yet (ZeRO 3)");
+    }
+    if (v != "ddp" && v != "zero1" && v != "zero2")
+      usage_error("--strategy is ddp, zero1 or zero2");
+    c.zero = v == "ddp" ? 0 : v[4] - '0';
   } else {
     return false;
   }

@@ -92,7 +92,10 @@ void write_metrics(gradsync::json::Writer& w, const RunReport& r) {
       .field("compression_ratio", t.compression_ratio())
       .field("allreduce_calls", t.allreduce_calls)
       .field("optimizer_state_bytes_per_rank", r.optimizer_state_bytes)
-      .field("reduced_gradient_bytes_per_rank", r.reduced_gradient_bytes);
+      .field("reduced_gradient_bytes_per_rank", r.reduced_gradient_bytes)
+      .field("parameter_bytes_per_rank", r.parameter_bytes)
+      .field("gradient_bytes_per_rank", r.gradient_bytes)
+      .field("peak_rss_bytes", r.peak_rss_bytes);
 }
 
 void write_curves(gradsync::json::Writer& w, const Curves& curves) {
@@ -119,6 +122,10 @@ void write_config(gradsync::json::Writer& w, const RunReport& r, const Config& c
       .field("step_ahead", r.step_ahead)
       .field("accumulate", c.accumulate)
       .field("zero", c.zero)
+      .field("strategy", c.zero == 0 ? "ddp" : "zero" + std::to_string(c.zero))
+      .field("lr_scaling", c.lr_scaling)
+      .field("base_batch", c.base_batch)
+      .field("warmup_epochs", c.warmup_epochs)
       .field("epochs", c.epochs)
       .field("max_steps", c.max_steps)
       .end_object();

@@ -51,6 +51,9 @@ struct RunReport {
   bool step_ahead = false;          // in effect, not just asked for
   bool shared_memory_only = false;  // every peer through shm: the arenas' bytes go uncounted
   std::size_t optimizer_state_bytes = 0, reduced_gradient_bytes = 0;  // per rank
+  // Per rank: the parameters and the gradients backward writes (whole at every ZeRO stage
+  // here), and the process's peak resident set.
+  std::size_t parameter_bytes = 0, gradient_bytes = 0, peak_rss_bytes = 0;
 
   double test_accuracy() const;  // after the last epoch (0 if none ran)
 };

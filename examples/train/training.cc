@@ -7,6 +7,7 @@
 #include <gradsync/optim.h>
 #include <gradsync/reducer.h>
 #include <gradsync/timeline.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -494,6 +495,12 @@ RunReport Trainer::summarize() const {
       zero_ ? zero_->memory().optimizer_state_bytes : optimizer_->state_bytes();
   r.reduced_gradient_bytes =
       zero_ ? zero_->memory().reduced_gradient_bytes : model_->values().size() * sizeof(float);
+  r.parameter_bytes = model_->values().size() * sizeof(float);
+  r.gradient_bytes = model_->grads().size() * sizeof(float);
+  rusage usage{};
+  if (::getrusage(RUSAGE_SELF, &usage) == 0) {
+    r.peak_rss_bytes = static_cast<std::size_t>(usage.ru_maxrss) * 1024;  // Linux: KiB
+  }
   return r;
 }
 
