@@ -276,7 +276,7 @@ TEST(AdvisePredict, RefusesWhatItCannotModel) {
   };
   refused(Plan{.ranks = 3, .hosts = 2}, "multiple of hosts");
   refused(Plan{.ranks = 2, .codec = "int8"}, "no encode and decode speed for codec 'int8'");
-  refused(Plan{.ranks = 2, .codec = "fp16", .zero = 1}, "ZeRO with a codec");
+  refused(Plan{.ranks = 2, .codec = "fp16", .zero = 2}, "ZeRO 2 or 3 with a codec");
   refused(Plan{.ranks = 2, .codec = "nonsense"}, "nonsense");
   expect_refusal([] { model_workload("resnet", 64, "sgd"); }, "model 'resnet': known are mlp");
   expect_refusal([] { model_workload("mlp:12,x", 64, "sgd"); }, "model 'mlp:12,x'");

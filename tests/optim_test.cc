@@ -174,11 +174,14 @@ TEST(Zero, StagesOneAndTwoFollowThePlainTrajectory) {
   for (int n : {1, 2, 3, 4}) {
     for (std::size_t count : {std::size_t{1}, std::size_t{10}, std::size_t{1003}}) {
       for (bool adam : {false, true}) {
-        std::vector<std::vector<std::vector<float>>> finals(3);
-        std::vector<std::vector<ZeroOptimizer::Memory>> memory(3);
-        for (int stage = 0; stage <= 2; ++stage) {
-          finals[stage].resize(static_cast<std::size_t>(n));
-          memory[stage].resize(static_cast<std::size_t>(n));
+        // Stages 0-2, and (variant 3) stage 1 stepped from gradients averaged beforehand, as
+        // a Reducer averages them while backward runs.
+        std::vector<std::vector<std::vector<float>>> finals(4);
+        std::vector<std::vector<ZeroOptimizer::Memory>> memory(4);
+        for (int variant = 0; variant <= 3; ++variant) {
+          const int stage = variant == 3 ? 1 : variant;
+          finals[variant].resize(static_cast<std::size_t>(n));
+          memory[variant].resize(static_cast<std::size_t>(n));
           testing::run_inproc_contexts(n, [&](Context& ctx) {
             ZeroOptimizer zero(ctx, count, stage, [&](std::size_t c) {
               return adam ? optim::make_adamw(c, {.lr = 0.01f})
@@ -189,15 +192,21 @@ TEST(Zero, StagesOneAndTwoFollowThePlainTrajectory) {
             for (int step = 0; step < 5; ++step) {
               std::vector<float> grads(count);
               for (std::size_t i = 0; i < count; ++i) grads[i] = grad_of(ctx.rank(), step, i);
-              zero.step(params, grads);
+              if (variant == 3) {
+                ctx.allreduce(grads.data(), grads.data(), count, DataType::kFloat32,
+                              ReduceOp::kAvg);
+                zero.step_reduced(params, grads);
+              } else {
+                zero.step(params, grads);
+              }
             }
-            finals[stage][static_cast<std::size_t>(ctx.rank())] = params;
-            memory[stage][static_cast<std::size_t>(ctx.rank())] = zero.memory();
+            finals[variant][static_cast<std::size_t>(ctx.rank())] = params;
+            memory[variant][static_cast<std::size_t>(ctx.rank())] = zero.memory();
           });
         }
         const std::string what = "n=" + std::to_string(n) + " count=" + std::to_string(count) +
                                  (adam ? " adamw" : " sgd");
-        for (int stage = 0; stage <= 2; ++stage) {
+        for (int stage = 0; stage <= 3; ++stage) {
           for (int r = 0; r < n; ++r) {
             ASSERT_EQ(finals[stage][static_cast<std::size_t>(r)], finals[stage][0]) << what;
           }
@@ -235,6 +244,8 @@ TEST(Zero, ShardStateSurvivesSaveAndRestore) {
     EXPECT_EQ(pa, pb);
     testing::expect_error(ErrorKind::kInvalidArgument,
                           [&] { ZeroOptimizer bad(ctx, 10, 3, make); });
+    // Stage 2 keeps only its shard of the reduced gradient: an all-reduced one is refused.
+    testing::expect_error(ErrorKind::kInvalidArgument, [&] { a.step_reduced(pa, g); });
   });
 }
 

@@ -39,7 +39,8 @@ constexpr const char* kUsage =
     "  --step-ahead 0|1       with a codec that holds gradient back (error feedback) and SGD,\n"
     "                         compute gradients at value - lr * held back (default 1)\n"
     "  --accumulate K         K micro-batches per optimizer step, communicating once\n"
-    "  --zero 0|1|2           ZeRO stage (1, 2: sharded optimizer state / gradients)\n"
+    "  --zero 0|1|2           ZeRO stage (1: sharded optimizer state, the gradients all-reduced\n"
+    "                         while backward runs as without; 2: sharded gradients too)\n"
     "  --strategy S           ddp (--zero 0), zero1 or zero2 (--zero 1, 2)\n"
     "  --max-steps N          stop after N optimizer steps (benchmarks; default: all)\n"
     "  --data DIR             Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)\n"
@@ -233,8 +234,10 @@ void complete_and_check(Config& c) {
   if (c.optimizer != "sgd" && codec_has_momentum(c.codec)) {
     usage_error("a codec with momentum= takes the place of SGD's momentum: use --optimizer sgd");
   }
-  if (c.zero > 0 && c.codec != "none") {
-    usage_error("--zero 1|2 reduce-scatters float32 gradients: use --codec none with it");
+  if (c.zero == 2 && c.codec != "none") {
+    usage_error(
+        "--zero 2 reduce-scatters float32 gradients: use --codec none with it (--zero 1 "
+        "all-reduces through the codec)");
   }
 }
 

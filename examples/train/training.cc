@@ -264,15 +264,18 @@ Trainer::Trainer(const Config& c, const gradsync::Options& options)
       images_(c.batch * train_set_.rows * train_set_.cols),
       labels_(c.batch) {
   const std::size_t total = model_->values().size();
-  if (c.zero == 0) {
+  // DDP and ZeRO 1 average the gradients through the Reducer, bucket by bucket while backward
+  // runs (through the codec); ZeRO 2 reduce-scatters them inside its step.
+  if (c.zero < 2) {
     reducer_.emplace(*ctx_, reducer_options(c));
     std::vector<std::size_t> tensors;
     for (auto& p : model_->parameters()) {
       reducer_->add_parameter(p.name, p.count, p.grad, p.rows);
       tensors.push_back(p.count);
     }
-    optimizer_ = make_optimizer(c, std::move(tensors));
-  } else {
+    if (c.zero == 0) optimizer_ = make_optimizer(c, std::move(tensors));
+  }
+  if (c.zero > 0) {
     zero_.emplace(*ctx_, total, c.zero,
                   [&c](std::size_t count) { return make_optimizer(c, {count}); });
   }
@@ -431,8 +434,9 @@ void Trainer::average_micro_batch_gradients() {
   for (float& g : model_->grads()) g /= static_cast<float>(c_.accumulate);
 }
 
-// ZeRO reduce-scatters the gradients inside its step, so that step is the communication the
-// statistics report.
+// ZeRO 2 reduce-scatters the gradients inside its step, so that step is the communication the
+// statistics report; ZeRO 1's gradients came through the Reducer, and its step adds the
+// all-gather of the parameters, exposed.
 void Trainer::optimizer_step(gradsync::StepStats& stats) {
   gradsync::timeline::Span span(zero_ ? "zero step" : "optimizer", "optimizer");
   const float lr = lr_.at(steps_done_);
@@ -444,6 +448,14 @@ void Trainer::optimizer_step(gradsync::StepStats& stats) {
   const auto comm_start = Clock::now();
   zero_->set_lr(lr);
   const auto before = ctx_->total_traffic().bytes_sent;
+  if (reducer_) {
+    zero_->step_reduced(model_->values(), model_->grads());
+    const double gather_s = seconds_since(comm_start);
+    stats.communication_s += gather_s;
+    stats.exposed_s += gather_s;
+    stats.bytes_sent += ctx_->total_traffic().bytes_sent - before;
+    return;
+  }
   zero_->step(model_->values(), model_->grads());
   stats.communication_s = stats.exposed_s = seconds_since(comm_start);
   stats.bytes_sent = ctx_->total_traffic().bytes_sent - before;

@@ -102,6 +102,11 @@ class ZeroOptimizer {
   // `grads` is this rank's own gradient (it is used as scratch); the average over ranks is
   // applied to `params`, which end identical on every rank.
   void step(std::span<float> params, std::span<float> grads);
+  // The same step from gradients already averaged over the ranks (a Reducer's, all-reduced
+  // bucket by bucket while backward ran, through any codec): stages 0 and 1. Stage 2 keeps
+  // only its shard of the reduced gradient, which an all-reduce cannot give it: refused
+  // (Error kInvalidArgument).
+  void step_reduced(std::span<float> params, std::span<const float> reduced_grads);
   void set_lr(float lr);
 
   struct Memory {
@@ -118,6 +123,10 @@ class ZeroOptimizer {
   void load_state(std::span<const std::uint8_t> state);
 
  private:
+  // Steps this rank's shard and the tail, then all-gathers the shards.
+  void update_shard_and_gather(std::span<float> params, std::span<const float> shard_grads,
+                               std::span<const float> tail_grads);
+
   Context& ctx_;
   std::size_t count_, shard_ = 0, first_ = 0, tail_ = 0;
   int stage_;

@@ -41,7 +41,7 @@ std::vector<Candidate> candidates(const Profile& profile, const Plan& now) {
     out.push_back({"first-bucket-mb", number(mb), p, "the first bucket starts communication early",
                    "none to accuracy"});
   }
-  if (now.zero == 0) {
+  if (now.zero <= 1) {
     struct Codec {
       const char* spec;
       const char* name;
@@ -85,7 +85,7 @@ std::vector<Candidate> candidates(const Profile& profile, const Plan& now) {
   // ZeRO shards the optimizer's work as well as its state: each rank steps 1/N of the
   // parameters, for an all-gather of them after the step.
   for (int z : {1, 2, 3}) {
-    if (z == now.zero || now.codec != "none" || now.ranks == 1) continue;
+    if (z == now.zero || (z >= 2 && now.codec != "none") || now.ranks == 1) continue;
     Plan p = now;
     p.zero = z;
     if (z == 3) {
@@ -99,7 +99,8 @@ std::vector<Candidate> candidates(const Profile& profile, const Plan& now) {
     out.push_back({"zero", number(z), p,
                    z == 1 ? "optimizer state and its step sharded across ranks"
                           : "optimizer state, its step and the reduced gradients sharded",
-                   "none to accuracy; the reduce-scatter waits for the end of backward"});
+                   z == 1 ? "none to accuracy; the parameters' all-gather follows the step"
+                          : "none to accuracy; the reduce-scatter waits for the end of backward"});
   }
   return out;
 }

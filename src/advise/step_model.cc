@@ -502,9 +502,9 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
         "plan or workload out of range (accumulate >= 1, zero 0-3, bucket sizes > 0, "
         "batch >= 1, at least one layer)");
   }
-  if (plan.zero > 0 && plan.codec != "none") {
+  if (plan.zero >= 2 && plan.codec != "none") {
     throw invalid(
-        "ZeRO with a codec: gradsync-train refuses it (sharded gradients are "
+        "ZeRO 2 or 3 with a codec: gradsync-train refuses it (sharded gradients are "
         "reduce-scattered uncompressed)");
   }
   const CallPricer pricer(profile, plan, plan.algorithm);
@@ -559,7 +559,17 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
   // communicates in every one); and memory beyond the shards (ZeRO 3's gathered layers).
   double accumulated_micro_s = forward_s + backward_s;
   std::size_t working_floats = 0;
-  if (plan.zero == 0) {
+  if (plan.zero <= 1) {
+    // DDP, and ZeRO 1 as gradsync-train runs it: the Reducer all-reduces bucket by bucket;
+    // ZeRO 1 then all-gathers the parameters each rank updated.
+    if (plan.zero == 1) {
+      tail_comm_s = pricer.allgather_us(psi) * 1e-6;
+      p.comm_s += tail_comm_s;
+      if (n > 1) {
+        p.wire_bytes_per_rank +=
+            static_cast<std::size_t>(static_cast<double>(n - 1) / n * psi * sizeof(float));
+      }
+    }
     std::vector<std::size_t> waits_for;
     std::vector<std::vector<Phase>> work;
     for (const auto& positions :
@@ -632,10 +642,9 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
     // A layer being computed and the next one prefetched, whole, and one layer's gradients.
     working_floats = 3 * largest;
   } else {
-    // As ZeroOptimizer::step: stage 1 all-reduces the whole gradient and uses its shard,
-    // stage 2 reduce-scatters it; both all-gather the updated parameters.
-    const double rs =
-        (plan.zero == 1 ? pricer.allreduce_us(psi) : pricer.reduce_scatter_us(psi)) * 1e-6;
+    // As ZeroOptimizer::step at stage 2: the whole gradient reduce-scattered after backward,
+    // the updated parameters all-gathered.
+    const double rs = pricer.reduce_scatter_us(psi) * 1e-6;
     const double ag = pricer.allgather_us(psi) * 1e-6;
     p.comm_s = rs + ag;
     p.wire_bytes_per_rank =

@@ -274,29 +274,49 @@ void ZeroOptimizer::step(std::span<float> params, std::span<float> grads) {
                     std::to_string(grads.size()) + " gradients",
                 ctx_.rank(), Error::kNoPeer, "ZeroOptimizer step");
   }
-  if (stage_ == 0) {
+  if (stage_ < 2) {  // the whole reduced gradient, of which stage 1 uses its shard
     ctx_.allreduce(grads.data(), grads.data(), count_, DataType::kFloat32, ReduceOp::kAvg);
-    main_->step(params, grads);
+    step_reduced(params, grads);
     return;
   }
-  const std::size_t n = static_cast<std::size_t>(ctx_.size()), body = n * shard_;
-  std::span<const float> shard_grads;
-  if (stage_ == 1) {  // the whole reduced gradient, of which this rank uses its shard
-    ctx_.allreduce(grads.data(), grads.data(), count_, DataType::kFloat32, ReduceOp::kAvg);
-    shard_grads = grads.subspan(first_, shard_);
-  } else {  // only this rank's shard of the reduced gradient, and the tail
-    if (shard_) {
-      ctx_.reduce_scatter(grads.data(), reduced_.data(), shard_, DataType::kFloat32,
-                          ReduceOp::kAvg);
-    }
-    if (tail_) {
-      ctx_.allreduce(grads.data() + body, grads.data() + body, tail_, DataType::kFloat32,
-                     ReduceOp::kAvg);
-    }
-    shard_grads = reduced_;
+  // Only this rank's shard of the reduced gradient, and the tail.
+  const std::size_t body = static_cast<std::size_t>(ctx_.size()) * shard_;
+  if (shard_) {
+    ctx_.reduce_scatter(grads.data(), reduced_.data(), shard_, DataType::kFloat32, ReduceOp::kAvg);
   }
+  if (tail_) {
+    ctx_.allreduce(grads.data() + body, grads.data() + body, tail_, DataType::kFloat32,
+                   ReduceOp::kAvg);
+  }
+  update_shard_and_gather(params, reduced_, grads.subspan(body, tail_));
+}
+
+void ZeroOptimizer::step_reduced(std::span<float> params, std::span<const float> reduced_grads) {
+  if (params.size() != count_ || reduced_grads.size() != count_ || stage_ == 2) {
+    throw Error(ErrorKind::kInvalidArgument,
+                stage_ == 2
+                    ? "ZeRO stage 2 keeps only its shard of the reduced gradient: step "
+                      "it with step(), which reduce-scatters"
+                    : "ZeRO optimizer of " + std::to_string(count_) + " parameters stepped with " +
+                          std::to_string(params.size()) + " parameters and " +
+                          std::to_string(reduced_grads.size()) + " gradients",
+                ctx_.rank(), Error::kNoPeer, "ZeroOptimizer step");
+  }
+  if (stage_ == 0) {
+    main_->step(params, reduced_grads);
+    return;
+  }
+  const std::size_t body = static_cast<std::size_t>(ctx_.size()) * shard_;
+  update_shard_and_gather(params, reduced_grads.subspan(first_, shard_),
+                          reduced_grads.subspan(body, tail_));
+}
+
+void ZeroOptimizer::update_shard_and_gather(std::span<float> params,
+                                            std::span<const float> shard_grads,
+                                            std::span<const float> tail_grads) {
+  const std::size_t body = static_cast<std::size_t>(ctx_.size()) * shard_;
   main_->step(params.subspan(first_, shard_), shard_grads);
-  tail_opt_->step(params.subspan(body, tail_), grads.subspan(body, tail_));
+  tail_opt_->step(params.subspan(body, tail_), tail_grads);
   if (shard_) {
     ctx_.allgather(params.data() + first_, params.data(), shard_, DataType::kFloat32);
   }
