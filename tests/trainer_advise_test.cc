@@ -23,7 +23,9 @@ std::string tool(const std::string& path) {
 class TrainerAdvise : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    profile_ = ::testing::TempDir() + "trainer_advise_profile.json";
+    // CTest runs each case as a process of its own, in parallel: each probes into a file of
+    // its own, which its teardown removes.
+    profile_ = ::testing::TempDir() + testing::unique_name("trainer_advise_profile") + ".json";
     const auto r = testing::run_shell(tool("/tools/gradsync-run") + " -n 2 -- " +
                                       tool("/examples/gradsync-probe") +
                                       " --model cnn --repeats 3 --json " + profile_ + " 2>&1");
