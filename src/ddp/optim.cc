@@ -48,16 +48,30 @@ void unpack(const char magic[4], std::span<const std::uint8_t> s, std::uint64_t&
   floats = std::move(loaded);
 }
 
-class Sgd final : public Optimizer {
+// An optimizer whose state is one float buffer and a step count, saved as `magic`.
+class BufferedOptimizer : public Optimizer {
+ public:
+  std::size_t state_bytes() const override { return state_.size() * sizeof(float); }
+  std::vector<std::uint8_t> save_state() const override { return pack(magic_, steps_, state_); }
+  void load_state(std::span<const std::uint8_t> s) override { unpack(magic_, s, steps_, state_); }
+
+ protected:
+  BufferedOptimizer(const char* magic, std::size_t floats) : magic_(magic), state_(floats) {}
+  const char* magic_;
+  std::vector<float> state_;
+  std::uint64_t steps_ = 0;
+};
+
+class Sgd final : public BufferedOptimizer {
  public:
   Sgd(std::size_t count, SgdOptions o)
-      : count_(count), o_(o), momentum_(o.momentum != 0 ? count : 0) {}
+      : BufferedOptimizer("GSSG", o.momentum != 0 ? count : 0), count_(count), o_(o) {}
   void step(std::span<float> p, std::span<const float> g) override {
     check_sizes(count_, p, g);
     for (std::size_t i = 0; i < count_; ++i) {
       float d = g[i] + o_.weight_decay * p[i];
       if (o_.momentum != 0) {
-        float& b = momentum_[i];
+        float& b = state_[i];  // the momentum buffer
         b = steps_ == 0 ? d : o_.momentum * b + d;
         d = o_.nesterov ? d + o_.momentum * b : b;
       }
@@ -66,31 +80,24 @@ class Sgd final : public Optimizer {
     ++steps_;
   }
   void set_lr(float lr) override { o_.lr = lr; }
-  std::size_t state_bytes() const override { return momentum_.size() * sizeof(float); }
-  std::vector<std::uint8_t> save_state() const override { return pack(kMagic, steps_, momentum_); }
-  void load_state(std::span<const std::uint8_t> s) override {
-    unpack(kMagic, s, steps_, momentum_);
-  }
 
  private:
-  static constexpr char kMagic[4] = {'G', 'S', 'S', 'G'};
   std::size_t count_;
   SgdOptions o_;
-  std::vector<float> momentum_;
-  std::uint64_t steps_ = 0;
 };
 
-class AdamW final : public Optimizer {
+class AdamW final : public BufferedOptimizer {
  public:
-  AdamW(std::size_t count, AdamWOptions o) : count_(count), o_(o), moments_(2 * count) {}
+  AdamW(std::size_t count, AdamWOptions o)
+      : BufferedOptimizer("GSAW", 2 * count), count_(count), o_(o) {}
   void step(std::span<float> p, std::span<const float> g) override {
     check_sizes(count_, p, g);
     ++steps_;
     const double t = static_cast<double>(steps_);
     const auto c1 = static_cast<float>(1.0 - std::pow(static_cast<double>(o_.beta1), t));
     const auto c2 = static_cast<float>(1.0 - std::pow(static_cast<double>(o_.beta2), t));
-    float* m = moments_.data();
-    float* v = moments_.data() + count_;
+    float* m = state_.data();  // the moments: m then v
+    float* v = state_.data() + count_;
     for (std::size_t i = 0; i < count_; ++i) {
       p[i] -= o_.lr * o_.weight_decay * p[i];
       m[i] = o_.beta1 * m[i] + (1 - o_.beta1) * g[i];
@@ -99,16 +106,10 @@ class AdamW final : public Optimizer {
     }
   }
   void set_lr(float lr) override { o_.lr = lr; }
-  std::size_t state_bytes() const override { return moments_.size() * sizeof(float); }
-  std::vector<std::uint8_t> save_state() const override { return pack(kMagic, steps_, moments_); }
-  void load_state(std::span<const std::uint8_t> s) override { unpack(kMagic, s, steps_, moments_); }
 
  private:
-  static constexpr char kMagic[4] = {'G', 'S', 'A', 'W'};
   std::size_t count_;
   AdamWOptions o_;
-  std::vector<float> moments_;  // m then v
-  std::uint64_t steps_ = 0;
 };
 
 // Each tensor's range of a flat buffer, from the tensors' sizes.
@@ -143,17 +144,17 @@ double trust_ratio(double numerator, double denominator) {
   return numerator > 0 && denominator > 0 ? numerator / denominator : 1.0;
 }
 
-class Lars final : public Optimizer {
+class Lars final : public BufferedOptimizer {
  public:
   Lars(std::vector<std::size_t> tensors, LarsOptions o)
-      : tensors_(std::move(tensors)), o_(o), momentum_(tensors_.count()) {}
+      : BufferedOptimizer("GSLR", Tensors(tensors).count()), tensors_(std::move(tensors)), o_(o) {}
   bool needs_whole_tensors() const override { return true; }
   void step(std::span<float> p, std::span<const float> g) override {
     check_sizes(tensors_.count(), p, g);
     tensors_.each([&](std::size_t first, std::size_t n) {
       float* w = p.data() + first;
       const float* grad = g.data() + first;
-      float* b = momentum_.data() + first;
+      float* b = state_.data() + first;  // momentum, holding lr: b = momentum b + lr ratio g
       const double w_norm = norm(w, n);
       const double ratio = trust_ratio(o_.trust * w_norm, norm(grad, n) + o_.weight_decay * w_norm);
       const auto scaled_lr = static_cast<float>(o_.lr * ratio);
@@ -165,24 +166,18 @@ class Lars final : public Optimizer {
     ++steps_;
   }
   void set_lr(float lr) override { o_.lr = lr; }
-  std::size_t state_bytes() const override { return momentum_.size() * sizeof(float); }
-  std::vector<std::uint8_t> save_state() const override { return pack(kMagic, steps_, momentum_); }
-  void load_state(std::span<const std::uint8_t> s) override {
-    unpack(kMagic, s, steps_, momentum_);
-  }
 
  private:
-  static constexpr char kMagic[4] = {'G', 'S', 'L', 'R'};
   Tensors tensors_;
   LarsOptions o_;
-  std::vector<float> momentum_;  // holds lr: b = momentum b + lr ratio g
-  std::uint64_t steps_ = 0;
 };
 
-class Lamb final : public Optimizer {
+class Lamb final : public BufferedOptimizer {
  public:
   Lamb(std::vector<std::size_t> tensors, LambOptions o)
-      : tensors_(std::move(tensors)), o_(o), moments_(2 * tensors_.count()) {}
+      : BufferedOptimizer("GSLB", 2 * Tensors(tensors).count()),
+        tensors_(std::move(tensors)),
+        o_(o) {}
   bool needs_whole_tensors() const override { return true; }
   void step(std::span<float> p, std::span<const float> g) override {
     const std::size_t count = tensors_.count();
@@ -195,8 +190,8 @@ class Lamb final : public Optimizer {
     tensors_.each([&](std::size_t first, std::size_t n) {
       float* w = p.data() + first;
       const float* grad = g.data() + first;
-      float* m = moments_.data() + first;
-      float* v = moments_.data() + count + first;
+      float* m = state_.data() + first;  // the moments: m then v
+      float* v = state_.data() + count + first;
       float* u = update_.data() + first;
       for (std::size_t i = 0; i < n; ++i) {
         m[i] = o_.beta1 * m[i] + (1 - o_.beta1) * grad[i];
@@ -208,17 +203,11 @@ class Lamb final : public Optimizer {
     });
   }
   void set_lr(float lr) override { o_.lr = lr; }
-  std::size_t state_bytes() const override { return moments_.size() * sizeof(float); }
-  std::vector<std::uint8_t> save_state() const override { return pack(kMagic, steps_, moments_); }
-  void load_state(std::span<const std::uint8_t> s) override { unpack(kMagic, s, steps_, moments_); }
 
  private:
-  static constexpr char kMagic[4] = {'G', 'S', 'L', 'B'};
   Tensors tensors_;
   LambOptions o_;
-  std::vector<float> moments_;  // m then v
-  std::vector<float> update_;   // scratch: this step's u
-  std::uint64_t steps_ = 0;
+  std::vector<float> update_;  // scratch: this step's u
 };
 
 }  // namespace
