@@ -151,8 +151,7 @@ class CallPricer {
                                                       : timed(collective) || timed("allreduce");
     if (from_curve) return "timed";
     if (collective == "allgather") return "ring";
-    if (algorithm_ != Algorithm::kAuto) return to_string(algorithm_);
-    return to_string(model_.choose_allreduce(plan_.ranks, bytes, in_shared_memory(), plan_.hosts));
+    return to_string(allreduce_algorithm(bytes));
   }
 
   // ZeRO: the gradients reduce-scattered (half a ring all-reduce) and the updated parameters
@@ -182,9 +181,7 @@ class CallPricer {
       c.us += interpolate(*curve, bytes);
       c.latency_us += curve->front().us;
     } else {
-      const Algorithm a = algorithm_ != Algorithm::kAuto
-                              ? algorithm_
-                              : model_.choose_allreduce(n, bytes, in_shared_memory(), plan_.hosts);
+      const Algorithm a = allreduce_algorithm(bytes);
       c.us += model_.allreduce_us(a, n, bytes, plan_.hosts);
       c.latency_us += model_.allreduce_us(a, n, 0, plan_.hosts);
     }
@@ -222,6 +219,12 @@ class CallPricer {
       }
     }
     return speeds.back().*gbps;
+  }
+
+  // The all-reduce algorithm of an untimed call: the one asked for, else the cost model's pick.
+  Algorithm allreduce_algorithm(std::size_t bytes) const {
+    if (algorithm_ != Algorithm::kAuto) return algorithm_;
+    return model_.choose_allreduce(plan_.ranks, bytes, in_shared_memory(), plan_.hosts);
   }
 
   // The shared-memory all-reduce is open to the plan: one host whose ranks share memory.
