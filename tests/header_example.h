@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <memory>
 #include <ranges>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,19 @@ class HeaderExample : public ::testing::Test {
       {.name = "fc2.weight", .grad = std::vector<float>(16 * 10), .rows = 16},
       {.name = "fc2.bias", .grad = std::vector<float>(10)},
   };
+  // A layer as a sharded model keeps it: its initial weights and bias, back to back, and the
+  // unit a ShardedDataParallel gave it; forward and backward stand in for its computation.
+  struct Layer {
+    std::string name;
+    std::vector<float> initial_values;
+    int unit = -1;
+    void forward(std::span<const float>) {}
+    void backward(std::span<const float>, std::span<float> grad) {
+      std::fill(grad.begin(), grad.end(), 0.5f);
+    }
+  };
+  std::vector<Layer> layers = {{.name = "fc1", .initial_values = std::vector<float>(784 * 16 + 16)},
+                               {.name = "fc2", .initial_values = std::vector<float>(16 * 10 + 10)}};
   // Training steps a loop runs.
   int steps = 2;
 };

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <sstream>
 
@@ -44,8 +45,12 @@ TEST(TrainerCheckpoint, ResumeAfterACrashInTheMiddleOfASaveRepeatsTheLossesBitFo
                           testing::build_dir() +
                           "/examples/gradsync-train --hidden 32 --max-steps 24 --quiet "
                           "--checkpoint-every 8 --lr-schedule cosine ";
-  for (const std::string codec : {"none", "topk:ratio=0.1"}) {
-    const std::string base = dir + "/" + (codec == "none" ? "plain" : "topk");
+  // Plain, a codec with residuals, and ZeRO 3, whose checkpoint gathers the shards.
+  for (const std::string codec : {"none", "topk:ratio=0.1", "bf16 --zero 3"}) {
+    const std::string base = dir + "/" +
+                             (codec == "none"             ? "plain"
+                              : codec == "topk:ratio=0.1" ? "topk"
+                                                          : "zero3");
     auto r = testing::run_shell(pinned + run + "--codec " + codec + " --checkpoint " + base +
                                 "-full --json " + base + "-full.json 2>&1");
     ASSERT_EQ(r.status, 0) << r.output;
@@ -107,6 +112,51 @@ TEST(TrainerStepAhead, MovesTheGradientOnlyByWhatTheCodecHoldsBack) {
     for (std::size_t step = 1; step < 6; ++step) {
       EXPECT_EQ(trajectory[0][step] == trajectory[1][step], codec == "none")
           << codec << " step " << step;
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// The loss as a number, from its text in the --json file.
+std::vector<double> loss_values(const std::string& json_path) {
+  std::vector<double> out;
+  for (const std::string& text : losses(json_path)) out.push_back(std::stod(text));
+  return out;
+}
+
+// ZeRO 2 and 3 shard the same training DDP does: the same losses step for step, to the order
+// of float32 sums (a reduce-scatter and a gather add in another order than an all-reduce), at
+// 3 ranks whose shards cut the layers unevenly; ZeRO 3 keeps 1/3 of the parameters. With the
+// bf16 wire the losses stay close.
+TEST(TrainerStrategies, ZeroTwoAndThreeFollowDdpsLosses) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no data";
+  const std::string dir = testing::build_dir() + "/train_strategies_" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  const std::string run = testing::build_dir() + "/tools/gradsync-run -n 3 --no-prefix -- " +
+                          testing::build_dir() +
+                          "/examples/gradsync-train --hidden 40,24 --max-steps 12 --quiet "
+                          "--optimizer adamw ";
+  std::vector<std::vector<double>> trajectories;
+  for (const std::string flags : {"--zero 0", "--zero 2", "--zero 3", "--zero 3 --codec bf16"}) {
+    const std::string json = dir + "/" + std::to_string(trajectories.size()) + ".json";
+    const auto r = testing::run_shell(run + flags + " --json " + json + " 2>&1");
+    ASSERT_EQ(r.status, 0) << flags << "\n" << r.output;
+    trajectories.push_back(loss_values(json));
+    ASSERT_EQ(trajectories.back().size(), 12u) << flags;
+    if (flags == "--zero 3") {
+      // 784*40+40 + 40*24+24 + 24*10+10 = 32634 parameters in units of 31400, 984 and 250.
+      const std::size_t shard = (31400 + 2) / 3 + 984 / 3 + (250 + 2) / 3;
+      EXPECT_TRUE(contains(testing::read_file(json),
+                           "\"parameter_bytes_per_rank\": " + std::to_string(4 * shard)))
+          << testing::read_file(json);
+    }
+  }
+  for (std::size_t t = 1; t < trajectories.size(); ++t) {
+    const double tolerance = t == 3 ? 2e-2 : 1e-4;
+    for (std::size_t step = 0; step < 12; ++step) {
+      EXPECT_NEAR(trajectories[t][step], trajectories[0][step],
+                  tolerance * std::abs(trajectories[0][step]))
+          << "variant " << t << " step " << step;
     }
   }
   std::filesystem::remove_all(dir);

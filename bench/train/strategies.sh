@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# DDP against ZeRO 1 and 2 in gradsync-train, as each run counts itself (--json): bytes each
+# DDP against ZeRO 1, 2 and 3 in gradsync-train, as each run counts itself (--json): bytes each
 # rank sent per step against the theory (a ring all-reduce sends 2(N-1)/N of the parameters'
 # bytes, a reduce-scatter or an all-gather (N-1)/N), memory per rank (parameters, gradients,
-# optimizer state, peak RSS) and the median step time, with AdamW. Ranks talk over TCP
+# optimizer state kept between steps; the buffers ZeRO 2 and 3 gather into as layers run; peak
+# RSS), the median step time, and how much of ZeRO 2 and 3's all-gather time the step waited
+# for, with AdamW. Ranks talk over TCP
 # (GRADSYNC_TRANSPORT=tcp) so that every byte is counted; with --hosts H, over H namespace
 # hosts of scripts/netns-cluster.sh linked at --rate (root). Repeats alternate the
 # strategies. Holds /tmp/gradsync-bench.lock.
 #
 #   bench/train/strategies.sh [--build DIR] [--ranks 4] [--hosts 1] [--rate 1gbit]
 #                             [--steps 12] [--repeats 3] [--hidden 2048,2048,2048,2048]
+#                             [--batch 64] [--strategies "ddp zero1 zero2 zero3"]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -19,6 +22,8 @@ rate=1gbit
 steps=12
 repeats=3
 hidden=2048,2048,2048,2048
+batch=64
+strategies="ddp zero1 zero2 zero3"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --build) build=$2; shift 2 ;;
@@ -28,7 +33,9 @@ while [[ $# -gt 0 ]]; do
     --steps) steps=$2; shift 2 ;;
     --repeats) repeats=$2; shift 2 ;;
     --hidden) hidden=$2; shift 2 ;;
-    *) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+    --batch) batch=$2; shift 2 ;;
+    --strategies) strategies=$2; shift 2 ;;
+    *) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
   esac
 done
 [[ $build = /* ]] || build=$root/$build
@@ -48,7 +55,7 @@ fi
 port=29870
 train() {  # strategy repeat
   local name="$1~$2" args=(--model mlp --hidden "$hidden" --optimizer adamw --strategy "$1"
-    --max-steps "$steps" --quiet)
+    --batch "$batch" --max-steps "$steps" --quiet)
   port=$((port + 1))
   if ((hosts == 1)); then
     GRADSYNC_TRANSPORT=tcp "$build/tools/gradsync-run" -n "$ranks" --no-prefix -- \
@@ -67,36 +74,47 @@ train() {  # strategy repeat
   for p in "${pids[@]}"; do wait "$p" || echo "strategies: $name failed" >&2; done
 }
 for ((r = 0; r < repeats; r++)); do
-  for s in ddp zero1 zero2; do
+  for s in $strategies; do
     echo "strategies: $s, repeat $((r + 1)) of $repeats ($ranks ranks, $hosts hosts)" >&2
     train "$s" "$r"
   done
 done
 python3 - "$results" "$ranks" <<'PY'
-import glob, json, os, statistics, sys
+import glob, json, os, re, statistics, sys
 results, n = sys.argv[1], int(sys.argv[2])
 runs = {}
 for path in glob.glob(os.path.join(results, "*.json")):
     s, _ = os.path.basename(path)[:-5].split("~")
     runs.setdefault(s, []).append(json.load(open(path)))
-theory = {"ddp": 2, "zero1": 3, "zero2": 2}  # x (N-1)/N of the parameters' bytes
-base = None
+# x (N-1)/N of the parameters' bytes. ZeRO 2's first step gathers nothing (its parameters
+# start whole) and its last step's gather is counted by no step: (2S-1)/S over S steps.
+theory = {"ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3}
+base = base_memory = None
 print("| strategy | bytes sent per rank per step | theory | parameters | gradients | "
-      "optimizer state | peak RSS | step (median) | vs DDP |")
-print("|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
-for s in ("ddp", "zero1", "zero2"):
+      "optimizer state | kept vs DDP | gather buffers | peak RSS | step (median) | vs DDP | "
+      "all-gather exposed |")
+print("|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+for s in ("ddp", "zero1", "zero2", "zero3"):
     if s not in runs:
         continue
     ds = runs[s]
     d = ds[0]
-    params = d["parameter_bytes_per_rank"]
+    whole = 4 * int(re.search(r"\((\d+)\)", d["config"]["model"]).group(1))
     sent = statistics.median(x["bytes_sent_per_rank"] / x["steps"] for x in ds)
     step = statistics.median(x["step_s"] for x in ds)
     base = base or step
-    expect = theory[s] * (n - 1) / n * params
+    expect = theory[s] * (n - 1) / n * whole
+    kept = sum(d[k] for k in ("parameter_bytes_per_rank", "gradient_bytes_per_rank",
+                              "optimizer_state_bytes_per_rank"))
+    base_memory = base_memory or kept
+    gather = sum(x["gather_s_per_step"] for x in ds)
+    exposed = (f"{sum(x['exposed_gather_s_per_step'] for x in ds) / gather:.0%}"
+               if gather else "")
     mb = lambda b: f"{b / 1e6:.1f} MB"
-    print(f"| {s} | {mb(sent)} | {mb(expect)} ({sent / expect:.3f}) | {mb(params)} | "
-          f"{mb(d['gradient_bytes_per_rank'])} | {mb(d['optimizer_state_bytes_per_rank'])} | "
+    print(f"| {s} | {mb(sent)} | {mb(expect)} ({sent / expect:.3f}) | "
+          f"{mb(d['parameter_bytes_per_rank'])} | {mb(d['gradient_bytes_per_rank'])} | "
+          f"{mb(d['optimizer_state_bytes_per_rank'])} | {kept / base_memory:.2f} | "
+          f"{mb(d.get('working_bytes_per_rank', 0))} | "
           f"{mb(statistics.median(x['peak_rss_bytes'] for x in ds))} | {1e3 * step:.1f} ms | "
-          f"{step / base:.2f} |")
+          f"{step / base:.2f} | {exposed} |")
 PY

@@ -249,14 +249,17 @@ void check_finite(std::span<const float> values, Model& model) {
   }
 }
 
-CheckpointFile snapshot(const RankState& state, const Identity& identity, const Position& at) {
+CheckpointFile snapshot(const RankState& state, const Identity& identity, const Position& at,
+                        std::span<const float> values) {
   CheckpointFile f;
   f.identity = identity;
   f.steps_done = at.steps_done;
   f.epoch = at.epoch;
   f.step = static_cast<std::int64_t>(at.step);
-  f.values.assign(state.model.values().begin(), state.model.values().end());
-  f.optimizer = state.zero ? state.zero->save_state() : state.optimizer->save_state();
+  f.values.assign(values.begin(), values.end());
+  f.optimizer = state.sharded ? state.sharded->save_state()
+                : state.zero  ? state.zero->save_state()
+                              : state.optimizer->save_state();
   if (state.reducer) f.reducer = state.reducer->save_state();
   return f;
 }
@@ -309,16 +312,23 @@ Position load_own(const std::string& dir, const RankState& state, const Identity
       throw std::runtime_error(why);
     }
     check_position(f, latest, bounds);
-    if (f.values.size() != state.model.values().size()) {
+    std::size_t count = 0;
+    for (const Parameter& p : state.model.parameters()) count += p.count;
+    if (f.values.size() != count) {
       throw std::runtime_error(std::to_string(f.values.size()) + " weights; this model has " +
-                               std::to_string(state.model.values().size()));
+                               std::to_string(count));
     }
     check_finite(f.values, state.model);
-    std::copy(f.values.begin(), f.values.end(), state.model.values().begin());
-    if (state.zero) {
-      state.zero->load_state(f.optimizer);
+    if (state.sharded) {
+      state.sharded->load_values(f.values);
+      state.sharded->load_state(f.optimizer);
     } else {
-      state.optimizer->load_state(f.optimizer);
+      std::copy(f.values.begin(), f.values.end(), state.model.values().begin());
+      if (state.zero) {
+        state.zero->load_state(f.optimizer);
+      } else {
+        state.optimizer->load_state(f.optimizer);
+      }
     }
     if (state.reducer) state.reducer->load_state(f.reducer);
   } catch (const std::exception& e) {
@@ -327,7 +337,7 @@ Position load_own(const std::string& dir, const RankState& state, const Identity
   report.steps_done = f.steps_done;
   report.epoch = f.epoch;
   report.step = f.step;
-  report.values = fnv1a(bytes_of(state.model.values()));
+  report.values = fnv1a(bytes_of(std::span<const float>(f.values)));
   return {static_cast<long>(f.steps_done), static_cast<int>(f.epoch),
           static_cast<std::size_t>(f.step)};
 }
@@ -432,14 +442,19 @@ void save_checkpoint(const std::string& dir, const RankState& state, const Ident
   mine.steps_done = at.steps_done;
   mine.epoch = at.epoch;
   mine.step = static_cast<std::int64_t>(at.step);
+  // Gathered by every rank together, before any can fail alone.
+  const std::vector<float> gathered =
+      state.sharded ? state.sharded->gather_values() : std::vector<float>();
+  const std::span<const float> values =
+      state.sharded ? std::span<const float>(gathered) : state.model.values();
   try {
     std::filesystem::create_directories(dir);
     // A run that diverged must not replace the last good set with weights no resume takes.
-    check_finite(state.model.values(), state.model);
+    check_finite(values, state.model);
     const char* crash = std::getenv("GRADSYNC_TRAIN_CRASH_AT_SAVE");  // tests only
     const bool crash_now = crash && rank == 0 && std::atoi(crash) == saves;
     write_atomically(rank_file(dir, at.steps_done, rank),
-                     encode_checkpoint(snapshot(state, identity, at)), crash_now);
+                     encode_checkpoint(snapshot(state, identity, at, values)), crash_now);
   } catch (const std::exception& e) {
     fail(mine, message_of(e));
   }

@@ -15,6 +15,7 @@
 #include <gradsync/gradsync.h>
 #include <gradsync/optim.h>
 #include <gradsync/reducer.h>
+#include <gradsync/sharded.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -44,14 +45,16 @@ struct Bounds {
   std::size_t steps_per_epoch = 0;
 };
 
-// What a checkpoint holds of one rank besides the position. Without ZeRO the optimizer and
-// the reducer (its codec's residuals) are set and `zero` is null; with ZeRO only `zero`.
+// What a checkpoint holds of one rank besides the position: the model's values, whole (with
+// ZeRO 2 and 3 gathered from the shards), and the state of whichever of the optimizer, ZeRO 1
+// and the reducer (its codec's residuals), or the sharded engine, the run has (the others null).
 struct RankState {
   gradsync::Context& ctx;
   Model& model;
   gradsync::optim::Optimizer* optimizer;
   gradsync::optim::ZeroOptimizer* zero;
   gradsync::Reducer* reducer;
+  gradsync::ShardedDataParallel* sharded;
 };
 
 // One rank's file, decoded. The position is signed as stored, so a damaged one is seen as such.

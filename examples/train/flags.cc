@@ -39,9 +39,11 @@ constexpr const char* kUsage =
     "  --step-ahead 0|1       with a codec that holds gradient back (error feedback) and SGD,\n"
     "                         compute gradients at value - lr * held back (default 1)\n"
     "  --accumulate K         K micro-batches per optimizer step, communicating once\n"
-    "  --zero 0|1|2           ZeRO stage (1: sharded optimizer state, the gradients all-reduced\n"
-    "                         while backward runs as without; 2: sharded gradients too)\n"
-    "  --strategy S           ddp (--zero 0), zero1 or zero2 (--zero 1, 2)\n"
+    "  --zero 0|1|2|3         ZeRO stage (1: sharded optimizer state, the gradients all-reduced\n"
+    "                         while backward runs as without; 2: sharded gradients too, each\n"
+    "                         layer's reduce-scattered as backward has it; 3: sharded\n"
+    "                         parameters too, each layer gathered as it runs)\n"
+    "  --strategy S           ddp (--zero 0), zero1, zero2 or zero3 (--zero 1, 2, 3)\n"
     "  --max-steps N          stop after N optimizer steps (benchmarks; default: all)\n"
     "  --data DIR             Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)\n"
     "  --json FILE            rank 0 writes the run's metrics and configuration to FILE\n"
@@ -173,14 +175,11 @@ bool read_communication_flag(const std::string& flag, Arguments& args, Config& c
   } else if (flag == "--accumulate") {
     c.accumulate = static_cast<int>(whole(flag, args.value_of(flag), 1, kMaxAccumulate));
   } else if (flag == "--zero") {
-    c.zero = static_cast<int>(whole(flag, args.value_of(flag), 0, 2));
+    c.zero = static_cast<int>(whole(flag, args.value_of(flag), 0, 3));
   } else if (flag == "--strategy") {
     const std::string v = args.value_of(flag);
-    if (v == "zero3") {
-      usage_error("--strategy zero3: gradsync-train does not shard parameters yet (ZeRO 3)");
-    }
-    if (v != "ddp" && v != "zero1" && v != "zero2")
-      usage_error("--strategy is ddp, zero1 or zero2");
+    if (v != "ddp" && v != "zero1" && v != "zero2" && v != "zero3")
+      usage_error("--strategy is ddp, zero1, zero2 or zero3");
     c.zero = v == "ddp" ? 0 : v[4] - '0';
   } else {
     return false;
@@ -234,10 +233,13 @@ void complete_and_check(Config& c) {
   if (c.optimizer != "sgd" && codec_has_momentum(c.codec)) {
     usage_error("a codec with momentum= takes the place of SGD's momentum: use --optimizer sgd");
   }
-  if (c.zero == 2 && c.codec != "none") {
-    usage_error(
-        "--zero 2 reduce-scatters float32 gradients: use --codec none with it (--zero 1 "
-        "all-reduces through the codec)");
+  if (c.zero >= 2 && c.codec != "none" && c.codec != "fp16" && c.codec != "bf16") {
+    usage_error("--zero " + std::to_string(c.zero) +
+                " reduce-scatters each layer's gradient and gathers its parameters in float32 "
+                "or 16 bits (--codec fp16, bf16); --codec " +
+                c.codec +
+                " compresses whole tensors, which a shard is not: use --zero 1, which "
+                "all-reduces through the codec");
   }
 }
 

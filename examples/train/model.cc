@@ -4,6 +4,7 @@
 #include "train/model.h"
 
 #include <cblas.h>
+#include <gradsync/sharded.h>
 #include <gradsync/timeline.h>
 
 #include <algorithm>
@@ -51,6 +52,9 @@ class Layer {
   virtual std::size_t weight_rows() const { return 0; }
   virtual std::size_t fan_in() const { return 0; }
   virtual void bind(Parameter&, Parameter&, std::size_t, std::size_t) {}
+  // Points the layer at a unit's values (its weight then its bias) and, for backward, at where
+  // its gradients go (empty in forward).
+  virtual void bind_unit(std::span<const float>, std::span<float>) {}
 };
 
 class ParameterLayer : public Layer {
@@ -64,17 +68,24 @@ class ParameterLayer : public Layer {
     db_ = bias.grad.data();
     weight_index_ = weight_index;
     bias_index_ = bias_index;
+    weights_ = weight.count;
+  }
+  void bind_unit(std::span<const float> values, std::span<float> grads) override {
+    w_ = values.data();
+    b_ = values.data() + weights_;
+    dw_ = grads.empty() ? nullptr : grads.data();
+    db_ = grads.empty() ? nullptr : grads.data() + weights_;
   }
 
  protected:
   void announce(const GradReady& ready, std::size_t index) const {
     if (ready) ready(index);
   }
-  float* w_ = nullptr;
+  const float* w_ = nullptr;
   float* dw_ = nullptr;
-  float* b_ = nullptr;
+  const float* b_ = nullptr;
   float* db_ = nullptr;
-  std::size_t weight_index_ = 0, bias_index_ = 0;
+  std::size_t weight_index_ = 0, bias_index_ = 0, weights_ = 0;
 };
 
 // y = x W^T + b with W out x in (PyTorch's layout, so a weight's rows are its out features).
@@ -389,6 +400,25 @@ class Sequential final : public Model {
   std::span<float> grads() override { return grads_; }
   std::string describe() const override { return describe_; }
 
+  void shard(gradsync::ShardedDataParallel& sharded) override {
+    if (sharded_) throw std::logic_error("shard: the model is already sharded");
+    std::size_t named = 0;
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      if (!layers_[i]->has_parameters()) {
+        unit_of_layer_.push_back(-1);
+        continue;
+      }
+      const Parameter& weight = params_[2 * named];
+      const std::size_t count = weight.count + params_[2 * named + 1].count;
+      unit_of_layer_.push_back(sharded.add_unit(layer_names_[i], {weight.value.data(), count}));
+      ++named;
+    }
+    sharded_ = &sharded;
+    for (Parameter& p : params_) p.value = p.grad = {};
+    values_ = std::vector<float>();
+    grads_ = std::vector<float>();
+  }
+
   void forward(std::span<const float> images, std::size_t batch) override {
     if (batch == 0 || images.size() != batch * kImagePixels) {
       throw std::invalid_argument("forward: " + std::to_string(images.size()) +
@@ -400,8 +430,13 @@ class Sequential final : public Model {
     std::copy(images.begin(), images.end(), x);
     const float* a = x;
     for (std::size_t i = 0; i < layers_.size(); ++i) {
-      gradsync::timeline::Span span("forward " + layer_names_[i], "compute");
-      a = layers_[i]->forward(a, batch);
+      const int unit = sharded_ ? unit_of_layer_[i] : -1;
+      if (unit >= 0) layers_[i]->bind_unit(sharded_->acquire(unit, gradsync::Pass::kForward), {});
+      {
+        gradsync::timeline::Span span("forward " + layer_names_[i], "compute");
+        a = layers_[i]->forward(a, batch);
+      }
+      if (unit >= 0) sharded_->release(unit, gradsync::Pass::kForward);
     }
     logits_ = a;
     batch_ = batch;
@@ -443,8 +478,21 @@ class Sequential final : public Model {
     }
     const float* grad = d;
     for (std::size_t i = layers_.size(); i-- > 0;) {
-      gradsync::timeline::Span span("backward " + layer_names_[i], "compute");
-      grad = layers_[i]->backward(grad, i > 0, accumulate, ready);
+      const int unit = sharded_ ? unit_of_layer_[i] : -1;
+      if (unit < 0) {
+        gradsync::timeline::Span span("backward " + layer_names_[i], "compute");
+        grad = layers_[i]->backward(grad, i > 0, accumulate, ready);
+        continue;
+      }
+      // A unit's gradient buffer is fresh each pass: the engine accumulates its shards.
+      layers_[i]->bind_unit(sharded_->acquire(unit, gradsync::Pass::kBackward),
+                            sharded_->gradient(unit));
+      {
+        gradsync::timeline::Span span("backward " + layer_names_[i], "compute");
+        grad = layers_[i]->backward(grad, i > 0, false, {});
+      }
+      sharded_->mark_ready(unit);
+      sharded_->release(unit, gradsync::Pass::kBackward);
     }
   }
 
@@ -467,6 +515,8 @@ class Sequential final : public Model {
   std::vector<std::string> layer_names_;  // per layer, for the timeline
   std::vector<Parameter> params_;
   std::vector<float> values_, grads_;
+  gradsync::ShardedDataParallel* sharded_ = nullptr;  // once shard() is called
+  std::vector<int> unit_of_layer_;                    // its unit, or -1 without parameters
   std::string describe_;
   std::vector<float> input_, dlogits_;
   const float* logits_ = nullptr;

@@ -12,6 +12,10 @@
 #include <string>
 #include <vector>
 
+namespace gradsync {
+class ShardedDataParallel;
+}
+
 namespace train {
 
 struct Parameter {
@@ -51,6 +55,12 @@ class Model {
   virtual std::span<float> grads() = 0;
   // "mlp 784-2048-2048-2048-2048-10, 14.2 M parameters (14217226)"
   virtual std::string describe() const = 0;
+  // Hands the parameters to `sharded`, one unit per layer with parameters (its weight then its
+  // bias, named after the layer) in forward order, and frees the model's own copies: from then
+  // on forward and backward take each layer's values from it as the layer runs and hand it
+  // their gradients (backward's `accumulate` and `ready` are then the engine's business), and
+  // values() and grads() are empty. Once only.
+  virtual void shard(gradsync::ShardedDataParallel& sharded) = 0;
 };
 
 // "mlp": 784 -> hidden... -> 10 with ReLU (default hidden {2048, 2048, 2048, 2048}:

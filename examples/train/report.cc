@@ -19,6 +19,8 @@ void Totals::add_step(const gradsync::StepStats& stats, double seconds, std::siz
   compute_s += stats.compute_s;
   communication_s += stats.communication_s;
   exposed_s += stats.exposed_s;
+  gather_s += stats.gather_s;
+  exposed_gather_s += stats.exposed_gather_s;
   bytes_sent += stats.bytes_sent;
   raw_bytes += stats.raw_bytes;
   allreduce_calls += stats.allreduce_calls;
@@ -86,6 +88,8 @@ void write_metrics(gradsync::json::Writer& w, const RunReport& r) {
       .field("step_s", t.per_step(t.step_s))
       .field("communication_s_per_step", t.per_step(t.communication_s))
       .field("exposed_s_per_step", t.per_step(t.exposed_s))
+      .field("gather_s_per_step", t.per_step(t.gather_s))
+      .field("exposed_gather_s_per_step", t.per_step(t.exposed_gather_s))
       .field("comm_fraction", t.communication_fraction())
       .field("overlap_fraction", t.overlap_fraction())
       .field("bytes_sent_per_rank", t.bytes_sent)
@@ -95,6 +99,7 @@ void write_metrics(gradsync::json::Writer& w, const RunReport& r) {
       .field("reduced_gradient_bytes_per_rank", r.reduced_gradient_bytes)
       .field("parameter_bytes_per_rank", r.parameter_bytes)
       .field("gradient_bytes_per_rank", r.gradient_bytes)
+      .field("working_bytes_per_rank", r.working_bytes)
       .field("peak_rss_bytes", r.peak_rss_bytes);
 }
 

@@ -16,6 +16,7 @@ namespace train {
 // Sums over the steps a run took, for the progress line, the summary and the JSON.
 struct Totals {
   double compute_s = 0, communication_s = 0, exposed_s = 0, step_s = 0;
+  double gather_s = 0, exposed_gather_s = 0;  // ZeRO 3's parameter gathers, within the above
   std::uint64_t bytes_sent = 0, raw_bytes = 0;
   std::size_t allreduce_calls = 0, steps = 0, samples = 0;
   float last_loss = 0;
@@ -51,9 +52,10 @@ struct RunReport {
   bool step_ahead = false;          // in effect, not just asked for
   bool shared_memory_only = false;  // every peer through shm: the arenas' bytes go uncounted
   std::size_t optimizer_state_bytes = 0, reduced_gradient_bytes = 0;  // per rank
-  // Per rank: the parameters and the gradients backward writes (whole at every ZeRO stage
-  // here), and the process's peak resident set.
-  std::size_t parameter_bytes = 0, gradient_bytes = 0, peak_rss_bytes = 0;
+  // Per rank: the parameters and the gradients kept between steps (whole, except the shards of
+  // ZeRO 2 and 3), the buffers ZeRO 2 and 3 gather layers and gradients into as they run, and
+  // the process's peak resident set.
+  std::size_t parameter_bytes = 0, gradient_bytes = 0, working_bytes = 0, peak_rss_bytes = 0;
 
   double test_accuracy() const;  // after the last epoch (0 if none ran)
 };

@@ -6,6 +6,7 @@
 #include <gradsync/gradsync.h>
 #include <gradsync/optim.h>
 #include <gradsync/reducer.h>
+#include <gradsync/sharded.h>
 #include <gradsync/timeline.h>
 #include <sys/resource.h>
 
@@ -66,18 +67,26 @@ void look_back(Model& model, const std::vector<float>& saved) {
 }
 
 // Test accuracy: each rank scores a contiguous share of the test set; the counts are summed.
-double evaluate(gradsync::Context& ctx, Model& model, const Dataset& test, std::size_t batch) {
+// A sharded model's forward gathers every layer with the other ranks, so there every rank
+// runs as many forwards as the largest share takes, one of an image it does not count past
+// the end of its own.
+double evaluate(gradsync::Context& ctx, Model& model, const Dataset& test, std::size_t batch,
+                bool sharded) {
   const auto n = static_cast<std::size_t>(ctx.size()), r = static_cast<std::size_t>(ctx.rank());
   const std::size_t first = test.count * r / n, last = test.count * (r + 1) / n;
   std::int64_t counts[2] = {0, static_cast<std::int64_t>(last - first)};
   const std::size_t pixels = test.rows * test.cols;
-  for (std::size_t at = first; at < last; at += batch) {
+  const std::size_t largest_share = (test.count + n - 1) / n;
+  const std::size_t forwards = sharded ? (largest_share + batch - 1) / batch : 0;
+  std::size_t done = 0;
+  for (std::size_t at = first; at < last; at += batch, ++done) {
     const std::size_t b = std::min(batch, last - at);
     model.forward({test.images.data() + at * pixels, b * pixels}, b);
     std::size_t correct = 0;
     model.loss({test.labels.data() + at, b}, &correct);
     counts[0] += static_cast<std::int64_t>(correct);
   }
+  for (; done < forwards; ++done) model.forward({test.images.data(), pixels}, 1);
   ctx.allreduce(counts, counts, 2, gradsync::DataType::kInt64, gradsync::ReduceOp::kSum);
   return counts[1] ? static_cast<double>(counts[0]) / static_cast<double>(counts[1]) : 0.0;
 }
@@ -231,7 +240,9 @@ class Trainer {
   std::optional<gradsync::Reducer> reducer_;  // without ZeRO
   // Without ZeRO the gradients arrive averaged and every rank updates everything.
   std::unique_ptr<gradsync::optim::Optimizer> optimizer_;
-  std::optional<gradsync::optim::ZeroOptimizer> zero_;
+  std::optional<gradsync::optim::ZeroOptimizer> zero_;  // ZeRO 1
+  // ZeRO 2 and 3: the model's layers are its units, gathered and reduced as they run.
+  std::optional<gradsync::ShardedDataParallel> sharded_;
   ShardedSampler sampler_;
   std::size_t steps_per_epoch_;
   LearningRate lr_;
@@ -265,7 +276,7 @@ Trainer::Trainer(const Config& c, const gradsync::Options& options)
       labels_(c.batch) {
   const std::size_t total = model_->values().size();
   // DDP and ZeRO 1 average the gradients through the Reducer, bucket by bucket while backward
-  // runs (through the codec); ZeRO 2 reduce-scatters them inside its step.
+  // runs (through the codec); ZeRO 2 and 3 reduce-scatter each layer's as backward has it.
   if (c.zero < 2) {
     reducer_.emplace(*ctx_, reducer_options(c));
     std::vector<std::size_t> tensors;
@@ -275,9 +286,16 @@ Trainer::Trainer(const Config& c, const gradsync::Options& options)
     }
     if (c.zero == 0) optimizer_ = make_optimizer(c, std::move(tensors));
   }
-  if (c.zero > 0) {
-    zero_.emplace(*ctx_, total, c.zero,
-                  [&c](std::size_t count) { return make_optimizer(c, {count}); });
+  const auto shard_optimizer = [&c](std::size_t count) { return make_optimizer(c, {count}); };
+  if (c.zero == 1) zero_.emplace(*ctx_, total, c.zero, shard_optimizer);
+  if (c.zero >= 2) {
+    const gradsync::DataType wire = c.codec == "fp16"   ? gradsync::DataType::kFloat16
+                                    : c.codec == "bf16" ? gradsync::DataType::kBFloat16
+                                                        : gradsync::DataType::kFloat32;
+    sharded_.emplace(
+        *ctx_, gradsync::ShardedOptions{.stage = c.zero, .wire = wire, .prefetch = c.overlap});
+    model_->shard(*sharded_);
+    sharded_->set_optimizer(shard_optimizer);
   }
   if (steps_per_epoch_ == 0) throw std::runtime_error("an epoch holds no full step: lower --batch");
   // lr * residual is how far plain SGD (with or without momentum) will still move; AdamW
@@ -286,8 +304,12 @@ Trainer::Trainer(const Config& c, const gradsync::Options& options)
 }
 
 RankState Trainer::state() {
-  return {*ctx_, *model_, optimizer_.get(), zero_ ? &*zero_ : nullptr,
-          reducer_ ? &*reducer_ : nullptr};
+  return {*ctx_,
+          *model_,
+          optimizer_.get(),
+          zero_ ? &*zero_ : nullptr,
+          reducer_ ? &*reducer_ : nullptr,
+          sharded_ ? &*sharded_ : nullptr};
 }
 
 // The flags a checkpoint's state depends on, as the user gives them: a resumed run must give
@@ -326,8 +348,9 @@ void Trainer::announce() const {
                "gradsync-train: %s; %d ranks x batch %zu x %d micro-batches; %zu steps per "
                "epoch; codec %s; zero %d; %s lr %g (%s); %s\n",
                model_->describe().c_str(), world_, c_.batch, c_.accumulate, steps_per_epoch_,
-               reducer_ ? reducer_->codec_spec().c_str() : "none", c_.zero, c_.optimizer.c_str(),
-               c_.lr, lr_.describe().c_str(), c_.overlap ? "overlap" : "no overlap");
+               reducer_ ? reducer_->codec_spec().c_str() : c_.codec.c_str(), c_.zero,
+               c_.optimizer.c_str(), c_.lr, lr_.describe().c_str(),
+               c_.overlap ? "overlap" : "no overlap");
 }
 
 void Trainer::train_from(const Position& start) {
@@ -369,7 +392,7 @@ void Trainer::finish_epoch(int epoch, std::size_t next_step) {
     save(next_step == steps_per_epoch_ ? Position{steps_done_, epoch + 1, 0}
                                        : Position{steps_done_, epoch, next_step});
   }
-  const double test_accuracy = evaluate(*ctx_, *model_, test_set_, 256);
+  const double test_accuracy = evaluate(*ctx_, *model_, test_set_, 256, c_.zero == 3);
   if (talk_) std::fprintf(stderr, "  test accuracy %.2f%%\n", 100 * test_accuracy);
   curves_.test_accuracies.push_back(test_accuracy);
 }
@@ -414,6 +437,27 @@ void Trainer::load_batch(const std::vector<std::size_t>& samples) {
 // With the reducer, each gradient starts on its way the moment backward has it; `stats` keeps
 // the micro-batch that communicated (the last of the step).
 void Trainer::backward(bool accumulate, gradsync::StepStats& stats) {
+  if (sharded_) {  // every micro-batch reduce-scatters: the step's statistics add them up
+    {
+      gradsync::timeline::Span span("backward", "compute");
+      model_->backward(labels_, accumulate, {});
+    }
+    const gradsync::StepStats s = sharded_->finish();
+    stats.communicated = true;
+    stats.compute_s += s.compute_s;
+    stats.communication_s += s.communication_s;
+    stats.exposed_s += s.exposed_s;
+    stats.gather_s += s.gather_s;
+    stats.exposed_gather_s += s.exposed_gather_s;
+    stats.bytes_sent += s.bytes_sent;
+    stats.raw_bytes += s.raw_bytes;
+    stats.allreduce_calls += s.allreduce_calls;
+    stats.buckets += s.buckets;
+    stats.overlap_fraction = stats.communication_s > 0
+                                 ? std::clamp(1 - stats.exposed_s / stats.communication_s, 0.0, 1.0)
+                                 : 0.0;
+    return;
+  }
   if (!reducer_) {
     gradsync::timeline::Span span("backward", "compute");
     model_->backward(labels_, accumulate, [](std::size_t) {});
@@ -438,8 +482,13 @@ void Trainer::average_micro_batch_gradients() {
 // statistics report; ZeRO 1's gradients came through the Reducer, and its step adds the
 // all-gather of the parameters, exposed.
 void Trainer::optimizer_step(gradsync::StepStats& stats) {
-  gradsync::timeline::Span span(zero_ ? "zero step" : "optimizer", "optimizer");
+  gradsync::timeline::Span span(zero_ || sharded_ ? "zero step" : "optimizer", "optimizer");
   const float lr = lr_.at(steps_done_);
+  if (sharded_) {  // stage 2's gathers are queued here and waited for by the next forward
+    sharded_->set_lr(lr);
+    sharded_->step();
+    return;
+  }
   if (!zero_) {
     optimizer_->set_lr(lr);
     optimizer_->step(model_->values(), model_->grads());
@@ -503,12 +552,20 @@ RunReport Trainer::summarize() const {
   for (int peer = 0; peer < world_; ++peer) {
     if (peer != rank_ && ctx_->transport_name(peer) != "shm") r.shared_memory_only = false;
   }
-  r.optimizer_state_bytes =
-      zero_ ? zero_->memory().optimizer_state_bytes : optimizer_->state_bytes();
-  r.reduced_gradient_bytes =
-      zero_ ? zero_->memory().reduced_gradient_bytes : model_->values().size() * sizeof(float);
-  r.parameter_bytes = model_->values().size() * sizeof(float);
-  r.gradient_bytes = model_->grads().size() * sizeof(float);
+  if (sharded_) {
+    const gradsync::ShardedDataParallel::Memory m = sharded_->memory();
+    r.optimizer_state_bytes = m.optimizer_state_bytes;
+    r.reduced_gradient_bytes = r.gradient_bytes = m.gradient_bytes;
+    r.parameter_bytes = m.parameter_bytes;
+    r.working_bytes = m.working_bytes;
+  } else {
+    r.optimizer_state_bytes =
+        zero_ ? zero_->memory().optimizer_state_bytes : optimizer_->state_bytes();
+    r.reduced_gradient_bytes =
+        zero_ ? zero_->memory().reduced_gradient_bytes : model_->values().size() * sizeof(float);
+    r.parameter_bytes = model_->values().size() * sizeof(float);
+    r.gradient_bytes = model_->grads().size() * sizeof(float);
+  }
   rusage usage{};
   if (::getrusage(RUSAGE_SELF, &usage) == 0) {
     r.peak_rss_bytes = static_cast<std::size_t>(usage.ru_maxrss) * 1024;  // Linux: KiB

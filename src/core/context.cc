@@ -217,6 +217,17 @@ void CallSteps::allgather(const void* send, void* recv, std::size_t send_count, 
       [&](Comm& c) { collectives::hierarchical_allgatherv(c, send, recv, counts, dtype, cfg); });
 }
 
+void CallSteps::reduce_scatter(const void* send, void* recv, std::size_t recv_count, DataType dtype,
+                               ReduceOp op) {
+  const std::vector<std::size_t> counts(static_cast<std::size_t>(size()), recv_count);
+  const auto& cfg = context_.config;
+  run({0, CollectiveKind::kReduceScatter, dtype, op, Algorithm::kRing, -1,
+       recv_count * counts.size()},
+      [&](Comm& c) {
+        collectives::hierarchical_reduce_scatter(c, send, recv, counts, dtype, op, cfg);
+      });
+}
+
 void CallSteps::allgatherv(const void* send, void* recv, std::span<const std::size_t> counts,
                            DataType dtype) {
   const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});

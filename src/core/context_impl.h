@@ -196,6 +196,8 @@ class CallSteps {
   void allreduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
                  Algorithm requested = Algorithm::kAuto);
   void allgather(const void* send, void* recv, std::size_t send_count, DataType dtype);
+  void reduce_scatter(const void* send, void* recv, std::size_t recv_count, DataType dtype,
+                      ReduceOp op);
   void allgatherv(const void* send, void* recv, std::span<const std::size_t> counts,
                   DataType dtype);
 

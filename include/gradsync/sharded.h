@@ -1,0 +1,134 @@
+// Sharded data parallelism: ZeRO stage 3 (Rajbhandari et al., 2020; PyTorch FSDP's
+// FULL_SHARD) and stage 2 (FSDP's SHARD_GRAD_OP), with the communication overlapped with
+// forward and backward.
+//
+// The model is cut into units (a layer's weight and bias), each sharded evenly across the
+// ranks. Stage 3 keeps only this rank's shard of each unit between uses: a unit is
+// all-gathered just before its forward and again before its backward, the next unit's gather
+// is queued while this one computes, and the whole copy is freed after use. Stage 2 keeps the
+// parameters whole and all-gathers them after the step, each unit waited for only when its
+// next forward needs it. In both, a unit's gradient is reduce-scattered as soon as backward
+// has it, while backward goes on, and the optimizer steps only this rank's shard.
+//
+// Example:
+//   gradsync::ShardedDataParallel sharded(*ctx, {.stage = 3});
+//   for (auto& layer : layers) layer.unit = sharded.add_unit(layer.name, layer.initial_values);
+//   sharded.set_optimizer([](std::size_t n) { return gradsync::optim::make_adamw(n); });
+//   for (int step = 0; step < steps; ++step) {
+//     for (auto& layer : layers) {  // forward
+//       layer.forward(sharded.acquire(layer.unit, gradsync::Pass::kForward));
+//       sharded.release(layer.unit, gradsync::Pass::kForward);
+//     }
+//     for (auto& layer : layers | std::views::reverse) {  // backward
+//       const auto values = sharded.acquire(layer.unit, gradsync::Pass::kBackward);
+//       layer.backward(values, sharded.gradient(layer.unit));  // writes the whole gradient
+//       sharded.mark_ready(layer.unit);  // its reduce-scatter starts
+//       sharded.release(layer.unit, gradsync::Pass::kBackward);
+//     }
+//     sharded.finish();  // waits for the reduce-scatters
+//     sharded.step();    // this rank's shard; stage 2 then all-gathers the parameters
+//   }
+//
+// Calls: every acquire, mark_ready, finish and step is collective in effect (it may queue a
+// call on the context), so every rank makes them in the same order, from the one thread that
+// issues the context's calls. A rank that acquires another unit than its peers fails with
+// kMismatch, never combines the wrong data. Between calls of this class the context may be
+// used for other collectives: they queue behind the prefetches in the same order on every
+// rank.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gradsync/gradsync.h"
+#include "gradsync/optim.h"
+#include "gradsync/reducer.h"
+
+namespace gradsync {
+
+struct ShardedOptions {
+  // 3: parameters, gradients and optimizer state sharded; 2: gradients and optimizer state
+  // sharded, parameters whole between steps.
+  int stage = 3;
+  // The parameters' and gradients' dtype on the wire: kFloat32, or kBFloat16 / kFloat16 for
+  // half the bytes (gathered parameters rounded to it; gradients reduce-scattered with a
+  // float32 addition at every hop, pre-divided by the ranks so that fp16 cannot overflow).
+  // The shards and the optimizer stay float32 (the master weights).
+  DataType wire = DataType::kFloat32;
+  // Queue the gather of the unit used next (forward: the next unit; backward: the one before)
+  // while this one computes, as FSDP's forward_prefetch and BACKWARD_PRE.
+  bool prefetch = true;
+};
+
+// Which pass a unit's parameters are acquired for (it decides which unit is prefetched).
+enum class Pass : std::uint8_t { kForward, kBackward };
+
+class ShardedDataParallel {
+ public:
+  ShardedDataParallel(Context& ctx, ShardedOptions options = {});
+  ~ShardedDataParallel();
+  ShardedDataParallel(const ShardedDataParallel&) = delete;
+  ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
+
+  // Registers a unit with its initial values, identical on every rank; this rank keeps its
+  // shard of them (the caller may free them). Returns its id: 0, 1, ... in forward order.
+  // Every rank registers the same units in the same order, before set_optimizer.
+  int add_unit(std::string name, std::span<const float> initial);
+  // The optimizer of this rank's shards (every unit's shard back to back, padded to a
+  // multiple of the ranks with zeros). One that needs whole tensors (LARS, LAMB) is refused
+  // (kInvalidArgument): a shard cuts its tensors anywhere.
+  void set_optimizer(const optim::ZeroOptimizer::Factory& make);
+  void set_lr(float lr);
+
+  // The unit's whole parameters for this pass: waits for its gather (queued now unless
+  // prefetched), and queues the next unit's. Valid until release(unit, pass).
+  std::span<const float> acquire(int unit, Pass pass);
+  // Stage 3 frees the unit's whole copy, unless the next pass starts with it (the last unit
+  // from forward to backward). Stage 2 keeps it.
+  void release(int unit, Pass pass);
+  // Where backward writes the unit's whole gradient (overwriting it), until mark_ready.
+  std::span<float> gradient(int unit);
+  // The unit's gradient is final: its reduce-scatter is queued.
+  void mark_ready(int unit);
+  // Waits for every reduce-scatter of this backward and adds the results into this rank's
+  // shard of the gradient (micro-batches accumulate until step()). Reports what this
+  // backward cost: communication_s the reduce-scatters and gathers ran since the last
+  // finish(), exposed_s the time acquire and finish waited for them.
+  StepStats finish();
+  // Steps this rank's shard with the mean gradient over the ranks and the micro-batches
+  // finished since the last step; stage 2 then queues the gather of every unit. Stage 3
+  // drops any whole copy still held, now out of date.
+  void step();
+
+  // Every unit's whole parameters back to back, in unit order, as the float32 master copies
+  // hold them whatever the wire (for checkpoints and evaluation elsewhere): collective. After
+  // set_optimizer, as load_values, save_state and load_state.
+  std::vector<float> gather_values();
+  // Takes this rank's shard of `values` (gather_values' layout), identical on every rank.
+  void load_values(std::span<const float> values);
+  // The optimizer's state of this rank's shard.
+  std::vector<std::uint8_t> save_state() const;
+  void load_state(std::span<const std::uint8_t> state);
+
+  struct Memory {
+    // This rank's float32 shard (the master copy), and with stage 2 the whole copy of every
+    // unit, each padded to a multiple of the ranks.
+    std::size_t parameter_bytes = 0;
+    std::size_t gradient_bytes = 0;         // this rank's shard of the reduced gradient
+    std::size_t optimizer_state_bytes = 0;  // this rank's
+    std::size_t working_bytes = 0;          // the most held at once for gathers and gradients
+  };
+  Memory memory() const;
+  std::size_t units() const;
+  std::size_t unit_size(int unit) const;  // its parameters, unpadded
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace gradsync

@@ -1,0 +1,560 @@
+// ZeRO stages 2 and 3 over units (see sharded.h). Each gather and each reduce-scatter is one
+// call on the context's worker, its 16-bit conversions inside the call, so a Work that is done
+// leaves float32 data ready: the thread running forward and backward only queues calls and
+// waits for the ones it needs next.
+#include "gradsync/sharded.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <string>
+#include <utility>
+
+#include "core/context_impl.h"
+#include "gradsync/error.h"
+#include "gradsync/timeline.h"
+#include "kernels/kernels.h"
+
+namespace gradsync {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// Float buffers handed out and taken back, so stage 3 allocates nothing once the first step
+// has sized them: its working memory is the most it ever held at once.
+class BufferPool {
+ public:
+  std::vector<float> take(std::size_t floats) {
+    // The smallest free buffer that fits, else the largest, grown.
+    auto best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      const bool fits = it->capacity() >= floats;
+      if (best == free_.end() ||
+          (fits && (best->capacity() < floats || it->capacity() < best->capacity())) ||
+          (!fits && best->capacity() < floats && it->capacity() > best->capacity())) {
+        best = it;
+      }
+    }
+    std::vector<float> buffer;
+    if (best != free_.end()) {
+      buffer = std::move(*best);
+      free_.erase(best);
+    }
+    allocated_ -= buffer.capacity();
+    buffer.resize(floats);
+    allocated_ += buffer.capacity();
+    peak_ = std::max(peak_, allocated_);
+    return buffer;
+  }
+  void give(std::vector<float>& buffer) {
+    if (buffer.capacity() == 0) return;
+    free_.push_back(std::move(buffer));
+    buffer = {};
+  }
+  std::size_t peak_bytes() const { return peak_ * sizeof(float); }
+
+ private:
+  std::vector<std::vector<float>> free_;
+  std::size_t allocated_ = 0;  // floats, handed out or free
+  std::size_t peak_ = 0;
+};
+
+// 16-bit elements in a float buffer: two per float, rounded up.
+std::size_t floats_for_halves(std::size_t halves) {
+  return (halves + 1) / 2;
+}
+
+std::uint16_t* as_halves(std::vector<float>& buffer) {
+  return reinterpret_cast<std::uint16_t*>(buffer.data());
+}
+
+}  // namespace
+
+struct ShardedDataParallel::State {
+  struct Unit {
+    std::string name;
+    std::size_t count = 0;  // parameters, unpadded
+    std::size_t shard = 0;  // per rank: count / N rounded up
+    std::size_t first = 0;  // where its shard starts in the shard arrays
+    // The whole copy, shard * N floats (the padding past count is zeros), while gathered.
+    std::vector<float> whole;
+    bool gathered = false;  // `whole` holds the current values, or will once `gather` is done
+    bool in_use = false;    // acquired and not released
+    Work gather;
+    std::vector<float> gather_send, gather_recv;  // 16-bit wire scratch of the gather
+    double gather_s = 0;                          // written by the call, read once it is done
+    // The whole gradient from gradient() to the end of its reduce-scatter.
+    std::vector<float> grad;
+    bool grad_out = false;  // handed out by gradient(), not yet marked ready
+    Work reduce;
+    bool reducing = false;
+    std::vector<float> reduce_send, reduce_scratch;  // 16-bit wire: send; receive, or sum
+    double reduce_s = 0;
+  };
+
+  State(Context& c, ShardedOptions o)
+      : ctx(c), options(o), ranks(static_cast<std::size_t>(c.size())) {
+    if (options.stage != 2 && options.stage != 3) {
+      fail("stage " + std::to_string(options.stage) + " (2 or 3)", "ShardedDataParallel");
+    }
+    if (options.wire != DataType::kFloat32 && options.wire != DataType::kBFloat16 &&
+        options.wire != DataType::kFloat16) {
+      fail(std::string("wire dtype ") + to_string(options.wire) + " (float32, bfloat16 or float16)",
+           "ShardedDataParallel");
+    }
+  }
+
+  ~State() {
+    for (Unit& u : units) {
+      quiet_wait(u.gather);
+      quiet_wait(u.reduce);
+    }
+  }
+
+  [[noreturn]] void fail(const std::string& what, const char* op) const {
+    throw Error(ErrorKind::kInvalidArgument, what, ctx.rank(), Error::kNoPeer, op);
+  }
+
+  static void quiet_wait(Work& w) {
+    try {
+      w.wait();
+    } catch (const Error&) {  // reported where the call was waited for, or not wanted any more
+    }
+  }
+
+  const Unit& unit(int id, const char* op) const {
+    if (id < 0 || static_cast<std::size_t>(id) >= units.size()) {
+      fail("no unit " + std::to_string(id) + " (" + std::to_string(units.size()) + " registered)",
+           op);
+    }
+    return units[static_cast<std::size_t>(id)];
+  }
+  Unit& unit(int id, const char* op) {
+    return const_cast<Unit&>(static_cast<const State&>(*this).unit(id, op));
+  }
+
+  std::span<float> shard_of(std::vector<float>& array, const Unit& u) {
+    return std::span<float>(array).subspan(u.first, u.shard);
+  }
+
+  bool wire16() const { return options.wire != DataType::kFloat32; }
+
+  // A call of this unit: its id as the call's root, so ranks that reach different units fail
+  // with kMismatch at the first message rather than combine them.
+  collectives::CallSignature signature(collectives::CollectiveKind kind, const Unit& u,
+                                       std::size_t id) const {
+    return {0,
+            kind,
+            options.wire,
+            ReduceOp::kSum,
+            Algorithm::kRing,
+            static_cast<std::int32_t>(id),
+            u.shard * ranks};
+  }
+
+  // Queues the gather of unit `id` into a whole copy from the pool.
+  void start_gather(std::size_t id) {
+    Unit& u = units[id];
+    if (u.whole.empty()) u.whole = pool.take(u.shard * ranks);  // stage 2 keeps its own
+    u.gathered = true;
+    const float* shard = values.data() + u.first;
+    float* whole = u.whole.data();
+    std::uint16_t *send16 = nullptr, *recv16 = nullptr;
+    if (wire16()) {
+      u.gather_send = pool.take(floats_for_halves(u.shard));
+      u.gather_recv = pool.take(floats_for_halves(u.shard * ranks));
+      send16 = as_halves(u.gather_send);
+      recv16 = as_halves(u.gather_recv);
+    }
+    const std::size_t shard_count = u.shard, whole_count = u.shard * ranks;
+    const DataType wire = options.wire;
+    double* seconds = &u.gather_s;
+    const std::string span = "allgather " + u.name;
+    u.gather = detail::ContextAccess::impl(ctx).submit_steps(
+        signature(collectives::CollectiveKind::kAllgather, u, id),
+        [=](CallSteps& steps) {
+          timeline::Span s(span, "comm");
+          const auto t0 = Clock::now();
+          if (!send16) {
+            steps.allgather(shard, whole, shard_count, DataType::kFloat32);
+          } else {
+            kernels::float_to_16bit(shard, send16, shard_count, wire);
+            steps.allgather(send16, recv16, shard_count, wire);
+            kernels::float_from_16bit(recv16, whole, whole_count, wire);
+          }
+          *seconds = seconds_between(t0, Clock::now());
+        },
+        false);
+    ++calls;
+  }
+
+  // Waits for unit `id`'s gather (if one is in flight), counting the wait as exposed.
+  void finish_gather(Unit& u) {
+    if (!u.gather.test()) {
+      const auto t0 = Clock::now();
+      u.gather.wait();
+      const double waited = seconds_between(t0, Clock::now());
+      exposed_gather_s += waited;
+      exposed_s += waited;
+    } else {
+      u.gather.wait();  // rethrows its error
+    }
+    if (u.gather_s > 0) {
+      gather_s += u.gather_s;
+      u.gather_s = 0;
+    }
+    pool.give(u.gather_send);
+    pool.give(u.gather_recv);
+    u.gather = Work();
+  }
+
+  // Stage 3: gives the whole copy back to the pool.
+  void drop(Unit& u) {
+    if (!u.gathered) return;
+    finish_gather(u);
+    pool.give(u.whole);
+    u.gathered = false;
+  }
+
+  // Queues the reduce-scatter of unit `id`'s gradient, adding into this rank's shard of the
+  // gradient (the first micro-batch since the step overwrites it).
+  void start_reduce(std::size_t id) {
+    Unit& u = units[id];
+    float* grad = u.grad.data();
+    float* target = gradients.data() + u.first;
+    const bool overwrite = micro_batches == 0;
+    const std::size_t shard_count = u.shard, whole_count = u.shard * ranks;
+    float* scratch = nullptr;
+    std::uint16_t *send16 = nullptr, *recv16 = nullptr;
+    if (wire16()) {
+      u.reduce_send = pool.take(floats_for_halves(whole_count));
+      send16 = as_halves(u.reduce_send);
+      u.reduce_scratch = pool.take(floats_for_halves(shard_count) + (overwrite ? 0 : shard_count));
+      recv16 = as_halves(u.reduce_scratch);
+      if (!overwrite) scratch = u.reduce_scratch.data() + floats_for_halves(shard_count);
+    } else if (!overwrite) {
+      u.reduce_scratch = pool.take(shard_count);
+      scratch = u.reduce_scratch.data();
+    }
+    const DataType wire = options.wire;
+    const float inverse_ranks = 1.0f / static_cast<float>(ranks);
+    double* seconds = &u.reduce_s;
+    const std::string span = "reduce_scatter " + u.name;
+    u.reduce = detail::ContextAccess::impl(ctx).submit_steps(
+        signature(collectives::CollectiveKind::kReduceScatter, u, id),
+        [=](CallSteps& steps) {
+          timeline::Span s(span, "comm");
+          const auto t0 = Clock::now();
+          float* out = overwrite ? target : scratch;
+          if (!send16) {
+            steps.reduce_scatter(grad, out, shard_count, DataType::kFloat32, ReduceOp::kSum);
+          } else {
+            // Divided by the ranks before rounding, so that an fp16 sum cannot overflow.
+            for (std::size_t i = 0; i < whole_count; ++i) grad[i] *= inverse_ranks;
+            kernels::float_to_16bit(grad, send16, whole_count, wire);
+            steps.reduce_scatter(send16, recv16, shard_count, wire, ReduceOp::kSum);
+            kernels::float_from_16bit(recv16, out, shard_count, wire);
+          }
+          if (!overwrite) {
+            for (std::size_t i = 0; i < shard_count; ++i) target[i] += scratch[i];
+          }
+          *seconds = seconds_between(t0, Clock::now());
+        },
+        false);
+    u.reducing = true;
+    ++calls;
+    raw_bytes += u.count * sizeof(float);
+  }
+
+  // Takes back a finished reduce-scatter's buffers; `block` waits for it, counted as exposed.
+  bool reap_reduce(Unit& u, bool block) {
+    if (!u.reducing) return true;
+    if (!u.reduce.test()) {
+      if (!block) return false;
+      const auto t0 = Clock::now();
+      u.reduce.wait();
+      exposed_s += seconds_between(t0, Clock::now());
+    } else {
+      u.reduce.wait();  // rethrows its error
+    }
+    reduce_s += u.reduce_s;
+    u.reduce_s = 0;
+    pool.give(u.grad);
+    pool.give(u.reduce_send);
+    pool.give(u.reduce_scratch);
+    u.reducing = false;
+    u.reduce = Work();
+    return true;
+  }
+
+  Context& ctx;
+  ShardedOptions options;
+  std::size_t ranks;
+  std::vector<Unit> units;
+  std::size_t shard_floats = 0;  // every unit's shard, back to back
+  std::vector<float> values;     // this rank's shards of the parameters (float32 master copy)
+  std::vector<float> gradients;  // and of the gradient, summed over ranks and micro-batches
+  std::unique_ptr<optim::Optimizer> optimizer;
+  BufferPool pool;
+  std::deque<std::size_t> reducing;  // units whose reduce-scatter is queued, oldest first
+  int micro_batches = 0;             // finish() calls since the last step
+  bool in_backward = false;
+  Clock::time_point backward_start;
+  std::uint64_t bytes_at_finish = 0;
+  // Since the last finish():
+  double gather_s = 0, exposed_gather_s = 0, reduce_s = 0, exposed_s = 0;
+  std::size_t calls = 0, reduced_units = 0;
+  std::uint64_t raw_bytes = 0;
+};
+
+ShardedDataParallel::ShardedDataParallel(Context& ctx, ShardedOptions options)
+    : s_(std::make_unique<State>(ctx, options)) {
+  s_->bytes_at_finish = ctx.total_traffic().bytes_sent;
+}
+
+ShardedDataParallel::~ShardedDataParallel() = default;
+
+int ShardedDataParallel::add_unit(std::string name, std::span<const float> initial) {
+  State& s = *s_;
+  if (s.optimizer) s.fail("add_unit after set_optimizer", "add_unit");
+  State::Unit u;
+  u.name = std::move(name);
+  u.count = initial.size();
+  u.shard = (u.count + s.ranks - 1) / s.ranks;
+  u.first = s.shard_floats;
+  s.shard_floats += u.shard;
+  // This rank's slice of the unit, zeros past its end.
+  const std::size_t from = std::min(u.count, u.shard * static_cast<std::size_t>(s.ctx.rank()));
+  const std::size_t to = std::min(u.count, from + u.shard);
+  s.values.insert(s.values.end(), initial.begin() + static_cast<std::ptrdiff_t>(from),
+                  initial.begin() + static_cast<std::ptrdiff_t>(to));
+  s.values.resize(s.shard_floats, 0.0f);
+  if (s.options.stage == 2) {  // whole between steps: the initial values are the current ones
+    u.whole.assign(u.shard * s.ranks, 0.0f);
+    std::copy(initial.begin(), initial.end(), u.whole.begin());
+    u.gathered = true;
+  }
+  s.units.push_back(std::move(u));
+  return static_cast<int>(s.units.size() - 1);
+}
+
+void ShardedDataParallel::set_optimizer(const optim::ZeroOptimizer::Factory& make) {
+  State& s = *s_;
+  auto optimizer = make(s.shard_floats);
+  if (optimizer->needs_whole_tensors()) {
+    s.fail("this optimizer needs each tensor whole (LARS, LAMB), and a shard cuts them anywhere",
+           "set_optimizer");
+  }
+  s.optimizer = std::move(optimizer);
+  s.gradients.assign(s.shard_floats, 0.0f);
+}
+
+void ShardedDataParallel::set_lr(float lr) {
+  if (!s_->optimizer) s_->fail("set_lr before set_optimizer", "set_lr");
+  s_->optimizer->set_lr(lr);
+}
+
+std::span<const float> ShardedDataParallel::acquire(int id, Pass pass) {
+  State& s = *s_;
+  State::Unit& u = s.unit(id, "acquire");
+  if (u.in_use) s.fail("unit " + u.name + " acquired twice", "acquire");
+  const auto index = static_cast<std::size_t>(id);
+  if (!u.gathered) s.start_gather(index);
+  if (s.options.prefetch && s.options.stage == 3) {
+    const bool forward = pass == Pass::kForward;
+    if (forward ? index + 1 < s.units.size() : index > 0) {
+      const std::size_t next = forward ? index + 1 : index - 1;
+      if (!s.units[next].gathered) s.start_gather(next);
+    }
+  }
+  s.finish_gather(u);
+  u.in_use = true;
+  return std::span<const float>(u.whole).first(u.count);
+}
+
+void ShardedDataParallel::release(int id, Pass pass) {
+  State& s = *s_;
+  State::Unit& u = s.unit(id, "release");
+  if (!u.in_use) s.fail("unit " + u.name + " released without being acquired", "release");
+  u.in_use = false;
+  // Backward starts with the unit forward ended with: no need to gather it twice.
+  const bool next_use =
+      pass == Pass::kForward && static_cast<std::size_t>(id) + 1 == s.units.size();
+  if (s.options.stage == 3 && !next_use) s.drop(u);
+}
+
+std::span<float> ShardedDataParallel::gradient(int id) {
+  State& s = *s_;
+  State::Unit& u = s.unit(id, "gradient");
+  if (!s.optimizer) s.fail("gradient before set_optimizer", "gradient");
+  if (u.reducing) s.fail("gradient of unit " + u.name + " while it is reduced", "gradient");
+  if (!u.grad_out) {
+    if (!s.in_backward) {
+      s.in_backward = true;
+      s.backward_start = Clock::now();
+    }
+    u.grad = s.pool.take(u.shard * s.ranks);
+    std::fill(u.grad.begin() + static_cast<std::ptrdiff_t>(u.count), u.grad.end(), 0.0f);
+    u.grad_out = true;
+  }
+  return std::span<float>(u.grad).first(u.count);
+}
+
+void ShardedDataParallel::mark_ready(int id) {
+  State& s = *s_;
+  State::Unit& u = s.unit(id, "mark_ready");
+  if (!u.grad_out) s.fail("unit " + u.name + " marked ready without a gradient", "mark_ready");
+  u.grad_out = false;
+  s.start_reduce(static_cast<std::size_t>(id));
+  s.reducing.push_back(static_cast<std::size_t>(id));
+  ++s.reduced_units;
+  // Give back the buffers of those done; keep at most one more in flight, so that the whole
+  // gradients held stay two units' worth when the link is slower than backward.
+  constexpr std::size_t kInFlight = 2;
+  while (!s.reducing.empty() &&
+         s.reap_reduce(s.units[s.reducing.front()], s.reducing.size() > kInFlight)) {
+    s.reducing.pop_front();
+  }
+}
+
+StepStats ShardedDataParallel::finish() {
+  State& s = *s_;
+  for (const State::Unit& u : s.units) {
+    if (u.grad_out) s.fail("unit " + u.name + " has a gradient never marked ready", "finish");
+  }
+  const auto called = Clock::now();
+  while (!s.reducing.empty()) {
+    s.reap_reduce(s.units[s.reducing.front()], true);
+    s.reducing.pop_front();
+  }
+  StepStats stats;
+  stats.communicated = true;
+  stats.compute_s = s.in_backward ? seconds_between(s.backward_start, called) : 0;
+  stats.communication_s = s.gather_s + s.reduce_s;
+  stats.exposed_s = s.exposed_s;
+  stats.gather_s = s.gather_s;
+  stats.exposed_gather_s = s.exposed_gather_s;
+  stats.overlap_fraction = stats.communication_s > 0
+                               ? std::clamp(1.0 - stats.exposed_s / stats.communication_s, 0.0, 1.0)
+                               : 0.0;
+  const std::uint64_t sent = s.ctx.total_traffic().bytes_sent;
+  stats.bytes_sent = sent - s.bytes_at_finish;
+  s.bytes_at_finish = sent;
+  stats.raw_bytes = s.raw_bytes;
+  stats.allreduce_calls = s.calls;
+  stats.buckets = s.reduced_units;
+  s.gather_s = s.exposed_gather_s = s.reduce_s = s.exposed_s = 0;
+  s.calls = s.reduced_units = 0;
+  s.raw_bytes = 0;
+  s.in_backward = false;
+  ++s.micro_batches;
+  return stats;
+}
+
+void ShardedDataParallel::step() {
+  State& s = *s_;
+  if (!s.optimizer) s.fail("step before set_optimizer", "step");
+  if (s.micro_batches == 0) s.fail("step without a finished backward", "step");
+  if (!s.reducing.empty()) s.fail("step with reduce-scatters not finished", "step");
+  // Sums over ranks (16-bit wires were divided by the ranks before the sum) and micro-batches.
+  const float divisor =
+      static_cast<float>(s.micro_batches) * (s.wire16() ? 1.0f : static_cast<float>(s.ranks));
+  if (divisor != 1.0f) {
+    const float inverse = 1.0f / divisor;
+    for (float& g : s.gradients) g *= inverse;
+  }
+  s.optimizer->step(s.values, s.gradients);
+  s.micro_batches = 0;
+  for (std::size_t id = 0; id < s.units.size(); ++id) {
+    State::Unit& u = s.units[id];
+    if (u.in_use) s.fail("step while unit " + u.name + " is acquired", "step");
+    if (s.options.stage == 3) {
+      s.drop(u);
+    } else {
+      s.finish_gather(u);  // stage 2: refreshed in place, waited for by its next acquire
+      s.start_gather(id);
+    }
+  }
+}
+
+std::vector<float> ShardedDataParallel::gather_values() {
+  State& s = *s_;
+  std::vector<float> all;
+  std::vector<float> whole;
+  for (State::Unit& u : s.units) {
+    if (u.gathered) s.finish_gather(u);
+    // float32 whatever the wire: a checkpoint keeps the master values exactly.
+    whole.resize(u.shard * s.ranks);
+    s.ctx.allgather(s.values.data() + u.first, whole.data(), u.shard, DataType::kFloat32);
+    all.insert(all.end(), whole.begin(), whole.begin() + static_cast<std::ptrdiff_t>(u.count));
+  }
+  return all;
+}
+
+void ShardedDataParallel::load_values(std::span<const float> all) {
+  State& s = *s_;
+  std::size_t total = 0;
+  for (const State::Unit& u : s.units) total += u.count;
+  if (all.size() != total) {
+    s.fail(std::to_string(all.size()) + " values for units of " + std::to_string(total),
+           "load_values");
+  }
+  std::size_t at = 0;
+  const auto rank = static_cast<std::size_t>(s.ctx.rank());
+  for (State::Unit& u : s.units) {
+    if (u.in_use) s.fail("load_values while unit " + u.name + " is acquired", "load_values");
+    const std::span<const float> unit = all.subspan(at, u.count);
+    const std::size_t from = std::min(u.count, u.shard * rank);
+    const std::size_t to = std::min(u.count, from + u.shard);
+    std::span<float> shard = s.shard_of(s.values, u);
+    std::fill(shard.begin(), shard.end(), 0.0f);
+    std::copy(unit.begin() + static_cast<std::ptrdiff_t>(from),
+              unit.begin() + static_cast<std::ptrdiff_t>(to), shard.begin());
+    if (s.options.stage == 3) {
+      s.drop(u);
+    } else {
+      s.finish_gather(u);
+      std::copy(unit.begin(), unit.end(), u.whole.begin());
+    }
+    at += u.count;
+  }
+}
+
+std::vector<std::uint8_t> ShardedDataParallel::save_state() const {
+  if (!s_->optimizer) s_->fail("save_state before set_optimizer", "save_state");
+  return s_->optimizer->save_state();
+}
+
+void ShardedDataParallel::load_state(std::span<const std::uint8_t> state) {
+  if (!s_->optimizer) s_->fail("load_state before set_optimizer", "load_state");
+  s_->optimizer->load_state(state);
+}
+
+ShardedDataParallel::Memory ShardedDataParallel::memory() const {
+  const State& s = *s_;
+  Memory m;
+  m.parameter_bytes = s.shard_floats * sizeof(float);
+  if (s.options.stage == 2) {
+    for (const State::Unit& u : s.units) m.parameter_bytes += u.whole.size() * sizeof(float);
+  }
+  m.gradient_bytes = s.gradients.size() * sizeof(float);
+  m.optimizer_state_bytes = s.optimizer ? s.optimizer->state_bytes() : 0;
+  m.working_bytes = s.pool.peak_bytes();
+  return m;
+}
+
+std::size_t ShardedDataParallel::units() const {
+  return s_->units.size();
+}
+
+std::size_t ShardedDataParallel::unit_size(int id) const {
+  return s_->unit(id, "unit_size").count;
+}
+
+}  // namespace gradsync
