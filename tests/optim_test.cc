@@ -249,5 +249,36 @@ TEST(Zero, ShardStateSurvivesSaveAndRestore) {
   });
 }
 
+// GradScaler's rule: a NaN or Inf on any one rank skips the step on every rank and halves the
+// scale; growth_interval good steps in a row double it; the unscaled gradients are divided by
+// the scale; the state survives a save and load, and foreign bytes are refused.
+TEST(LossScaler, SkipsOnEveryRankWhenAnyOverflowsAndGrowsAfterGoodSteps) {
+  testing::run_inproc_contexts(3, [](Context& ctx) {
+    optim::LossScaler scaler({.init_scale = 1024, .growth_interval = 3});
+    std::vector<float> grads = {2048.0f, -512.0f};
+    EXPECT_TRUE(scaler.unscale(ctx, grads));
+    EXPECT_EQ(grads, (std::vector<float>{2.0f, -0.5f}));
+    grads = {1.0f, ctx.rank() == 2 ? NAN : 1.0f};
+    EXPECT_FALSE(scaler.unscale(ctx, grads));  // rank 2's NaN, seen by all
+    EXPECT_EQ(scaler.scale(), 512.0f);
+    EXPECT_EQ(scaler.skipped_steps(), 1u);
+    for (int good = 0; good < 3; ++good) {
+      grads = {1.0f, ctx.rank() == 0 && good == 0 ? -1.0f : 1.0f};
+      EXPECT_TRUE(scaler.unscale(ctx, grads));
+    }
+    EXPECT_EQ(scaler.scale(), 1024.0f);  // three good steps in a row after the skip
+    grads = {INFINITY, 0.0f};
+    EXPECT_FALSE(scaler.unscale(ctx, grads));
+    optim::LossScaler restored({.init_scale = 1, .growth_interval = 3});
+    restored.load_state(scaler.save_state());
+    EXPECT_EQ(restored.scale(), 512.0f);
+    EXPECT_EQ(restored.skipped_steps(), 2u);
+    const std::vector<std::uint8_t> foreign = optim::make_sgd(1)->save_state();
+    testing::expect_error(ErrorKind::kProtocol, [&] { restored.load_state(foreign); });
+  });
+  testing::expect_error(ErrorKind::kInvalidArgument,
+                        [] { optim::LossScaler bad({.backoff_factor = 1.5f}); });
+}
+
 }  // namespace
 }  // namespace gradsync

@@ -633,5 +633,42 @@ TEST(ShardedDataParallel, AddUnitAfterSetOptimizerIsRefused) {
       bounded());
 }
 
+// float16 training: an Inf in one rank's gradient (a loss scale too large) makes step() skip
+// on every rank, leaving the parameters as they were and halving the scale; the next step,
+// finite everywhere, unscales and goes on as the plain optimizer would.
+TEST(ShardedDataParallel, ALossScalerOverflowOnOneRankSkipsTheStepOnEvery) {
+  for (int stage : {3, 2}) {
+    testing::run_inproc_contexts(
+        3,
+        [&](Context& ctx) {
+          ShardedDataParallel sharded(ctx, {.stage = stage});
+          const std::vector<float> initial = {1, 2, 3, 4, 5};
+          sharded.add_unit("fc", initial);
+          sharded.set_optimizer([](std::size_t n) { return optim::make_sgd(n, {.lr = 1}); });
+          optim::LossScaler scaler({.init_scale = 8, .growth_interval = 100});
+          const auto backward = [&](float value) {
+            sharded.acquire(0, Pass::kForward);
+            sharded.release(0, Pass::kForward);
+            sharded.acquire(0, Pass::kBackward);
+            std::span<float> g = sharded.gradient(0);
+            std::fill(g.begin(), g.end(), value * scaler.scale());
+            sharded.mark_ready(0);
+            sharded.release(0, Pass::kBackward);
+            sharded.finish();
+          };
+          backward(ctx.rank() == 1 ? INFINITY : 0.5f);
+          EXPECT_FALSE(sharded.step(&scaler));
+          EXPECT_EQ(scaler.scale(), 4.0f);
+          EXPECT_EQ(scaler.skipped_steps(), 1u);
+          EXPECT_EQ(sharded.gather_values(), initial);
+          backward(0.5f);
+          EXPECT_TRUE(sharded.step(&scaler));
+          const std::vector<float> want = {0.5f, 1.5f, 2.5f, 3.5f, 4.5f};
+          EXPECT_EQ(sharded.gather_values(), want);
+        },
+        bounded());
+  }
+}
+
 }  // namespace
 }  // namespace gradsync

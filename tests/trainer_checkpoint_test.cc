@@ -9,6 +9,8 @@
 #include <cmath>
 #include <filesystem>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "harness.h"
 
@@ -45,12 +47,14 @@ TEST(TrainerCheckpoint, ResumeAfterACrashInTheMiddleOfASaveRepeatsTheLossesBitFo
                           testing::build_dir() +
                           "/examples/gradsync-train --hidden 32 --max-steps 24 --quiet "
                           "--checkpoint-every 8 --lr-schedule cosine ";
-  // Plain, a codec with residuals, and ZeRO 3, whose checkpoint gathers the shards.
-  for (const std::string codec : {"none", "topk:ratio=0.1", "bf16 --zero 3"}) {
-    const std::string base = dir + "/" +
-                             (codec == "none"             ? "plain"
-                              : codec == "topk:ratio=0.1" ? "topk"
-                                                          : "zero3");
+  // Plain, a codec with residuals, ZeRO 3, whose checkpoint gathers the shards, and float16
+  // training, whose loss scale is part of the state.
+  const std::vector<std::pair<std::string, std::string>> variants = {{"plain", "none"},
+                                                                     {"topk", "topk:ratio=0.1"},
+                                                                     {"zero3", "bf16 --zero 3"},
+                                                                     {"fp16", "none --amp fp16"}};
+  for (const auto& [name, codec] : variants) {
+    const std::string base = dir + "/" + name;
     auto r = testing::run_shell(pinned + run + "--codec " + codec + " --checkpoint " + base +
                                 "-full --json " + base + "-full.json 2>&1");
     ASSERT_EQ(r.status, 0) << r.output;

@@ -261,6 +261,7 @@ CheckpointFile snapshot(const RankState& state, const Identity& identity, const 
                 : state.zero  ? state.zero->save_state()
                               : state.optimizer->save_state();
   if (state.reducer) f.reducer = state.reducer->save_state();
+  if (state.scaler) f.scaler = state.scaler->save_state();
   return f;
 }
 
@@ -331,6 +332,7 @@ Position load_own(const std::string& dir, const RankState& state, const Identity
       }
     }
     if (state.reducer) state.reducer->load_state(f.reducer);
+    if (state.scaler) state.scaler->load_state(f.scaler);
   } catch (const std::exception& e) {
     throw std::runtime_error(what + ": " + message_of(e));
   }
@@ -344,9 +346,10 @@ Position load_own(const std::string& dir, const RankState& state, const Identity
 
 }  // namespace
 
-// "GSTC" v3: u64 FNV-1a of every byte after it; the identity (u32 entries, each two strings:
+// "GSTC" v4: u64 FNV-1a of every byte after it; the identity (u32 entries, each two strings:
 // what and value); the position (i64 steps done, i64 epoch, i64 step); the model's values;
-// the optimizer state and the reducer state.
+// the optimizer state, the reducer state and the loss scaler's. v3, read too, ends before the
+// loss scaler.
 std::vector<std::uint8_t> encode_checkpoint(const CheckpointFile& f) {
   gradsync::ByteWriter w("GSTC", kCheckpointFormat);
   w.put<std::uint64_t>(0);  // the checksum, once the contents are known
@@ -361,6 +364,7 @@ std::vector<std::uint8_t> encode_checkpoint(const CheckpointFile& f) {
   w.floats(f.values);
   w.bytes(f.optimizer);
   w.bytes(f.reducer);
+  w.bytes(f.scaler);
   std::vector<std::uint8_t> out = w.take();
   const std::uint64_t checksum = fnv1a(std::span(out).subspan(kContentsAt));
   std::memcpy(out.data() + kChecksumAt, &checksum, sizeof checksum);
@@ -374,9 +378,9 @@ CheckpointFile decode_checkpoint(std::span<const std::uint8_t> bytes, const std:
   }
   std::uint32_t version = 0;
   std::memcpy(&version, bytes.data() + kVersionAt, sizeof version);
-  if (version != kCheckpointFormat) {
-    refuse("written by checkpoint format v" + std::to_string(version) + "; this build reads v" +
-           std::to_string(kCheckpointFormat));
+  if (version != kCheckpointFormat && version != 3) {
+    refuse("written by checkpoint format v" + std::to_string(version) +
+           "; this build reads v3 and v" + std::to_string(kCheckpointFormat));
   }
   if (bytes.size() < kContentsAt) refuse("truncated: " + std::to_string(bytes.size()) + " bytes");
   std::uint64_t stored = 0;
@@ -385,7 +389,7 @@ CheckpointFile decode_checkpoint(std::span<const std::uint8_t> bytes, const std:
     refuse("checksum mismatch: the file was damaged or changed after it was written");
   }
   try {
-    gradsync::ByteReader in(bytes, "GSTC", kCheckpointFormat, what);
+    gradsync::ByteReader in(bytes, "GSTC", version, what);
     in.get<std::uint64_t>();  // the checksum, checked above
     CheckpointFile f;
     const auto entries = in.get<std::uint32_t>();
@@ -400,6 +404,10 @@ CheckpointFile decode_checkpoint(std::span<const std::uint8_t> bytes, const std:
     const auto optimizer = in.bytes(), reducer = in.bytes();
     f.optimizer.assign(optimizer.begin(), optimizer.end());
     f.reducer.assign(reducer.begin(), reducer.end());
+    if (version >= 4) {
+      const auto scaler = in.bytes();
+      f.scaler.assign(scaler.begin(), scaler.end());
+    }
     in.finish();
     return f;
   } catch (const gradsync::Error& e) {

@@ -55,6 +55,7 @@ struct RankState {
   gradsync::optim::ZeroOptimizer* zero;
   gradsync::Reducer* reducer;
   gradsync::ShardedDataParallel* sharded;
+  gradsync::optim::LossScaler* scaler;  // --amp fp16
 };
 
 // One rank's file, decoded. The position is signed as stored, so a damaged one is seen as such.
@@ -63,10 +64,11 @@ struct CheckpointFile {
   std::int64_t steps_done = 0, epoch = 0, step = 0;
   std::vector<float> values;
   std::vector<std::uint8_t> optimizer, reducer;
+  std::vector<std::uint8_t> scaler;  // empty without one (and in format 3)
 };
 
 // The format this build writes and reads.
-inline constexpr std::uint32_t kCheckpointFormat = 3;
+inline constexpr std::uint32_t kCheckpointFormat = 4;
 
 // A file's bytes, checksum included.
 std::vector<std::uint8_t> encode_checkpoint(const CheckpointFile& file);

@@ -33,6 +33,9 @@ constexpr const char* kUsage =
     "                         --zero 0\n"
     "  --seed S               weights and data order (default 1)\n"
     "  --codec SPEC           gradient codec (default none; fp16, int8, topk:ratio=0.01, ...)\n"
+    "  --amp bf16|fp16        mixed precision: forward and backward rounded to it, float32\n"
+    "                         master weights, gradients sent in it; fp16 scales the loss as\n"
+    "                         torch's GradScaler (a step with Inf or NaN anywhere is skipped)\n"
     "  --bucket-mb X          bucket size (default 25)\n"
     "  --first-bucket-mb X    first bucket size (default 1)\n"
     "  --no-overlap           all-reduce only after backward, for comparison\n"
@@ -162,6 +165,11 @@ bool read_model_flag(const std::string& flag, Arguments& args, Config& c) {
 bool read_communication_flag(const std::string& flag, Arguments& args, Config& c) {
   if (flag == "--codec") {
     c.codec = args.value_of(flag);
+  } else if (flag == "--amp") {
+    c.amp = args.value_of(flag);
+    if (c.amp != "none" && c.amp != "bf16" && c.amp != "fp16") {
+      usage_error("--amp is none, bf16 or fp16");
+    }
   } else if (flag == "--bucket-mb") {
     c.bucket_mb = number(flag, args.value_of(flag), kMaxBucketMb);
   } else if (flag == "--first-bucket-mb") {
@@ -232,6 +240,13 @@ void complete_and_check(Config& c) {
   }
   if (c.optimizer != "sgd" && codec_has_momentum(c.codec)) {
     usage_error("a codec with momentum= takes the place of SGD's momentum: use --optimizer sgd");
+  }
+  if (c.amp != "none") {
+    if (c.codec != "none" && c.codec != c.amp) {
+      usage_error("--amp " + c.amp + " sends " + c.amp + " gradients: leave out --codec " +
+                  c.codec);
+    }
+    c.codec = c.amp;
   }
   if (c.zero >= 2 && c.codec != "none" && c.codec != "fp16" && c.codec != "bf16") {
     usage_error("--zero " + std::to_string(c.zero) +

@@ -31,6 +31,9 @@ struct Config {
   bool step_ahead = true;
   int accumulate = 1;
   int zero = 0;
+  // Mixed precision: "none", "bf16" or "fp16" (with dynamic loss scaling); the gradients
+  // travel in it (it becomes the codec, or ZeRO 2 and 3's wire).
+  std::string amp = "none";
   long max_steps = -1;
   std::string data = kFashionMnistDir;
   std::string json;

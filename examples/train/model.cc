@@ -362,6 +362,7 @@ class Sequential final : public Model {
       // The timeline's span names: a parameter layer by its name, the others by position.
       layer_names_.push_back(layer->has_parameters() ? names.at(named)
                                                      : "act" + std::to_string(layer_names_.size()));
+      first_parameter_.push_back(params_.size());
       if (!layer->has_parameters()) continue;
       const std::size_t rows = layer->weight_rows();
       const std::size_t weights = rows * layer->fan_in();
@@ -419,6 +420,15 @@ class Sequential final : public Model {
     grads_ = std::vector<float>();
   }
 
+  void set_precision(const Precision& precision) override {
+    if (precision.compute != gradsync::DataType::kFloat32 &&
+        precision.compute != gradsync::DataType::kBFloat16 &&
+        precision.compute != gradsync::DataType::kFloat16) {
+      throw std::invalid_argument("set_precision: float32, bfloat16 or float16");
+    }
+    precision_ = precision;
+  }
+
   void forward(std::span<const float> images, std::size_t batch) override {
     if (batch == 0 || images.size() != batch * kImagePixels) {
       throw std::invalid_argument("forward: " + std::to_string(images.size()) +
@@ -428,13 +438,23 @@ class Sequential final : public Model {
     // A copy, so backward does not depend on the caller keeping its batch alive.
     float* x = ensure(input_, images.size());
     std::copy(images.begin(), images.end(), x);
+    round_to_compute({x, images.size()});
     const float* a = x;
     for (std::size_t i = 0; i < layers_.size(); ++i) {
       const int unit = sharded_ ? unit_of_layer_[i] : -1;
-      if (unit >= 0) layers_[i]->bind_unit(sharded_->acquire(unit, gradsync::Pass::kForward), {});
+      if (layers_[i]->has_parameters()) {
+        const std::span<const float> values =
+            unit >= 0 ? sharded_->acquire(unit, gradsync::Pass::kForward) : own_values(i);
+        layers_[i]->bind_unit(compute_weights(values),
+                              unit >= 0 ? std::span<float>() : own_grads(i));
+      }
       {
         gradsync::timeline::Span span("forward " + layer_names_[i], "compute");
         a = layers_[i]->forward(a, batch);
+      }
+      // The layer's own buffer, which it hands on read-only.
+      if (layers_[i]->has_parameters()) {
+        round_to_compute({const_cast<float*>(a), batch * layers_[i]->out_size()});
       }
       if (unit >= 0) sharded_->release(unit, gradsync::Pass::kForward);
     }
@@ -476,23 +496,40 @@ class Sequential final : public Model {
       for (std::size_t c = 0; c < kClasses; ++c) g[c] *= norm;
       g[labels[r]] -= scale;
     }
+    if (precision_.loss_scale != 1) {
+      for (std::size_t i = 0; i < batch_ * kClasses; ++i) d[i] *= precision_.loss_scale;
+    }
+    round_to_compute({d, batch_ * kClasses});
+    // In reduced precision each weight gradient is rounded before anyone hears it is final.
+    const GradReady round_then_ready = [&](std::size_t p) {
+      round_to_compute(params_[p].grad);
+      if (ready) ready(p);
+    };
     const float* grad = d;
     for (std::size_t i = layers_.size(); i-- > 0;) {
+      const bool has_parameters = layers_[i]->has_parameters();
       const int unit = sharded_ ? unit_of_layer_[i] : -1;
       if (unit < 0) {
-        gradsync::timeline::Span span("backward " + layer_names_[i], "compute");
-        grad = layers_[i]->backward(grad, i > 0, accumulate, ready);
-        continue;
+        if (has_parameters) layers_[i]->bind_unit(compute_weights(own_values(i)), own_grads(i));
+        {
+          gradsync::timeline::Span span("backward " + layer_names_[i], "compute");
+          grad =
+              layers_[i]->backward(grad, i > 0, accumulate, reduced() ? round_then_ready : ready);
+        }
+      } else {
+        // A unit's gradient buffer is fresh each pass: the engine accumulates its shards.
+        const std::span<float> gradient = sharded_->gradient(unit);
+        layers_[i]->bind_unit(compute_weights(sharded_->acquire(unit, gradsync::Pass::kBackward)),
+                              gradient);
+        {
+          gradsync::timeline::Span span("backward " + layer_names_[i], "compute");
+          grad = layers_[i]->backward(grad, i > 0, false, {});
+        }
+        round_to_compute(gradient);
+        sharded_->mark_ready(unit);
+        sharded_->release(unit, gradsync::Pass::kBackward);
       }
-      // A unit's gradient buffer is fresh each pass: the engine accumulates its shards.
-      layers_[i]->bind_unit(sharded_->acquire(unit, gradsync::Pass::kBackward),
-                            sharded_->gradient(unit));
-      {
-        gradsync::timeline::Span span("backward " + layer_names_[i], "compute");
-        grad = layers_[i]->backward(grad, i > 0, false, {});
-      }
-      sharded_->mark_ready(unit);
-      sharded_->release(unit, gradsync::Pass::kBackward);
+      if (grad) round_to_compute({const_cast<float*>(grad), batch_ * layers_[i]->in_size()});
     }
   }
 
@@ -511,7 +548,33 @@ class Sequential final : public Model {
     }
   }
 
+  bool reduced() const { return precision_.compute != gradsync::DataType::kFloat32; }
+  void round_to_compute(std::span<float> values) const {
+    if (reduced()) gradsync::round_through(precision_.compute, values);
+  }
+  // The weights a layer computes with: its values, or in reduced precision their rounded copy
+  // (one buffer, as layers run one at a time and are bound again before backward).
+  std::span<const float> compute_weights(std::span<const float> values) {
+    if (!reduced()) return values;
+    float* copy = ensure(rounded_weights_, values.size());
+    std::copy(values.begin(), values.end(), copy);
+    round_to_compute({copy, values.size()});
+    return {copy, values.size()};
+  }
+  // Layer i's weight and bias, back to back in values() and grads().
+  std::span<float> own_values(std::size_t i) {
+    const Parameter& weight = params_[first_parameter_[i]];
+    return {weight.value.data(), weight.count + params_[first_parameter_[i] + 1].count};
+  }
+  std::span<float> own_grads(std::size_t i) {
+    const Parameter& weight = params_[first_parameter_[i]];
+    return {weight.grad.data(), weight.count + params_[first_parameter_[i] + 1].count};
+  }
+
   std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<std::size_t> first_parameter_;  // per layer: its weight's index in params_
+  Precision precision_;
+  std::vector<float> rounded_weights_;
   std::vector<std::string> layer_names_;  // per layer, for the timeline
   std::vector<Parameter> params_;
   std::vector<float> values_, grads_;

@@ -4,6 +4,8 @@
 // start reducing while backward continues.
 #pragma once
 
+#include <gradsync/types.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -24,6 +26,15 @@ struct Parameter {
   std::size_t rows = 0;    // matrix rows for PowerSGD (weights: out features), 0 for vectors
   std::span<float> value;  // into Model::values()
   std::span<float> grad;   // into Model::grads()
+};
+
+// Mixed precision as autocast runs it on a CPU without 16-bit arithmetic: every layer
+// computes from its weights and its input rounded to `compute` (float32 accumulation inside
+// the products), and its output, its input gradient and its weight gradients are rounded to
+// it. The master weights stay float32.
+struct Precision {
+  gradsync::DataType compute = gradsync::DataType::kFloat32;  // or kBFloat16, kFloat16
+  float loss_scale = 1;  // backward starts from the loss times this (float16's loss scaling)
 };
 
 // Called with a parameter's index (into Model::parameters()) as soon as backward has written
@@ -61,6 +72,8 @@ class Model {
   // their gradients (backward's `accumulate` and `ready` are then the engine's business), and
   // values() and grads() are empty. Once only.
   virtual void shard(gradsync::ShardedDataParallel& sharded) = 0;
+  // From the next forward on (float32 until set).
+  virtual void set_precision(const Precision& precision) = 0;
 };
 
 // "mlp": 784 -> hidden... -> 10 with ReLU (default hidden {2048, 2048, 2048, 2048}:

@@ -100,7 +100,9 @@ void write_metrics(gradsync::json::Writer& w, const RunReport& r) {
       .field("parameter_bytes_per_rank", r.parameter_bytes)
       .field("gradient_bytes_per_rank", r.gradient_bytes)
       .field("working_bytes_per_rank", r.working_bytes)
-      .field("peak_rss_bytes", r.peak_rss_bytes);
+      .field("peak_rss_bytes", r.peak_rss_bytes)
+      .field("skipped_steps", r.skipped_steps)
+      .field("loss_scale", r.loss_scale);
 }
 
 void write_curves(gradsync::json::Writer& w, const Curves& curves) {
@@ -127,6 +129,7 @@ void write_config(gradsync::json::Writer& w, const RunReport& r, const Config& c
       .field("step_ahead", r.step_ahead)
       .field("accumulate", c.accumulate)
       .field("zero", c.zero)
+      .field("amp", r.amp)
       .field("strategy", c.zero == 0 ? "ddp" : "zero" + std::to_string(c.zero))
       .field("lr_scaling", c.lr_scaling)
       .field("base_batch", c.base_batch)

@@ -49,7 +49,10 @@ struct RunReport {
   std::string model;  // Model::describe()
   std::string codec;  // as the reducer spells it, with its defaults filled in
   int ranks = 0;
-  bool step_ahead = false;          // in effect, not just asked for
+  bool step_ahead = false;  // in effect, not just asked for
+  std::string amp = "none";
+  std::uint64_t skipped_steps = 0;  // --amp fp16: steps whose gradients overflowed
+  double loss_scale = 1;            // --amp fp16: at the end
   bool shared_memory_only = false;  // every peer through shm: the arenas' bytes go uncounted
   std::size_t optimizer_state_bytes = 0, reduced_gradient_bytes = 0;  // per rank
   // Per rank: the parameters and the gradients kept between steps (whole, except the shards of

@@ -151,6 +151,8 @@ gradsync::ReducerOptions reducer_options(const Config& c) {
   ro.first_bucket_bytes = static_cast<std::size_t>(c.first_bucket_mb * (1 << 20));
   ro.overlap = c.overlap;
   ro.accumulate_steps = c.accumulate;
+  // A float16 overflow reaches every rank, whose loss scaler then skips the step alike.
+  if (c.amp == "fp16") ro.non_finite = gradsync::compress::NonFinite::kPropagate;
   return ro;
 }
 
@@ -243,6 +245,8 @@ class Trainer {
   std::optional<gradsync::optim::ZeroOptimizer> zero_;  // ZeRO 1
   // ZeRO 2 and 3: the model's layers are its units, gathered and reduced as they run.
   std::optional<gradsync::ShardedDataParallel> sharded_;
+  gradsync::DataType precision_ = gradsync::DataType::kFloat32;  // --amp
+  std::optional<gradsync::optim::LossScaler> scaler_;            // --amp fp16
   ShardedSampler sampler_;
   std::size_t steps_per_epoch_;
   LearningRate lr_;
@@ -297,6 +301,11 @@ Trainer::Trainer(const Config& c, const gradsync::Options& options)
     model_->shard(*sharded_);
     sharded_->set_optimizer(shard_optimizer);
   }
+  if (c.amp != "none") {
+    precision_ = c.amp == "fp16" ? gradsync::DataType::kFloat16 : gradsync::DataType::kBFloat16;
+    model_->set_precision({precision_, 1});
+  }
+  if (c.amp == "fp16") scaler_.emplace();
   if (steps_per_epoch_ == 0) throw std::runtime_error("an epoch holds no full step: lower --batch");
   // lr * residual is how far plain SGD (with or without momentum) will still move; AdamW
   // scales each element by its own statistics, so the move is unknown.
@@ -309,7 +318,8 @@ RankState Trainer::state() {
           optimizer_.get(),
           zero_ ? &*zero_ : nullptr,
           reducer_ ? &*reducer_ : nullptr,
-          sharded_ ? &*sharded_ : nullptr};
+          sharded_ ? &*sharded_ : nullptr,
+          scaler_ ? &*scaler_ : nullptr};
 }
 
 // The flags a checkpoint's state depends on, as the user gives them: a resumed run must give
@@ -325,21 +335,24 @@ Identity Trainer::identity() const {
     std::snprintf(buf, sizeof buf, "%.17g", x);
     return std::string(buf);
   };
-  return {{"gradsync-run -n", std::to_string(world_)},
-          {"--model", c_.model},
-          {"--hidden", hidden.empty() ? "(the default)" : hidden},
-          {"parameters", tensors},
-          {"--codec", reducer_ ? reducer_->codec_spec() : c_.codec},
-          {"--bucket-mb", text(c_.bucket_mb)},
-          {"--first-bucket-mb", text(c_.first_bucket_mb)},
-          {"--step-ahead", c_.step_ahead ? "1" : "0"},
-          {"--optimizer", c_.optimizer},
-          {"--lr", text(c_.lr)},
-          {"--lr-schedule", lr_.describe()},
-          {"--batch", std::to_string(c_.batch)},
-          {"--accumulate", std::to_string(c_.accumulate)},
-          {"--zero", std::to_string(c_.zero)},
-          {"--seed", std::to_string(c_.seed)}};
+  Identity identity{{"gradsync-run -n", std::to_string(world_)},
+                    {"--model", c_.model},
+                    {"--hidden", hidden.empty() ? "(the default)" : hidden},
+                    {"parameters", tensors},
+                    {"--codec", reducer_ ? reducer_->codec_spec() : c_.codec},
+                    {"--bucket-mb", text(c_.bucket_mb)},
+                    {"--first-bucket-mb", text(c_.first_bucket_mb)},
+                    {"--step-ahead", c_.step_ahead ? "1" : "0"},
+                    {"--optimizer", c_.optimizer},
+                    {"--lr", text(c_.lr)},
+                    {"--lr-schedule", lr_.describe()},
+                    {"--batch", std::to_string(c_.batch)},
+                    {"--accumulate", std::to_string(c_.accumulate)},
+                    {"--zero", std::to_string(c_.zero)},
+                    {"--seed", std::to_string(c_.seed)}};
+  // Only where used: the checkpoints of format 3, from before --amp, read as "none".
+  if (c_.amp != "none") identity.emplace_back("--amp", c_.amp);
+  return identity;
 }
 
 void Trainer::announce() const {
@@ -402,6 +415,7 @@ StepResult Trainer::train_step(int epoch, std::size_t step) {
   StepResult result;
   // Once per optimizer step: the residuals change only when the step communicates.
   const bool ahead = step_ahead_ && look_ahead(*reducer_, *model_, lr_.at(steps_done_), saved_);
+  if (scaler_) model_->set_precision({precision_, scaler_->scale()});
   for (int micro = 0; micro < c_.accumulate; ++micro) run_micro_batch(epoch, step, micro, result);
   if (ahead) look_back(*model_, saved_);
   average_micro_batch_gradients();
@@ -486,9 +500,11 @@ void Trainer::optimizer_step(gradsync::StepStats& stats) {
   const float lr = lr_.at(steps_done_);
   if (sharded_) {  // stage 2's gathers are queued here and waited for by the next forward
     sharded_->set_lr(lr);
-    sharded_->step();
+    sharded_->step(scaler_ ? &*scaler_ : nullptr);
     return;
   }
+  // The gradients are averaged and whole on every rank: each unscales and checks its own.
+  if (scaler_ && !scaler_->unscale(*ctx_, model_->grads())) return;
   if (!zero_) {
     optimizer_->set_lr(lr);
     optimizer_->step(model_->values(), model_->grads());
@@ -546,6 +562,11 @@ RunReport Trainer::summarize() const {
   r.codec = reducer_ ? reducer_->codec_spec() : c_.codec;
   r.ranks = world_;
   r.step_ahead = step_ahead_;
+  r.amp = c_.amp;
+  if (scaler_) {
+    r.skipped_steps = scaler_->skipped_steps();
+    r.loss_scale = scaler_->scale();
+  }
   // Where every peer is reached through shared memory, most bytes move through the arena,
   // which the transport counters do not see.
   r.shared_memory_only = world_ > 1;

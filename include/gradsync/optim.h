@@ -134,4 +134,44 @@ class ZeroOptimizer {
   std::vector<float> reduced_;  // stage 1: the whole reduced gradient; stage 2: the shard
 };
 
+// Dynamic loss scaling for float16 training, by the rule of torch.cuda.amp.GradScaler: backward
+// runs on the loss times scale(), so that small gradients survive float16; unscale() divides
+// them back before the step. A NaN or Inf on any rank means the scale overflowed: the step is
+// skipped on every rank and the scale halves; after `growth_interval` good steps in a row it
+// doubles.
+//
+// Example:
+//   gradsync::optim::LossScaler scaler;
+//   // ... backward from the loss times scaler.scale(), the gradients averaged over ranks ...
+//   if (scaler.unscale(*ctx, grad)) {  // false: skipped on every rank
+//     // ... optimizer step ...
+//   }
+struct LossScalerOptions {
+  float init_scale = 65536.0f;
+  float growth_factor = 2.0f;
+  float backoff_factor = 0.5f;
+  int growth_interval = 2000;
+};
+
+class LossScaler {
+ public:
+  explicit LossScaler(LossScalerOptions options = {});
+  float scale() const { return scale_; }
+  // Divides `grads` (this rank's: all of them, or its shard) by the scale and says whether
+  // every rank's are finite, collective over `ctx` (one 4-byte all-reduce), and updates the
+  // scale. False: skip this step (the gradients are then not to be used).
+  bool unscale(Context& ctx, std::span<float> grads);
+  std::uint64_t skipped_steps() const { return skipped_; }
+  // The scale, the good steps in a row and the skipped count, for a checkpoint; load_state
+  // refuses bytes it did not write (Error kProtocol).
+  std::vector<std::uint8_t> save_state() const;
+  void load_state(std::span<const std::uint8_t> state);
+
+ private:
+  LossScalerOptions options_;
+  float scale_;
+  std::int64_t good_steps_ = 0;
+  std::uint64_t skipped_ = 0;
+};
+
 }  // namespace gradsync::optim

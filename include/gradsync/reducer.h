@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "gradsync/compress.h"
 #include "gradsync/gradsync.h"
 
 namespace gradsync {
@@ -56,6 +57,10 @@ struct ReducerOptions {
   // bucket sizes bound how widely it ranks; its error feedback stays per parameter); the
   // others reduce parameter by parameter.
   std::string codec = "none";
+  // A NaN or Inf in a gradient: kThrow fails the step on every rank naming the tensor;
+  // kPropagate lets it through to every rank, for float16 training whose loss scaler skips
+  // such a step (optim::LossScaler).
+  compress::NonFinite non_finite = compress::NonFinite::kThrow;
   // Rebuild the buckets once, after the first step, in the order gradients became ready on
   // rank 0 (every rank adopts it, so all launch the same buckets in the same order).
   bool rebuild_buckets = true;

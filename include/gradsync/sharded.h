@@ -101,8 +101,10 @@ class ShardedDataParallel {
   StepStats finish();
   // Steps this rank's shard with the mean gradient over the ranks and the micro-batches
   // finished since the last step; stage 2 then queues the gather of every unit. Stage 3
-  // drops any whole copy still held, now out of date.
-  void step();
+  // drops any whole copy still held, now out of date. With a loss scaler (float16 training)
+  // the gradients are unscaled first, and where any rank's hold NaN or Inf the step is
+  // skipped on every rank: false, the gradients dropped, the parameters as they were.
+  bool step(optim::LossScaler* scaler = nullptr);
 
   // Every unit's whole parameters back to back, in unit order, as the float32 master copies
   // hold them whatever the wire (for checkpoints and evaluation elsewhere): collective. After

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string_view>
 
 namespace gradsync {
@@ -55,6 +56,12 @@ bool is_floating(DataType t);
 bool dtype_op_valid(DataType t, ReduceOp op);
 // "auto", "ring", "rd", "hd", "ps", "shm"
 std::optional<Algorithm> parse_algorithm(std::string_view s);
+
+// Rounds float32 `values` in place to the nearest kFloat16 or kBFloat16 value (ties to even;
+// float16 past its range to infinity), as a cast there and back: 16-bit arithmetic emulated
+// on hardware without it, as mixed-precision training on a CPU does. Any other type is
+// refused (Error kInvalidArgument).
+void round_through(DataType type, std::span<float> values);
 
 // Bytes moved to and from one peer by the transports since the context was created.
 struct PeerTraffic {

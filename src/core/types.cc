@@ -1,7 +1,12 @@
 // Names, sizes and parsers of DataType, ReduceOp and Algorithm.
 #include "gradsync/types.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
+
+#include "gradsync/error.h"
+#include "kernels/kernels.h"
 
 namespace gradsync {
 
@@ -144,6 +149,22 @@ std::optional<Algorithm> parse_algorithm(std::string_view s) {
   if (s == "shm" || s == "shared_memory") return Algorithm::kSharedMemory;
   if (s == "hier" || s == "hierarchical") return Algorithm::kHierarchical;
   return std::nullopt;
+}
+
+void round_through(DataType type, std::span<float> values) {
+  if (type != DataType::kFloat16 && type != DataType::kBFloat16) {
+    throw Error(ErrorKind::kInvalidArgument,
+                std::string("round_through ") + to_string(type) + ": float16 or bfloat16 only",
+                Error::kUnknownRank, Error::kNoPeer, "round_through");
+  }
+  // Through a small buffer that stays in cache, with the vectorised conversions.
+  constexpr std::size_t kChunk = 4096;
+  std::uint16_t halves[kChunk];
+  for (std::size_t at = 0; at < values.size(); at += kChunk) {
+    const std::size_t n = std::min(kChunk, values.size() - at);
+    kernels::float_to_16bit(values.data() + at, halves, n, type);
+    kernels::float_from_16bit(halves, values.data() + at, n, type);
+  }
 }
 
 }  // namespace gradsync

@@ -341,4 +341,59 @@ void ZeroOptimizer::load_state(std::span<const std::uint8_t> state) {
   if (tail_opt_) tail_opt_->load_state(tail_state);
 }
 
+LossScaler::LossScaler(LossScalerOptions options) : options_(options), scale_(options.init_scale) {
+  if (!(options.init_scale > 0) || !(options.growth_factor >= 1) ||
+      !(options.backoff_factor > 0 && options.backoff_factor < 1) || options.growth_interval < 1) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "loss scaler: init_scale > 0, growth_factor >= 1, 0 < backoff_factor < 1 and "
+                "growth_interval >= 1",
+                Error::kUnknownRank, Error::kNoPeer, "LossScaler");
+  }
+}
+
+bool LossScaler::unscale(Context& ctx, std::span<float> grads) {
+  const float inverse = 1.0f / scale_;
+  std::int32_t finite = 1;
+  for (float& g : grads) {
+    g *= inverse;
+    if (!std::isfinite(g)) finite = 0;
+  }
+  ctx.allreduce(&finite, &finite, 1, DataType::kInt32, ReduceOp::kMin);
+  if (!finite) {
+    scale_ *= options_.backoff_factor;
+    good_steps_ = 0;
+    ++skipped_;
+    return false;
+  }
+  if (++good_steps_ == options_.growth_interval) {
+    scale_ *= options_.growth_factor;
+    good_steps_ = 0;
+  }
+  return true;
+}
+
+// "GSLS" v1: f32 scale, i64 good steps in a row, u64 skipped steps.
+std::vector<std::uint8_t> LossScaler::save_state() const {
+  ByteWriter w("GSLS", kStateVersion);
+  w.put(scale_);
+  w.put(good_steps_);
+  w.put(skipped_);
+  return w.take();
+}
+
+void LossScaler::load_state(std::span<const std::uint8_t> state) {
+  ByteReader r(state, "GSLS", kStateVersion, "loss scaler state");
+  const auto scale = r.get<float>();
+  const auto good = r.get<std::int64_t>();
+  const auto skipped = r.get<std::uint64_t>();
+  r.finish();
+  if (!(scale > 0) || !std::isfinite(scale) || good < 0 || good >= options_.growth_interval) {
+    r.fail("holds scale " + std::to_string(scale) + " after " + std::to_string(good) +
+           " good steps");
+  }
+  scale_ = scale;
+  good_steps_ = good;
+  skipped_ = skipped;
+}
+
 }  // namespace gradsync::optim

@@ -222,16 +222,16 @@ struct Reducer::State {
     if (whole_buckets) {
       const compress::FeedbackState state = feedback_state(b, nullptr);
       compress::compressed_allreduce_steps(steps, b.values(), *codec, b.name, b.parts,
-                                           ReduceOp::kAvg, compress::NonFinite::kThrow,
+                                           ReduceOp::kAvg, options.non_finite,
                                            feedback ? &state : nullptr);
       ++b.calls;
     } else {
       for (int id : b.params) {
         Param& p = params[static_cast<std::size_t>(id)];
         const compress::FeedbackState state = feedback_state(b, &p);
-        compress::compressed_allreduce_steps(
-            steps, slot(p), *codec, compress::Tensor(p.name, p.rows), ReduceOp::kAvg,
-            compress::NonFinite::kThrow, feedback ? &state : nullptr);
+        compress::compressed_allreduce_steps(steps, slot(p), *codec,
+                                             compress::Tensor(p.name, p.rows), ReduceOp::kAvg,
+                                             options.non_finite, feedback ? &state : nullptr);
         ++b.calls;
       }
     }

@@ -457,7 +457,7 @@ StepStats ShardedDataParallel::finish() {
   return stats;
 }
 
-void ShardedDataParallel::step() {
+bool ShardedDataParallel::step(optim::LossScaler* scaler) {
   State& s = *s_;
   if (!s.optimizer) s.fail("step before set_optimizer", "step");
   if (s.micro_batches == 0) s.fail("step without a finished backward", "step");
@@ -469,8 +469,9 @@ void ShardedDataParallel::step() {
     const float inverse = 1.0f / divisor;
     for (float& g : s.gradients) g *= inverse;
   }
-  s.optimizer->step(s.values, s.gradients);
   s.micro_batches = 0;
+  if (scaler && !scaler->unscale(s.ctx, s.gradients)) return false;
+  s.optimizer->step(s.values, s.gradients);
   for (std::size_t id = 0; id < s.units.size(); ++id) {
     State::Unit& u = s.units[id];
     if (u.in_use) s.fail("step while unit " + u.name + " is acquired", "step");
@@ -481,6 +482,7 @@ void ShardedDataParallel::step() {
       s.start_gather(id);
     }
   }
+  return true;
 }
 
 std::vector<float> ShardedDataParallel::gather_values() {
