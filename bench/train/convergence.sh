@@ -10,7 +10,8 @@
 # With several seeds (initialisation and data order) every codec runs once per seed; the
 # table gives the mean test accuracy and its spread and the mean difference to none, a list
 # below it the difference seed by seed, and the plot the first seed's curves. --train-args
-# go to every gradsync-train run.
+# go to every gradsync-train run. A "codec" amp:bf16 or amp:fp16 is a mixed-precision run
+# (--amp) instead.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -46,9 +47,10 @@ i=0
 for codec in $codecs; do
   for seed in $seeds; do
     echo "convergence: $codec, seed $seed" >&2
+    if [[ $codec == amp:* ]]; then how=(--amp "${codec#amp:}"); else how=(--codec "$codec"); fi
     "$build/tools/gradsync-run" -n "$ranks" --no-prefix -- "$build/examples/gradsync-train" \
       --model mlp --hidden "$hidden" --epochs "$epochs" --lr "$lr" --seed "$seed" --quiet \
-      --codec "$codec" $train_args --json "$results/$i~$seed.json" >/dev/null 2>&1 ||
+      "${how[@]}" $train_args --json "$results/$i~$seed.json" >/dev/null 2>&1 ||
       echo "convergence: $codec seed $seed failed" >&2
   done
   i=$((i + 1))
@@ -69,8 +71,11 @@ print(f"{ranks} ranks, MLP 784-{hidden.replace(',', '-')}-10, batch 64 per rank,
 multi = len(seeds) > 1
 print("| codec | test accuracy" + (" (mean, min-max)" if multi else "") +
       " | vs none (pp" + (", mean of the seeds" if multi else "") +
-      ") | final loss | wall | samples/s |")
-print("|:---|---:|---:|---:|---:|---:|")
+      ") | final loss | wall | samples/s | step | skipped steps |")
+print("|:---|---:|---:|---:|---:|---:|---:|---:|")
+def label(d):
+    amp = d["config"].get("amp", "none")
+    return f"--amp {amp} ({d['config']['codec']} gradients)" if amp != "none" else d["config"]["codec"]
 base = runs.get(0, {})
 for i in sorted(runs):
     by_seed = runs[i]
@@ -78,10 +83,12 @@ for i in sorted(runs):
     diffs = [100 * (d["test_accuracy"] - base[s]["test_accuracy"]) for s, d in by_seed.items() if s in base]
     any_run = next(iter(by_seed.values()))
     acc = f"{statistics.mean(accs):.2f}%" + (f" ({min(accs):.2f}-{max(accs):.2f})" if multi else "")
-    print(f"| {any_run['config']['codec']} | {acc} | {statistics.mean(diffs):+.2f} | "
+    print(f"| {label(any_run)} | {acc} | {statistics.mean(diffs):+.2f} | "
           f"{statistics.mean(d['final_loss'] for d in by_seed.values()):.4f} | "
           f"{statistics.mean(d['wall_s'] for d in by_seed.values()):.1f} s | "
-          f"{statistics.mean(d['samples_per_s'] for d in by_seed.values()):.0f} |")
+          f"{statistics.mean(d['samples_per_s'] for d in by_seed.values()):.0f} | "
+          f"{1e3 * statistics.median(d['step_s'] for d in by_seed.values()):.2f} ms | "
+          f"{sum(d.get('skipped_steps', 0) for d in by_seed.values())} |")
 # Seed by seed, for paired comparisons later (the results directory is removed at exit).
 if multi:
     print("\nvs none, seed by seed (pp):")
@@ -89,7 +96,7 @@ if multi:
         by_seed = runs[i]
         cells = [f"{s} {100 * (by_seed[s]['test_accuracy'] - base[s]['test_accuracy']):+.2f}"
                  for s in seeds if s in by_seed and s in base]
-        print(f"- {next(iter(by_seed.values()))['config']['codec']}: " + ", ".join(cells))
+        print(f"- {label(next(iter(by_seed.values())))}: " + ", ".join(cells))
 PY
 first=${seeds%% *}
 plots=()

@@ -77,8 +77,9 @@ struct StepStats {
   std::uint64_t raw_bytes = 0;      // the float32 gradients reduced (before compression)
   std::size_t allreduce_calls = 0;  // collective calls the buckets took
   std::size_t buckets = 0;
-  // Sharded data parallelism (sharded.h): the part of communication_s and of exposed_s spent
-  // all-gathering parameters.
+  // Sharded data parallelism (sharded.h): the part of communication_s spent all-gathering
+  // parameters, and the part of exposed_s spent waiting for a gather while it ran (a wait
+  // for the calls queued before it counts as theirs).
   double gather_s = 0;
   double exposed_gather_s = 0;
 };

@@ -326,31 +326,35 @@ std::pair<double, double> run_step(const std::vector<double>& layers,
   return {backward_end, std::max(t, backward_end)};
 }
 
-// ZeRO stage 3 (FSDP): one micro-batch whose layers own only their shard of the parameters.
-// Each layer's parameters are all-gathered before its forward and again before its
-// backward, the next layer's prefetched while this one computes; each layer's gradients
-// are reduce-scattered once its backward ends. One worker runs the calls in the order they
-// become due; compute and calls each go at their speed while both run. Layer times, gathers
-// and reduce-scatters in seconds, forward order. Returns the micro-batch's end.
-double zero3_micro_batch(const std::vector<double>& forward, const std::vector<double>& backward,
-                         const std::vector<double>& gather, const std::vector<double>& scatter,
-                         double compute_speed, double comm_speed) {
+// One micro-batch of ShardedDataParallel (sharded.h), each layer a unit. Stage 3: each
+// layer's parameters are all-gathered before its forward and again before its backward (the
+// last layer's copy is kept from forward to backward), the next layer's prefetched while this
+// one computes. Stage 2: the parameters gathered after the last step are all queued at the
+// start, each waited for by its forward (`gather` all zero where nothing is to gather). Each
+// layer's gradients are reduce-scattered once its backward ends. One worker runs the calls in
+// the order they become due; compute and calls each go at their speed while both run. Layer
+// times, gathers and reduce-scatters in seconds, forward order. Returns the micro-batch's end.
+double sharded_micro_batch(int stage, const std::vector<double>& forward,
+                           const std::vector<double>& backward, const std::vector<double>& gather,
+                           const std::vector<double>& scatter, double compute_speed,
+                           double comm_speed) {
   const std::size_t layers = forward.size();
   double worker = 0, compute = 0;  // when each is next free
   std::vector<double> gathered(layers), started(layers);
   for (std::size_t l = 0; l < layers; ++l) {
-    // One ahead: layer l's gather begins once layer l-1 has begun computing.
-    const double due = l == 0 ? 0 : started[l - 1];
+    // Stage 3, one ahead: layer l's gather begins once layer l-1 has begun computing.
+    const double due = l == 0 || stage == 2 ? 0 : started[l - 1];
     gathered[l] = worker = std::max(worker, due) + gather[l] / comm_speed;
     started[l] = std::max(compute, gathered[l]);
     compute = started[l] + forward[l] / compute_speed;
   }
-  // Backward, last layer first: its own gather is due at once, the next one's when it starts.
-  const std::size_t last = layers - 1;
-  gathered[last] = worker = std::max(worker, started[last]) + gather[last] / comm_speed;
+  // Backward, last layer first (already whole); stage 3 gathers the one before as it starts.
+  gathered.assign(layers, 0);
   for (std::size_t k = layers; k-- > 0;) {
     const double start = std::max(compute, gathered[k]);
-    if (k > 0) gathered[k - 1] = worker = std::max(worker, start) + gather[k - 1] / comm_speed;
+    if (k > 0 && stage == 3) {
+      gathered[k - 1] = worker = std::max(worker, start) + gather[k - 1] / comm_speed;
+    }
     compute = start + backward[k] / compute_speed;
     worker = std::max(worker, compute) + scatter[k] / comm_speed;
   }
@@ -505,10 +509,10 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
         "plan or workload out of range (accumulate >= 1, zero 0-3, bucket sizes > 0, "
         "batch >= 1, at least one layer)");
   }
-  if (plan.zero >= 2 && plan.codec != "none") {
-    throw invalid(
-        "ZeRO 2 or 3 with a codec: gradsync-train refuses it (sharded gradients are "
-        "reduce-scattered uncompressed)");
+  if (plan.zero >= 2 && plan.codec != "none" && plan.codec != "fp16" && plan.codec != "bf16") {
+    throw invalid("ZeRO 2 or 3 with codec " + plan.codec +
+                  ": gradsync-train refuses it (a shard is gathered and reduce-scattered in "
+                  "float32 or 16 bits, fp16 or bf16, never compressed whole)");
   }
   const CallPricer pricer(profile, plan, plan.algorithm);
   const double flops_per_s = profile.compute_gflops * 1e9;
@@ -617,7 +621,13 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
     for (std::size_t b = 0; b < p.buckets.size(); ++b)
       p.buckets[b].ready_s = layer_end[waits_for[b]];
     last_micro_s = forward_s + std::max(backward_end, worker_end);
-  } else if (plan.zero == 3) {
+  } else {
+    // ShardedDataParallel, one unit per layer, its calls priced at their wire size (16-bit
+    // wires carry half the floats' bytes).
+    const double wire = plan.codec == "none" ? 1.0 : 0.5;
+    const auto on_wire = [wire](std::size_t floats) {
+      return static_cast<std::size_t>(std::ceil(wire * static_cast<double>(floats)));
+    };
     std::vector<double> forward_layers, gather, scatter;
     std::size_t largest = 0;
     for (const auto& l : workload.layers) {
@@ -625,35 +635,48 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       largest = std::max(largest, floats);
       forward_layers.push_back(l.forward_ms > 0 ? l.forward_ms * 1e-3
                                                 : l.forward_flops * batch / flops_per_s);
-      gather.push_back(floats > 0 && n > 1 ? pricer.allgather_us(floats) * 1e-6 : 0);
-      scatter.push_back(floats > 0 && n > 1 ? pricer.reduce_scatter_us(floats) * 1e-6 : 0);
-      if (floats > 0 && n > 1) {
-        latency_s += 2 * pricer.allgather_us(1) * 1e-6 + pricer.reduce_scatter_us(1) * 1e-6;
-      }
+      gather.push_back(floats > 0 && n > 1 ? pricer.allgather_us(on_wire(floats)) * 1e-6 : 0);
+      scatter.push_back(floats > 0 && n > 1 ? pricer.reduce_scatter_us(on_wire(floats)) * 1e-6 : 0);
     }
+    const std::size_t units = static_cast<std::size_t>(
+        std::count_if(gather.begin(), gather.end(), [](double g) { return g > 0; }));
+    const double gather_latency = n > 1 ? pricer.allgather_us(1) * 1e-6 : 0;
+    const double scatter_latency = n > 1 ? pricer.reduce_scatter_us(1) * 1e-6 : 0;
     const std::vector<double> backward_layers(backward.rbegin(), backward.rend());
-    for (std::size_t l = 0; l < gather.size(); ++l) p.comm_s += 2 * gather[l] + scatter[l];
-    p.comm_s *= plan.accumulate;
-    latency_s *= plan.accumulate;
-    last_micro_s = zero3_micro_batch(forward_layers, backward_layers, gather, scatter,
-                                     busy_phase.compute_speed, busy_phase.worker_speed);
-    // Every micro-batch gathers and reduce-scatters: the gradients stay sharded.
-    accumulated_micro_s = last_micro_s;
-    p.wire_bytes_per_rank =
-        n > 1 ? static_cast<std::size_t>(3.0 * (n - 1) / n * psi * sizeof(float) * plan.accumulate)
-              : 0;
-    // A layer being computed and the next one prefetched, whole, and one layer's gradients.
-    working_floats = 3 * largest;
-  } else {
-    // As ZeroOptimizer::step at stage 2: the whole gradient reduce-scattered after backward,
-    // the updated parameters all-gathered.
-    const double rs = pricer.reduce_scatter_us(psi) * 1e-6;
-    const double ag = pricer.allgather_us(psi) * 1e-6;
-    p.comm_s = rs + ag;
-    p.wire_bytes_per_rank =
-        n > 1 ? static_cast<std::size_t>(2.0 * (n - 1) / n * psi * sizeof(float)) : 0;
-    last_micro_s = forward_s + backward_s + rs;
-    tail_comm_s = ag;
+    double gathers = 0, scatters = 0;
+    for (std::size_t l = 0; l < gather.size(); ++l) {
+      gathers += gather[l];
+      scatters += scatter[l];
+    }
+    const double bytes = n > 1 ? wire * (n - 1) / n * psi * sizeof(float) : 0;
+    // Every micro-batch reduce-scatters: the gradients stay sharded.
+    if (plan.zero == 3) {
+      // Twice a step but for the last layer, kept from forward to backward.
+      const double last_gather = gather.back();
+      const auto last_floats = static_cast<double>(workload.layers.back().parameters());
+      p.comm_s = plan.accumulate * (2 * gathers - last_gather + scatters);
+      latency_s = plan.accumulate * units * (2 * gather_latency + scatter_latency);
+      last_micro_s = sharded_micro_batch(3, forward_layers, backward_layers, gather, scatter,
+                                         busy_phase.compute_speed, busy_phase.worker_speed);
+      accumulated_micro_s = last_micro_s;
+      p.wire_bytes_per_rank = static_cast<std::size_t>(
+          (3 - last_floats / static_cast<double>(psi)) * bytes * plan.accumulate);
+    } else {
+      // The gathers after the step are waited for by the next step's first forward.
+      p.comm_s = gathers + plan.accumulate * scatters;
+      latency_s = units * (gather_latency + plan.accumulate * scatter_latency);
+      last_micro_s = sharded_micro_batch(2, forward_layers, backward_layers, gather, scatter,
+                                         busy_phase.compute_speed, busy_phase.worker_speed);
+      const std::vector<double> nothing(gather.size(), 0.0);
+      accumulated_micro_s =
+          sharded_micro_batch(2, forward_layers, backward_layers, nothing, scatter,
+                              busy_phase.compute_speed, busy_phase.worker_speed);
+      p.wire_bytes_per_rank = static_cast<std::size_t>(bytes * (1 + plan.accumulate));
+    }
+    // Layers whole at once: the one computing and its gradient, the one before's gradient
+    // still being reduce-scattered, and at stage 3 the next layer prefetched; stage 2 keeps
+    // two gradients in flight (ShardedDataParallel::mark_ready).
+    working_floats = 4 * largest;
   }
   const std::size_t owned = plan.zero > 0 ? (psi + n - 1) / n : psi;
   p.optimizer_s = optimizer_bytes_per_parameter(workload.optimizer) * static_cast<double>(owned) /
@@ -669,7 +692,8 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
 
   const std::size_t state = optimizer_state_floats(workload.optimizer) * owned;
   const std::size_t grads = plan.zero >= 2 ? owned : psi;
-  const std::size_t params = plan.zero >= 3 ? owned : psi;
+  // Stage 2 keeps the whole model and its float32 shard (the master copy).
+  const std::size_t params = plan.zero >= 3 ? owned : plan.zero == 2 ? psi + owned : psi;
   p.memory_per_rank_bytes = (params + grads + state + working_floats) * sizeof(float);
   classify(p, latency_s, profile, plan);
   find_pitfalls(p, latency_s, workload, plan, pricer.whole_buckets());

@@ -194,13 +194,14 @@ struct ShardedDataParallel::State {
     ++calls;
   }
 
-  // Waits for unit `id`'s gather (if one is in flight), counting the wait as exposed.
+  // Waits for unit `id`'s gather (if one is in flight), counting the wait as exposed: as the
+  // gather's, up to the time the gather itself ran, the rest as the calls queued before it.
   void finish_gather(Unit& u) {
     if (!u.gather.test()) {
       const auto t0 = Clock::now();
       u.gather.wait();
       const double waited = seconds_between(t0, Clock::now());
-      exposed_gather_s += waited;
+      exposed_gather_s += std::min(waited, u.gather_s);
       exposed_s += waited;
     } else {
       u.gather.wait();  // rethrows its error
@@ -414,11 +415,13 @@ void ShardedDataParallel::mark_ready(int id) {
   s.start_reduce(static_cast<std::size_t>(id));
   s.reducing.push_back(static_cast<std::size_t>(id));
   ++s.reduced_units;
-  // Give back the buffers of those done; keep at most one more in flight, so that the whole
-  // gradients held stay two units' worth when the link is slower than backward.
-  constexpr std::size_t kInFlight = 2;
+  // Give back the buffers of those done, and bound the whole gradients held when the link is
+  // slower than backward. Stage 3 keeps only this one in flight: the one before it is queued
+  // ahead of the gather the next acquire waits for anyway, so waiting for it costs nothing.
+  // Stage 2, with no gathers in backward, keeps one more to stay ahead.
+  const std::size_t in_flight = s.options.stage == 3 ? 1 : 2;
   while (!s.reducing.empty() &&
-         s.reap_reduce(s.units[s.reducing.front()], s.reducing.size() > kInFlight)) {
+         s.reap_reduce(s.units[s.reducing.front()], s.reducing.size() > in_flight)) {
     s.reducing.pop_front();
   }
 }
