@@ -161,8 +161,8 @@ TEST(AdvisePredict, ZeroShardsStateAndGradients) {
   EXPECT_EQ(replicated.memory_per_rank_bytes, 8000u * 4);
   EXPECT_EQ(z1.memory_per_rank_bytes, (2000u + 2000 + 2 * 500) * 4);
   // Stage 2: the whole parameters and this rank's master shard of them, a quarter of the
-  // gradients and the moments, and whole gradients of up to four layers (ShardedDataParallel).
-  EXPECT_EQ(z2.memory_per_rank_bytes, (2000u + 500 + 500 + 2 * 500 + 4 * 1000) * 4);
+  // gradients and the moments, and whole gradients of up to three layers (ShardedDataParallel).
+  EXPECT_EQ(z2.memory_per_rank_bytes, (2000u + 500 + 500 + 2 * 500 + 3 * 1000) * 4);
   EXPECT_NEAR(z1.optimizer_s, replicated.optimizer_s / 4, 1e-15);
 }
 

@@ -85,22 +85,20 @@ std::vector<Candidate> candidates(const Profile& profile, const Plan& now) {
   // ZeRO shards the optimizer's work as well as its state: each rank steps 1/N of the
   // parameters, for an all-gather of them after the step.
   for (int z : {1, 2, 3}) {
-    if (z == now.zero || (z >= 2 && now.codec != "none") || now.ranks == 1) continue;
+    const bool shards_codec = now.codec == "none" || now.codec == "fp16" || now.codec == "bf16";
+    if (z == now.zero || (z >= 2 && !shards_codec) || now.ranks == 1) continue;
     Plan p = now;
     p.zero = z;
-    if (z == 3) {
-      out.push_back({"zero", "3", p,
-                     "parameters sharded too: each layer's gathered just before its forward and "
-                     "backward",
-                     "none to accuracy; 1.5x DDP's traffic; not in gradsync-train yet (torch's "
-                     "FSDP, DeepSpeed)"});
-      continue;
-    }
-    out.push_back({"zero", number(z), p,
-                   z == 1 ? "optimizer state and its step sharded across ranks"
-                          : "optimizer state, its step and the reduced gradients sharded",
-                   z == 1 ? "none to accuracy; the parameters' all-gather follows the step"
-                          : "none to accuracy; the reduce-scatter waits for the end of backward"});
+    out.push_back(
+        {"zero", number(z), p,
+         z == 1   ? "optimizer state and its step sharded across ranks"
+         : z == 2 ? "optimizer state, its step and the reduced gradients sharded, each layer's "
+                    "reduce-scattered as backward ends it"
+                  : "parameters sharded too: each layer gathered just before its forward and "
+                    "backward",
+         z == 1   ? "none to accuracy; the parameters' all-gather follows the step"
+         : z == 2 ? "none to accuracy; the parameters' all-gather waits for the next forward"
+                  : "none to accuracy; 1.5x DDP's traffic, each layer's gather before it runs"});
   }
   return out;
 }

@@ -4,6 +4,7 @@
 // per rank (every rank alike: stragglers are not modelled).
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -326,39 +327,95 @@ std::pair<double, double> run_step(const std::vector<double>& layers,
   return {backward_end, std::max(t, backward_end)};
 }
 
-// One micro-batch of ShardedDataParallel (sharded.h), each layer a unit. Stage 3: each
-// layer's parameters are all-gathered before its forward and again before its backward (the
-// last layer's copy is kept from forward to backward), the next layer's prefetched while this
-// one computes. Stage 2: the parameters gathered after the last step are all queued at the
-// start, each waited for by its forward (`gather` all zero where nothing is to gather). Each
-// layer's gradients are reduce-scattered once its backward ends. One worker runs the calls in
-// the order they become due; compute and calls each go at their speed while both run. Layer
-// times, gathers and reduce-scatters in seconds, forward order. Returns the micro-batch's end.
+// One micro-batch of ShardedDataParallel (sharded.h), each layer a unit, as its training
+// thread issues and waits for calls. Stage 3: each layer's parameters are gathered before its
+// forward (the next layer's queued meanwhile) and again before its backward (the one before
+// queued meanwhile; the last layer's copy is kept from forward to backward), and one
+// reduce-scatter stays in flight. Stage 2: the gathers queued by the last step are waited for
+// by each forward (`gather` all zero where there is nothing to gather), and two
+// reduce-scatters stay in flight. The worker runs the calls in issue order; while both it and
+// the thread are busy each goes at its overlapped speed, alone at full speed. Layer times,
+// gathers and reduce-scatters in seconds, forward order. Returns the micro-batch's end.
 double sharded_micro_batch(int stage, const std::vector<double>& forward,
                            const std::vector<double>& backward, const std::vector<double>& gather,
                            const std::vector<double>& scatter, double compute_speed,
                            double comm_speed) {
+  // The thread's script: queue a call, wait for one, or compute. Calls are numbered: layer
+  // l's forward gather l, its backward gather L + l, its reduce-scatter 2L + l.
+  struct Op {
+    enum Kind { kIssue, kWait, kCompute } kind;
+    std::size_t call = 0;
+    double seconds = 0;
+  };
   const std::size_t layers = forward.size();
-  double worker = 0, compute = 0;  // when each is next free
-  std::vector<double> gathered(layers), started(layers);
+  std::vector<double> seconds(3 * layers);
   for (std::size_t l = 0; l < layers; ++l) {
-    // Stage 3, one ahead: layer l's gather begins once layer l-1 has begun computing.
-    const double due = l == 0 || stage == 2 ? 0 : started[l - 1];
-    gathered[l] = worker = std::max(worker, due) + gather[l] / comm_speed;
-    started[l] = std::max(compute, gathered[l]);
-    compute = started[l] + forward[l] / compute_speed;
+    seconds[l] = seconds[layers + l] = gather[l];
+    seconds[2 * layers + l] = scatter[l];
   }
-  // Backward, last layer first (already whole); stage 3 gathers the one before as it starts.
-  gathered.assign(layers, 0);
-  for (std::size_t k = layers; k-- > 0;) {
-    const double start = std::max(compute, gathered[k]);
-    if (k > 0 && stage == 3) {
-      gathered[k - 1] = worker = std::max(worker, start) + gather[k - 1] / comm_speed;
+  std::vector<Op> ops;
+  if (stage == 2) {
+    for (std::size_t l = 0; l < layers; ++l) ops.push_back({Op::kIssue, l});
+  }
+  for (std::size_t l = 0; l < layers; ++l) {
+    if (stage == 3) {
+      if (l == 0) ops.push_back({Op::kIssue, 0});
+      if (l + 1 < layers) ops.push_back({Op::kIssue, l + 1});
     }
-    compute = start + backward[k] / compute_speed;
-    worker = std::max(worker, compute) + scatter[k] / comm_speed;
+    ops.push_back({Op::kWait, l});
+    ops.push_back({Op::kCompute, 0, forward[l]});
   }
-  return std::max(compute, worker);
+  const std::size_t in_flight = stage == 3 ? 1 : 2;
+  std::vector<std::size_t> reducing;
+  for (std::size_t l = layers; l-- > 0;) {
+    if (stage == 3) {
+      // The last layer is still whole; the first gather each earlier one needs was queued
+      // as the layer after it started.
+      if (l > 0) ops.push_back({Op::kIssue, layers + l - 1});
+      if (l + 1 < layers) ops.push_back({Op::kWait, layers + l});
+    }
+    ops.push_back({Op::kCompute, 0, backward[l]});
+    ops.push_back({Op::kIssue, 2 * layers + l});
+    reducing.push_back(2 * layers + l);
+    if (reducing.size() > in_flight) {
+      ops.push_back({Op::kWait, reducing[reducing.size() - in_flight - 1]});
+    }
+  }
+  for (std::size_t call : reducing) ops.push_back({Op::kWait, call});
+
+  std::vector<bool> done(seconds.size(), false);
+  std::deque<std::size_t> queue;
+  double t = 0, computing = -1, working = -1;  // seconds of work left; < 0: idle
+  std::size_t next = 0, current = 0;
+  while (true) {
+    while (computing < 0 && next < ops.size()) {
+      const Op& op = ops[next];
+      if (op.kind == Op::kWait && !done[op.call]) break;
+      if (op.kind == Op::kIssue) queue.push_back(op.call);
+      if (op.kind == Op::kCompute) computing = op.seconds;
+      ++next;
+    }
+    if (working < 0 && !queue.empty()) {
+      current = queue.front();
+      queue.pop_front();
+      working = seconds[current];
+    }
+    if (computing < 0 && working < 0)
+      break;  // the script is done (it waits only for calls it queued)
+    const double compute_rate = working >= 0 ? compute_speed : 1.0;
+    const double work_rate = computing >= 0 ? comm_speed : 1.0;
+    double dt = std::numeric_limits<double>::infinity();
+    if (computing >= 0) dt = std::min(dt, computing / compute_rate);
+    if (working >= 0) dt = std::min(dt, working / work_rate);
+    t += dt;
+    if (computing >= 0)
+      computing = computing - dt * compute_rate <= 1e-15 ? -1 : computing - dt * compute_rate;
+    if (working >= 0 && (working -= dt * work_rate) <= 1e-15) {
+      working = -1;
+      done[current] = true;
+    }
+  }
+  return t;
 }
 
 std::size_t optimizer_state_floats(const std::string& optimizer) {
@@ -673,10 +730,10 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
                               busy_phase.compute_speed, busy_phase.worker_speed);
       p.wire_bytes_per_rank = static_cast<std::size_t>(bytes * (1 + plan.accumulate));
     }
-    // Layers whole at once: the one computing and its gradient, the one before's gradient
-    // still being reduce-scattered, and at stage 3 the next layer prefetched; stage 2 keeps
-    // two gradients in flight (ShardedDataParallel::mark_ready).
-    working_floats = 4 * largest;
+    // Layers whole at once, at most: stage 3 the one computing and its gradient, the one
+    // before's gradient still being reduce-scattered and the next layer prefetched; stage 2
+    // the gradient being written and two in flight (ShardedDataParallel::mark_ready).
+    working_floats = (plan.zero == 3 ? 4 : 3) * largest;
   }
   const std::size_t owned = plan.zero > 0 ? (psi + n - 1) / n : psi;
   p.optimizer_s = optimizer_bytes_per_parameter(workload.optimizer) * static_cast<double>(owned) /

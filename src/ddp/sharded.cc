@@ -8,6 +8,8 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <memory>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -26,41 +28,66 @@ double seconds_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-// Float buffers handed out and taken back, so stage 3 allocates nothing once the first step
-// has sized them: its working memory is the most it ever held at once.
+// Floats left uninitialised: a vector zeroes every element it grows by, a pass over memory
+// that a gather or backward is about to overwrite.
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(std::size_t capacity) : data_(new float[capacity]), capacity_(capacity) {}
+  float* data() { return data_.get(); }
+  const float* data() const { return data_.get(); }
+  std::size_t size() const { return size_; }
+  std::size_t capacity() const { return capacity_; }
+  bool empty() const { return size_ == 0; }
+  void resize(std::size_t n) { size_ = n; }  // n <= capacity
+  float* begin() { return data(); }
+  float* end() { return data() + size_; }
+  std::span<float> span() { return {data(), size_}; }
+
+ private:
+  std::unique_ptr<float[]> data_;
+  std::size_t capacity_ = 0, size_ = 0;
+};
+
+// Buffers handed out and taken back, so stage 3 allocates nothing once the first step has
+// sized them: its working memory is the most it ever held at once.
 class BufferPool {
  public:
-  std::vector<float> take(std::size_t floats) {
-    // The smallest free buffer that fits, else the largest, grown.
-    auto best = free_.end();
+  Buffer take(std::size_t floats) {
+    // The smallest free buffer that fits; else a new one, in place of the largest free one
+    // (which is too small), so that what the pool holds stays what was needed at once.
+    auto best = free_.end(), largest = free_.end();
     for (auto it = free_.begin(); it != free_.end(); ++it) {
-      const bool fits = it->capacity() >= floats;
-      if (best == free_.end() ||
-          (fits && (best->capacity() < floats || it->capacity() < best->capacity())) ||
-          (!fits && best->capacity() < floats && it->capacity() > best->capacity())) {
+      if (it->capacity() >= floats && (best == free_.end() || it->capacity() < best->capacity())) {
         best = it;
       }
+      if (largest == free_.end() || it->capacity() > largest->capacity()) largest = it;
     }
-    std::vector<float> buffer;
+    Buffer buffer;
     if (best != free_.end()) {
       buffer = std::move(*best);
       free_.erase(best);
+    } else {
+      if (largest != free_.end()) {
+        allocated_ -= largest->capacity();
+        free_.erase(largest);
+      }
+      buffer = Buffer(std::max<std::size_t>(floats, 1));
+      allocated_ += buffer.capacity();
+      peak_ = std::max(peak_, allocated_);
     }
-    allocated_ -= buffer.capacity();
     buffer.resize(floats);
-    allocated_ += buffer.capacity();
-    peak_ = std::max(peak_, allocated_);
     return buffer;
   }
-  void give(std::vector<float>& buffer) {
+  void give(Buffer& buffer) {
     if (buffer.capacity() == 0) return;
     free_.push_back(std::move(buffer));
-    buffer = {};
+    buffer = Buffer();
   }
   std::size_t peak_bytes() const { return peak_ * sizeof(float); }
 
  private:
-  std::vector<std::vector<float>> free_;
+  std::vector<Buffer> free_;
   std::size_t allocated_ = 0;  // floats, handed out or free
   std::size_t peak_ = 0;
 };
@@ -70,7 +97,7 @@ std::size_t floats_for_halves(std::size_t halves) {
   return (halves + 1) / 2;
 }
 
-std::uint16_t* as_halves(std::vector<float>& buffer) {
+std::uint16_t* as_halves(Buffer& buffer) {
   return reinterpret_cast<std::uint16_t*>(buffer.data());
 }
 
@@ -83,18 +110,18 @@ struct ShardedDataParallel::State {
     std::size_t shard = 0;  // per rank: count / N rounded up
     std::size_t first = 0;  // where its shard starts in the shard arrays
     // The whole copy, shard * N floats (the padding past count is zeros), while gathered.
-    std::vector<float> whole;
+    Buffer whole;
     bool gathered = false;  // `whole` holds the current values, or will once `gather` is done
     bool in_use = false;    // acquired and not released
     Work gather;
-    std::vector<float> gather_send, gather_recv;  // 16-bit wire scratch of the gather
-    double gather_s = 0;                          // written by the call, read once it is done
+    Buffer gather_send, gather_recv;  // 16-bit wire scratch of the gather
+    double gather_s = 0;              // written by the call, read once it is done
     // The whole gradient from gradient() to the end of its reduce-scatter.
-    std::vector<float> grad;
+    Buffer grad;
     bool grad_out = false;  // handed out by gradient(), not yet marked ready
     Work reduce;
     bool reducing = false;
-    std::vector<float> reduce_send, reduce_scratch;  // 16-bit wire: send; receive, or sum
+    Buffer reduce_send, reduce_scratch;  // 16-bit wire: send; receive, or sum
     double reduce_s = 0;
   };
 
@@ -337,8 +364,9 @@ int ShardedDataParallel::add_unit(std::string name, std::span<const float> initi
                   initial.begin() + static_cast<std::ptrdiff_t>(to));
   s.values.resize(s.shard_floats, 0.0f);
   if (s.options.stage == 2) {  // whole between steps: the initial values are the current ones
-    u.whole.assign(u.shard * s.ranks, 0.0f);
-    std::copy(initial.begin(), initial.end(), u.whole.begin());
+    u.whole = Buffer(u.shard * s.ranks);
+    u.whole.resize(u.shard * s.ranks);
+    std::fill(std::copy(initial.begin(), initial.end(), u.whole.begin()), u.whole.end(), 0.0f);
     u.gathered = true;
   }
   s.units.push_back(std::move(u));
@@ -376,7 +404,7 @@ std::span<const float> ShardedDataParallel::acquire(int id, Pass pass) {
   }
   s.finish_gather(u);
   u.in_use = true;
-  return std::span<const float>(u.whole).first(u.count);
+  return u.whole.span().first(u.count);
 }
 
 void ShardedDataParallel::release(int id, Pass pass) {
@@ -404,7 +432,7 @@ std::span<float> ShardedDataParallel::gradient(int id) {
     std::fill(u.grad.begin() + static_cast<std::ptrdiff_t>(u.count), u.grad.end(), 0.0f);
     u.grad_out = true;
   }
-  return std::span<float>(u.grad).first(u.count);
+  return u.grad.span().first(u.count);
 }
 
 void ShardedDataParallel::mark_ready(int id) {
