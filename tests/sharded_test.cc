@@ -19,6 +19,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gradsync/error.h"
@@ -311,6 +312,8 @@ void expect_follows_reference(const Config& c, const std::vector<RankRun>& runs,
 
 // float32 on the wire: the shards step as the whole model would, to summation order.
 constexpr double kRel32 = 1e-5, kAbs32 = 1e-5;
+// int8 gradients: one rounding per element (1/254 of its block's largest), fed back.
+constexpr double kRel8 = 2e-2, kAbs8 = 2e-3;
 
 TEST(ShardedDataParallel, FollowsThePlainOptimizerOverWorldSizesStagesAndPrefetch) {
   for (int n : {1, 2, 3, 4, 5, 8}) {
@@ -528,9 +531,17 @@ TEST(ShardedDataParallel, MemoryCountsThisRanksShards) {
 // and optimizer state after two steps (its own initial values were other ones) continues
 // exactly as the first does: the same parameters, bit for bit, at every later step.
 TEST(ShardedDataParallel, ValuesAndStateRestoreTheTrajectoryBitForBit) {
-  for (int stage : {3, 2}) {
+  // int8 gradients: the error-feedback residuals are part of the state.
+  for (const auto& [stage, gradient_wire] :
+       {std::pair{3, DataType::kFloat32}, std::pair{2, DataType::kFloat32},
+        std::pair{3, DataType::kInt8}}) {
     for (Opt opt : {Opt::kAdamW, Opt::kSgd}) {
-      const Config c{.n = 3, .options = {.stage = stage}, .opt = opt, .steps = 4};
+      const Config c{.n = 3,
+                     .options = {.stage = stage, .gradient_wire = gradient_wire},
+                     .opt = opt,
+                     .steps = 4};
+      const double rel = gradient_wire == DataType::kInt8 ? kRel8 : kRel32;
+      const double abs = gradient_wire == DataType::kInt8 ? kAbs8 : kAbs32;
       std::vector<RankRun> first(3), second(3);
       testing::run_inproc_contexts(
           c.n,
@@ -560,11 +571,11 @@ TEST(ShardedDataParallel, ValuesAndStateRestoreTheTrajectoryBitForBit) {
         for (std::size_t s = 0; s < 2; ++s) {
           EXPECT_TRUE(bitwise_equal(first[r].forward[s][0], second[r].forward[s][0]))
               << what << " step " << s + 2;
-          EXPECT_TRUE(near(first[r].forward[s][0], reference[s + 2], c.sizes, kRel32, kAbs32))
+          EXPECT_TRUE(near(first[r].forward[s][0], reference[s + 2], c.sizes, rel, abs))
               << what << " step " << s + 2;
         }
         EXPECT_TRUE(bitwise_equal(first[r].final, second[r].final)) << what;
-        EXPECT_TRUE(near(first[r].final, reference.back(), c.sizes, kRel32, kAbs32)) << what;
+        EXPECT_TRUE(near(first[r].final, reference.back(), c.sizes, rel, abs)) << what;
       }
     }
   }
@@ -668,6 +679,67 @@ TEST(ShardedDataParallel, ALossScalerOverflowOnOneRankSkipsTheStepOnEvery) {
         },
         bounded());
   }
+}
+
+// int8 reduce-scatter with error feedback, over world sizes and both stages: close to the
+// float32 trajectory, identical on every rank, the residual (one float per parameter a rank)
+// counted in memory(); the parameters still travel in float32.
+TEST(ShardedDataParallel, Int8GradientsFollowThePlainOptimizerClosely) {
+  for (int n : {1, 2, 3, 5}) {
+    for (int stage : {3, 2}) {
+      const Config c{.n = n, .options = {.stage = stage, .gradient_wire = DataType::kInt8}};
+      const auto runs = run(c);
+      expect_follows_reference(c, runs, kRel8, kAbs8);
+      for (const auto& r : runs) {
+        EXPECT_EQ(r.memory.error_feedback_bytes,
+                  shard_floats(kAwkward, n) * static_cast<std::size_t>(n) * 4)
+            << c.describe();
+      }
+    }
+  }
+  testing::run_inproc_contexts(2, [](Context& ctx) {
+    testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+      ShardedDataParallel bad(ctx, {.gradient_wire = DataType::kFloat16});
+    });
+  });
+}
+
+// Error feedback at work: the same gradients step after step, whose int8 rounding is biased
+// the same way every time. Without feedback the bias would add up over 50 steps (up to 50 x
+// 2.9e-4 here); with it, what rounding held back is sent later, so plain SGD ends within
+// one rounding of the float32 result.
+TEST(ShardedDataParallel, Int8ErrorFeedbackKeepsTheRoundingFromAddingUp) {
+  constexpr int kSteps = 50;
+  constexpr std::size_t kCount = 1000;
+  const auto grad_of = [](int rank, std::size_t i) {
+    return 0.01f * static_cast<float>(i % 7 + 1) + 0.0031f * static_cast<float>(rank);
+  };
+  testing::run_inproc_contexts(
+      2,
+      [&](Context& ctx) {
+        ShardedDataParallel sharded(ctx, {.stage = 3, .gradient_wire = DataType::kInt8});
+        sharded.add_unit("fc", std::vector<float>(kCount, 0.0f));
+        sharded.set_optimizer([](std::size_t n) { return optim::make_sgd(n, {.lr = 1}); });
+        for (int step = 0; step < kSteps; ++step) {
+          sharded.acquire(0, Pass::kForward);
+          sharded.release(0, Pass::kForward);
+          sharded.acquire(0, Pass::kBackward);
+          std::span<float> g = sharded.gradient(0);
+          for (std::size_t i = 0; i < kCount; ++i) g[i] = grad_of(ctx.rank(), i);
+          sharded.mark_ready(0);
+          sharded.release(0, Pass::kBackward);
+          sharded.finish();
+          sharded.step();
+        }
+        const std::vector<float> values = sharded.gather_values();
+        double worst = 0;
+        for (std::size_t i = 0; i < kCount; ++i) {
+          const double want = -kSteps * 0.5 * (grad_of(0, i) + grad_of(1, i));
+          worst = std::max(worst, std::abs(values[i] - want));
+        }
+        EXPECT_LT(worst, 5e-4);
+      },
+      bounded());
 }
 
 }  // namespace

@@ -248,10 +248,12 @@ void complete_and_check(Config& c) {
     }
     c.codec = c.amp;
   }
-  if (c.zero >= 2 && c.codec != "none" && c.codec != "fp16" && c.codec != "bf16") {
+  if (c.zero >= 2 && c.codec != "none" && c.codec != "fp16" && c.codec != "bf16" &&
+      c.codec != "int8") {
     usage_error("--zero " + std::to_string(c.zero) +
                 " reduce-scatters each layer's gradient and gathers its parameters in float32 "
-                "or 16 bits (--codec fp16, bf16); --codec " +
+                "or 16 bits (--codec fp16, bf16), or the gradients in int8 (--codec int8); "
+                "--codec " +
                 c.codec +
                 " compresses whole tensors, which a shard is not: use --zero 1, which "
                 "all-reduces through the codec");

@@ -100,6 +100,7 @@ void write_metrics(gradsync::json::Writer& w, const RunReport& r) {
       .field("parameter_bytes_per_rank", r.parameter_bytes)
       .field("gradient_bytes_per_rank", r.gradient_bytes)
       .field("working_bytes_per_rank", r.working_bytes)
+      .field("error_feedback_bytes_per_rank", r.error_feedback_bytes)
       .field("peak_rss_bytes", r.peak_rss_bytes)
       .field("skipped_steps", r.skipped_steps)
       .field("loss_scale", r.loss_scale);

@@ -59,6 +59,7 @@ struct RunReport {
   // ZeRO 2 and 3), the buffers ZeRO 2 and 3 gather layers and gradients into as they run, and
   // the process's peak resident set.
   std::size_t parameter_bytes = 0, gradient_bytes = 0, working_bytes = 0, peak_rss_bytes = 0;
+  std::size_t error_feedback_bytes = 0;  // ZeRO 2 and 3 with int8 gradients
 
   double test_accuracy() const;  // after the last epoch (0 if none ran)
 };

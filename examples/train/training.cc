@@ -296,8 +296,12 @@ Trainer::Trainer(const Config& c, const gradsync::Options& options)
     const gradsync::DataType wire = c.codec == "fp16"   ? gradsync::DataType::kFloat16
                                     : c.codec == "bf16" ? gradsync::DataType::kBFloat16
                                                         : gradsync::DataType::kFloat32;
-    sharded_.emplace(
-        *ctx_, gradsync::ShardedOptions{.stage = c.zero, .wire = wire, .prefetch = c.overlap});
+    sharded_.emplace(*ctx_, gradsync::ShardedOptions{
+                                .stage = c.zero,
+                                .wire = wire,
+                                .gradient_wire = c.codec == "int8" ? gradsync::DataType::kInt8
+                                                                   : gradsync::DataType::kFloat32,
+                                .prefetch = c.overlap});
     model_->shard(*sharded_);
     sharded_->set_optimizer(shard_optimizer);
   }
@@ -579,6 +583,7 @@ RunReport Trainer::summarize() const {
     r.reduced_gradient_bytes = r.gradient_bytes = m.gradient_bytes;
     r.parameter_bytes = m.parameter_bytes;
     r.working_bytes = m.working_bytes;
+    r.error_feedback_bytes = m.error_feedback_bytes;
   } else {
     r.optimizer_state_bytes =
         zero_ ? zero_->memory().optimizer_state_bytes : optimizer_->state_bytes();

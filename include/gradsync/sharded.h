@@ -59,6 +59,12 @@ struct ShardedOptions {
   // float32 addition at every hop, pre-divided by the ranks so that fp16 cannot overflow).
   // The shards and the optimizer stay float32 (the master weights).
   DataType wire = DataType::kFloat32;
+  // kInt8: the gradients instead reduce-scattered as int8 with a float32 scale per block of
+  // 256 (the parameters gathered in `wire`), with error feedback: each rank quantises its
+  // whole gradient once, keeps what rounding dropped and adds it to its next gradient (one
+  // float per parameter a rank, counted in Memory::error_feedback_bytes), and sums the ranks'
+  // pieces of its shard in float32. kFloat32, the default: the gradients travel in `wire`.
+  DataType gradient_wire = DataType::kFloat32;
   // Queue the gather of the unit used next (forward: the next unit; backward: the one before)
   // while this one computes, as FSDP's forward_prefetch and BACKWARD_PRE.
   bool prefetch = true;
@@ -112,7 +118,8 @@ class ShardedDataParallel {
   std::vector<float> gather_values();
   // Takes this rank's shard of `values` (gather_values' layout), identical on every rank.
   void load_values(std::span<const float> values);
-  // The optimizer's state of this rank's shard.
+  // The optimizer's state of this rank's shard, and with int8 gradients what their rounding
+  // held back; load_state refuses bytes it did not write (kProtocol).
   std::vector<std::uint8_t> save_state() const;
   void load_state(std::span<const std::uint8_t> state);
 
@@ -123,6 +130,7 @@ class ShardedDataParallel {
     std::size_t gradient_bytes = 0;         // this rank's shard of the reduced gradient
     std::size_t optimizer_state_bytes = 0;  // this rank's
     std::size_t working_bytes = 0;          // the most held at once for gathers and gradients
+    std::size_t error_feedback_bytes = 0;   // int8 gradients: what rounding held back
   };
   Memory memory() const;
   std::size_t units() const;

@@ -13,7 +13,9 @@
 #include <string>
 #include <utility>
 
+#include "collectives/algorithms.h"
 #include "core/context_impl.h"
+#include "gradsync/bytes.h"
 #include "gradsync/error.h"
 #include "gradsync/timeline.h"
 #include "kernels/kernels.h"
@@ -101,6 +103,51 @@ std::uint16_t* as_halves(Buffer& buffer) {
   return reinterpret_cast<std::uint16_t*>(buffer.data());
 }
 
+constexpr std::size_t kInt8Block = 256;
+
+// One rank's piece of an int8 reduce-scatter: a float scale per block, then a byte per
+// element, padded to whole floats so that every piece's scales stay aligned.
+std::size_t int8_piece_bytes(std::size_t shard) {
+  return 4 * ((shard + kInt8Block - 1) / kInt8Block) + (shard + 3) / 4 * 4;
+}
+
+// The int8 reduce-scatter of a whole gradient of `ranks` shards: each piece (plus what its
+// last rounding held back, `residual`) is quantised once, the new residual kept, and every
+// rank sent its piece (an all-to-all); each rank then sums the pieces of its shard in rank
+// order, in float32, into `target` (or over what it holds, unless `overwrite`). One rounding
+// per element, all of it fed back: a ring would round again at every hop.
+void int8_reduce_scatter(CallSteps& steps, float* grad, float* residual, std::size_t shard,
+                         std::size_t ranks, std::uint8_t* send, std::uint8_t* recv, float* target,
+                         bool overwrite) {
+  const std::size_t blocks = (shard + kInt8Block - 1) / kInt8Block;
+  const std::size_t piece = int8_piece_bytes(shard);
+  const auto scales_of = [&](std::uint8_t* pieces, std::size_t j) {
+    return reinterpret_cast<float*>(pieces + j * piece);
+  };
+  const auto values_of = [&](std::uint8_t* pieces, std::size_t j) {
+    return reinterpret_cast<std::int8_t*>(pieces + j * piece + 4 * blocks);
+  };
+  for (std::size_t j = 0; j < ranks; ++j) {
+    float* g = grad + j * shard;
+    float* r = residual + j * shard;
+    for (std::size_t i = 0; i < shard; ++i) g[i] += r[i];
+    kernels::quantize_int8_blocks(g, shard, kInt8Block, scales_of(send, j), values_of(send, j));
+    kernels::dequantize_int8_blocks(values_of(send, j), scales_of(send, j), shard, kInt8Block, r);
+    for (std::size_t i = 0; i < shard; ++i) r[i] = g[i] - r[i];
+  }
+  const std::vector<std::size_t> counts(ranks, piece);
+  steps.run({0, collectives::CollectiveKind::kAlltoallv, DataType::kUInt8, ReduceOp::kSum,
+             Algorithm::kRing, -1, piece * ranks},
+            [&](collectives::Comm& c) {
+              collectives::alltoallv(c, send, counts, recv, counts, DataType::kUInt8);
+            });
+  if (overwrite) std::fill(target, target + shard, 0.0f);
+  for (std::size_t j = 0; j < ranks; ++j) {
+    kernels::dequantize_int8_blocks_add(values_of(recv, j), scales_of(recv, j), shard, kInt8Block,
+                                        target);
+  }
+}
+
 }  // namespace
 
 struct ShardedDataParallel::State {
@@ -133,6 +180,11 @@ struct ShardedDataParallel::State {
     if (options.wire != DataType::kFloat32 && options.wire != DataType::kBFloat16 &&
         options.wire != DataType::kFloat16) {
       fail(std::string("wire dtype ") + to_string(options.wire) + " (float32, bfloat16 or float16)",
+           "ShardedDataParallel");
+    }
+    if (options.gradient_wire != DataType::kFloat32 && options.gradient_wire != DataType::kInt8) {
+      fail(std::string("gradient wire dtype ") + to_string(options.gradient_wire) +
+               " (int8, or float32 to follow the wire)",
            "ShardedDataParallel");
     }
   }
@@ -171,14 +223,17 @@ struct ShardedDataParallel::State {
   }
 
   bool wire16() const { return options.wire != DataType::kFloat32; }
+  bool int8_gradients() const { return options.gradient_wire == DataType::kInt8; }
+  // Whether the gradients' sum arrives divided by the ranks (16-bit wires divide first).
+  bool gradients_pre_divided() const { return wire16() && !int8_gradients(); }
 
   // A call of this unit: its id as the call's root, so ranks that reach different units fail
   // with kMismatch at the first message rather than combine them.
-  collectives::CallSignature signature(collectives::CollectiveKind kind, const Unit& u,
-                                       std::size_t id) const {
+  collectives::CallSignature signature(collectives::CollectiveKind kind, DataType dtype,
+                                       const Unit& u, std::size_t id) const {
     return {0,
             kind,
-            options.wire,
+            dtype,
             ReduceOp::kSum,
             Algorithm::kRing,
             static_cast<std::int32_t>(id),
@@ -204,7 +259,7 @@ struct ShardedDataParallel::State {
     double* seconds = &u.gather_s;
     const std::string span = "allgather " + u.name;
     u.gather = detail::ContextAccess::impl(ctx).submit_steps(
-        signature(collectives::CollectiveKind::kAllgather, u, id),
+        signature(collectives::CollectiveKind::kAllgather, options.wire, u, id),
         [=](CallSteps& steps) {
           timeline::Span s(span, "comm");
           const auto t0 = Clock::now();
@@ -260,7 +315,15 @@ struct ShardedDataParallel::State {
     const std::size_t shard_count = u.shard, whole_count = u.shard * ranks;
     float* scratch = nullptr;
     std::uint16_t *send16 = nullptr, *recv16 = nullptr;
-    if (wire16()) {
+    std::uint8_t *send8 = nullptr, *recv8 = nullptr;
+    float* residual = residuals.data() + u.first * ranks;
+    if (int8_gradients()) {
+      const std::size_t floats = int8_piece_bytes(shard_count) * ranks / sizeof(float);
+      u.reduce_send = pool.take(floats);
+      u.reduce_scratch = pool.take(floats);
+      send8 = reinterpret_cast<std::uint8_t*>(u.reduce_send.data());
+      recv8 = reinterpret_cast<std::uint8_t*>(u.reduce_scratch.data());
+    } else if (wire16()) {
       u.reduce_send = pool.take(floats_for_halves(whole_count));
       send16 = as_halves(u.reduce_send);
       u.reduce_scratch = pool.take(floats_for_halves(shard_count) + (overwrite ? 0 : shard_count));
@@ -274,11 +337,19 @@ struct ShardedDataParallel::State {
     const float inverse_ranks = 1.0f / static_cast<float>(ranks);
     double* seconds = &u.reduce_s;
     const std::string span = "reduce_scatter " + u.name;
+    const std::size_t rank_count = ranks;
     u.reduce = detail::ContextAccess::impl(ctx).submit_steps(
-        signature(collectives::CollectiveKind::kReduceScatter, u, id),
+        signature(collectives::CollectiveKind::kReduceScatter,
+                  int8_gradients() ? DataType::kInt8 : options.wire, u, id),
         [=](CallSteps& steps) {
           timeline::Span s(span, "comm");
           const auto t0 = Clock::now();
+          if (send8) {
+            int8_reduce_scatter(steps, grad, residual, shard_count, rank_count, send8, recv8,
+                                target, overwrite);
+            *seconds = seconds_between(t0, Clock::now());
+            return;
+          }
           float* out = overwrite ? target : scratch;
           if (!send16) {
             steps.reduce_scatter(grad, out, shard_count, DataType::kFloat32, ReduceOp::kSum);
@@ -328,6 +399,7 @@ struct ShardedDataParallel::State {
   std::size_t shard_floats = 0;  // every unit's shard, back to back
   std::vector<float> values;     // this rank's shards of the parameters (float32 master copy)
   std::vector<float> gradients;  // and of the gradient, summed over ranks and micro-batches
+  std::vector<float> residuals;  // int8 gradients: what rounding held back, whole per unit
   std::unique_ptr<optim::Optimizer> optimizer;
   BufferPool pool;
   std::deque<std::size_t> reducing;  // units whose reduce-scatter is queued, oldest first
@@ -382,6 +454,7 @@ void ShardedDataParallel::set_optimizer(const optim::ZeroOptimizer::Factory& mak
   }
   s.optimizer = std::move(optimizer);
   s.gradients.assign(s.shard_floats, 0.0f);
+  if (s.int8_gradients()) s.residuals.assign(s.shard_floats * s.ranks, 0.0f);
 }
 
 void ShardedDataParallel::set_lr(float lr) {
@@ -494,8 +567,8 @@ bool ShardedDataParallel::step(optim::LossScaler* scaler) {
   if (s.micro_batches == 0) s.fail("step without a finished backward", "step");
   if (!s.reducing.empty()) s.fail("step with reduce-scatters not finished", "step");
   // Sums over ranks (16-bit wires were divided by the ranks before the sum) and micro-batches.
-  const float divisor =
-      static_cast<float>(s.micro_batches) * (s.wire16() ? 1.0f : static_cast<float>(s.ranks));
+  const float divisor = static_cast<float>(s.micro_batches) *
+                        (s.gradients_pre_divided() ? 1.0f : static_cast<float>(s.ranks));
   if (divisor != 1.0f) {
     const float inverse = 1.0f / divisor;
     for (float& g : s.gradients) g *= inverse;
@@ -559,14 +632,28 @@ void ShardedDataParallel::load_values(std::span<const float> all) {
   }
 }
 
+// "GSSD" v1: the optimizer's state (bytes), then the error-feedback residuals (floats).
 std::vector<std::uint8_t> ShardedDataParallel::save_state() const {
   if (!s_->optimizer) s_->fail("save_state before set_optimizer", "save_state");
-  return s_->optimizer->save_state();
+  ByteWriter w("GSSD", 1);
+  w.bytes(s_->optimizer->save_state());
+  w.floats(s_->residuals);
+  return w.take();
 }
 
 void ShardedDataParallel::load_state(std::span<const std::uint8_t> state) {
-  if (!s_->optimizer) s_->fail("load_state before set_optimizer", "load_state");
-  s_->optimizer->load_state(state);
+  State& s = *s_;
+  if (!s.optimizer) s.fail("load_state before set_optimizer", "load_state");
+  ByteReader r(state, "GSSD", 1, "sharded state");
+  const std::span<const std::uint8_t> optimizer = r.bytes();
+  std::vector<float> residuals = r.floats();
+  r.finish();
+  if (residuals.size() != s.residuals.size()) {
+    r.fail("holds " + std::to_string(residuals.size()) + " error-feedback floats, this one keeps " +
+           std::to_string(s.residuals.size()));
+  }
+  s.optimizer->load_state(optimizer);
+  s.residuals = std::move(residuals);
 }
 
 ShardedDataParallel::Memory ShardedDataParallel::memory() const {
@@ -579,6 +666,7 @@ ShardedDataParallel::Memory ShardedDataParallel::memory() const {
   m.gradient_bytes = s.gradients.size() * sizeof(float);
   m.optimizer_state_bytes = s.optimizer ? s.optimizer->state_bytes() : 0;
   m.working_bytes = s.pool.peak_bytes();
+  m.error_feedback_bytes = s.residuals.size() * sizeof(float);
   return m;
 }
 
