@@ -189,6 +189,16 @@ TEST(AdvisePredict, ZeroThreeGathersEachLayerBeforeForwardAndBackward) {
   // A quarter of parameters, gradients and both moments, plus the layer computing, the one
   // prefetched, and the gradients of both.
   EXPECT_EQ(z3.memory_per_rank_bytes, (500u + 500 + 2 * 500 + 4 * 1000) * 4);
+  // int8 gradients: the gathers in float32, the reduce-scatter a byte an element and a float
+  // scale a block of 256, quantised once and decoded twice at the profile's int8 speeds.
+  Profile with_int8 = profile;
+  with_int8.codecs["int8"] = {{0, 4, 8}};
+  const auto z3_int8 = predict(with_int8, w, Plan{.ranks = 4, .codec = "int8", .zero = 3});
+  // (N-1)/N of the 2000 parameters is 6000 bytes: gathered 1.5 times (the last layer's kept
+  // copy), reduce-scattered once at a quarter and a bit.
+  EXPECT_EQ(z3_int8.wire_bytes_per_rank,
+            static_cast<std::size_t>(1.5 * 6000 + 6000 * (1 + 4.0 / 256) / 4));
+  EXPECT_NEAR(z3_int8.codec_s, 2 * 4000 * 1e-9 * (1 / 4.0 + 2 / 8.0), 1e-12);
   // Every micro-batch gathers and reduce-scatters again.
   const auto twice = predict(profile, w, Plan{.ranks = 4, .accumulate = 2, .zero = 3});
   EXPECT_NEAR(twice.step_s, 2 * 6.8e-3 + optimizer_s, 1e-12);

@@ -32,7 +32,7 @@ The configuration (gradsync-train's flags):
   --optimizer sgd|adam|adamw (sgd)
   --codec SPEC         (none)
   --bucket-mb MB       (25)        --first-bucket-mb MB (1)
-  --accumulate K       (1)         --zero 0|1|2|3 (0; 3 is predicted, not in gradsync-train)
+  --accumulate K       (1)         --zero 0|1|2|3 (0)
   --no-overlap         all-reduce after backward
   --step-ahead 0|1     step-ahead error feedback, as gradsync-train's (1)
   --algo A             every all-reduce by that algorithm (ring, rd, hd, hier, shm), as
@@ -418,11 +418,6 @@ void confirm(const Flags& flags, const gradsync::advise::Workload& w, const Pred
   std::printf("%-34s %12s %12s %8s\n", "candidate", "predicted", "measured", "error");
   int run = 0;
   auto row = [&](const std::string& label, const Plan& plan, const Prediction& p) {
-    if (plan.zero == 3) {
-      std::printf("%-34s %12s %12s\n", label.c_str(), ms(p.step_s).c_str(),
-                  "(gradsync-train has no ZeRO 3)");
-      return;
-    }
     const double measured = measure(flags, w, plan, run++);
     if (measured <= 0) {
       std::printf("%-34s %12s %12s\n", label.c_str(), ms(p.step_s).c_str(), "(run failed)");

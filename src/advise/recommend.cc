@@ -85,7 +85,8 @@ std::vector<Candidate> candidates(const Profile& profile, const Plan& now) {
   // ZeRO shards the optimizer's work as well as its state: each rank steps 1/N of the
   // parameters, for an all-gather of them after the step.
   for (int z : {1, 2, 3}) {
-    const bool shards_codec = now.codec == "none" || now.codec == "fp16" || now.codec == "bf16";
+    const bool shards_codec =
+        now.codec == "none" || now.codec == "fp16" || now.codec == "bf16" || now.codec == "int8";
     if (z == now.zero || (z >= 2 && !shards_codec) || now.ranks == 1) continue;
     Plan p = now;
     p.zero = z;

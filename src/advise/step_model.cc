@@ -172,6 +172,15 @@ class CallPricer {
     return allreduce_us(floats) / 2;
   }
   double allgather_us(std::size_t floats) const { return gather_us(floats * sizeof(float)); }
+  // ShardedDataParallel's int8 gradients: each element quantised once and decoded twice (its
+  // residual, and the sum of its shard's pieces), at the probed int8 speeds.
+  double quantise_us(std::size_t floats) const {
+    if (plan_.ranks <= 1 || !codec_) return 0;
+    const double raw = static_cast<double>(floats * sizeof(float));
+    return raw * 1e-3 *
+           (1 / speed_at(speeds_, floats, &Profile::CodecSpeed::encode_gbps) +
+            2 / speed_at(speeds_, floats, &Profile::CodecSpeed::decode_gbps));
+  }
 
  private:
   // An all-reduce of `bytes`, added to `c`: as timed on this cluster shape if the profile
@@ -566,10 +575,12 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
         "plan or workload out of range (accumulate >= 1, zero 0-3, bucket sizes > 0, "
         "batch >= 1, at least one layer)");
   }
-  if (plan.zero >= 2 && plan.codec != "none" && plan.codec != "fp16" && plan.codec != "bf16") {
+  if (plan.zero >= 2 && plan.codec != "none" && plan.codec != "fp16" && plan.codec != "bf16" &&
+      plan.codec != "int8") {
     throw invalid("ZeRO 2 or 3 with codec " + plan.codec +
                   ": gradsync-train refuses it (a shard is gathered and reduce-scattered in "
-                  "float32 or 16 bits, fp16 or bf16, never compressed whole)");
+                  "float32 or 16 bits, fp16 or bf16, or its gradients in int8; never "
+                  "compressed whole)");
   }
   const CallPricer pricer(profile, plan, plan.algorithm);
   const double flops_per_s = profile.compute_gflops * 1e9;
@@ -679,10 +690,13 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       p.buckets[b].ready_s = layer_end[waits_for[b]];
     last_micro_s = forward_s + std::max(backward_end, worker_end);
   } else {
-    // ShardedDataParallel, one unit per layer, its calls priced at their wire size (16-bit
-    // wires carry half the floats' bytes).
-    const double wire = plan.codec == "none" ? 1.0 : 0.5;
-    const auto on_wire = [wire](std::size_t floats) {
+    // ShardedDataParallel, one unit per layer, its calls priced at their wire size: 16-bit
+    // wires carry half the floats' bytes; int8 gradients a byte an element and a float scale
+    // a block of 256, plus their quantising inside the call.
+    const bool int8 = plan.codec == "int8";
+    const double parameter_wire = plan.codec == "fp16" || plan.codec == "bf16" ? 0.5 : 1.0;
+    const double gradient_wire = int8 ? (1 + 4.0 / 256) / 4 : parameter_wire;
+    const auto on_wire = [](double wire, std::size_t floats) {
       return static_cast<std::size_t>(std::ceil(wire * static_cast<double>(floats)));
     };
     std::vector<double> forward_layers, gather, scatter;
@@ -692,8 +706,14 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       largest = std::max(largest, floats);
       forward_layers.push_back(l.forward_ms > 0 ? l.forward_ms * 1e-3
                                                 : l.forward_flops * batch / flops_per_s);
-      gather.push_back(floats > 0 && n > 1 ? pricer.allgather_us(on_wire(floats)) * 1e-6 : 0);
-      scatter.push_back(floats > 0 && n > 1 ? pricer.reduce_scatter_us(on_wire(floats)) * 1e-6 : 0);
+      gather.push_back(
+          floats > 0 && n > 1 ? pricer.allgather_us(on_wire(parameter_wire, floats)) * 1e-6 : 0);
+      const double quantise = int8 && floats > 0 ? pricer.quantise_us(floats) * 1e-6 : 0;
+      p.codec_s += plan.accumulate * quantise;
+      scatter.push_back(floats > 0 && n > 1
+                            ? pricer.reduce_scatter_us(on_wire(gradient_wire, floats)) * 1e-6 +
+                                  quantise
+                            : 0);
     }
     const std::size_t units = static_cast<std::size_t>(
         std::count_if(gather.begin(), gather.end(), [](double g) { return g > 0; }));
@@ -705,7 +725,8 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       gathers += gather[l];
       scatters += scatter[l];
     }
-    const double bytes = n > 1 ? wire * (n - 1) / n * psi * sizeof(float) : 0;
+    const double share = n > 1 ? static_cast<double>(n - 1) / n * psi * sizeof(float) : 0;
+    const double gather_bytes = parameter_wire * share, scatter_bytes = gradient_wire * share;
     // Every micro-batch reduce-scatters: the gradients stay sharded.
     if (plan.zero == 3) {
       // Twice a step but for the last layer, kept from forward to backward.
@@ -717,7 +738,8 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
                                          busy_phase.compute_speed, busy_phase.worker_speed);
       accumulated_micro_s = last_micro_s;
       p.wire_bytes_per_rank = static_cast<std::size_t>(
-          (3 - last_floats / static_cast<double>(psi)) * bytes * plan.accumulate);
+          ((2 - last_floats / static_cast<double>(psi)) * gather_bytes + scatter_bytes) *
+          plan.accumulate);
     } else {
       // The gathers after the step are waited for by the next step's first forward.
       p.comm_s = gathers + plan.accumulate * scatters;
@@ -728,7 +750,8 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       accumulated_micro_s =
           sharded_micro_batch(2, forward_layers, backward_layers, nothing, scatter,
                               busy_phase.compute_speed, busy_phase.worker_speed);
-      p.wire_bytes_per_rank = static_cast<std::size_t>(bytes * (1 + plan.accumulate));
+      p.wire_bytes_per_rank =
+          static_cast<std::size_t>(gather_bytes + plan.accumulate * scatter_bytes);
     }
     // Layers whole at once, at most: stage 3 the one computing and its gradient, the one
     // before's gradient still being reduce-scattered and the next layer prefetched; stage 2
@@ -738,7 +761,7 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
   const std::size_t owned = plan.zero > 0 ? (psi + n - 1) / n : psi;
   p.optimizer_s = optimizer_bytes_per_parameter(workload.optimizer) * static_cast<double>(owned) /
                   (profile.optimizer_gbps * 1e9);
-  if (plan.step_ahead && workload.optimizer == "sgd" && pricer.holds_back()) {
+  if (plan.step_ahead && plan.zero < 2 && workload.optimizer == "sgd" && pricer.holds_back()) {
     // Save every value, move each by lr x its residual, copy the saved values back
     // (examples/train/training.cc, look_ahead and look_back): 8 + 12 + 8 bytes a parameter.
     p.optimizer_s += 28.0 * static_cast<double>(psi) / (profile.optimizer_gbps * 1e9);
