@@ -4,7 +4,7 @@
 # bytes, a reduce-scatter or an all-gather (N-1)/N), memory per rank (parameters, gradients,
 # optimizer state kept between steps; the buffers ZeRO 2 and 3 gather into as layers run; peak
 # RSS), the median step time, and how much of ZeRO 2 and 3's all-gather time the step waited
-# for, with AdamW. Ranks talk over TCP
+# for, with AdamW; and OUT.png, memory per rank and step time side by side. Ranks talk over TCP
 # (GRADSYNC_TRANSPORT=tcp) so that every byte is counted; with --hosts H, over H namespace
 # hosts of scripts/netns-cluster.sh linked at --rate (root). Repeats alternate the
 # strategies. Holds /tmp/gradsync-bench.lock.
@@ -12,6 +12,7 @@
 #   bench/train/strategies.sh [--build DIR] [--ranks 4] [--hosts 1] [--rate 1gbit]
 #                             [--steps 12] [--repeats 3] [--hidden 2048,2048,2048,2048]
 #                             [--batch 64] [--strategies "ddp zero1 zero2 zero3"]
+#                             [--out bench/train/strategies.png]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -24,6 +25,7 @@ repeats=3
 hidden=2048,2048,2048,2048
 batch=64
 strategies="ddp zero1 zero2 zero3"
+out=$here/strategies.png
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --build) build=$2; shift 2 ;;
@@ -35,7 +37,8 @@ while [[ $# -gt 0 ]]; do
     --hidden) hidden=$2; shift 2 ;;
     --batch) batch=$2; shift 2 ;;
     --strategies) strategies=$2; shift 2 ;;
-    *) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+    --out) out=$2; shift 2 ;;
+    *) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
   esac
 done
 [[ $build = /* ]] || build=$root/$build
@@ -79,9 +82,9 @@ for ((r = 0; r < repeats; r++)); do
     train "$s" "$r"
   done
 done
-python3 - "$results" "$ranks" <<'PY'
+python3 - "$results" "$ranks" "$results/plot.dat" <<'PY'
 import glob, json, os, re, statistics, sys
-results, n = sys.argv[1], int(sys.argv[2])
+results, n, plot = sys.argv[1], int(sys.argv[2]), open(sys.argv[3], "w")
 runs = {}
 for path in glob.glob(os.path.join(results, "*.json")):
     s, _ = os.path.basename(path)[:-5].split("~")
@@ -117,4 +120,11 @@ for s in ("ddp", "zero1", "zero2", "zero3"):
           f"{mb(d.get('working_bytes_per_rank', 0))} | "
           f"{mb(statistics.median(x['peak_rss_bytes'] for x in ds))} | {1e3 * step:.1f} ms | "
           f"{step / base:.2f} | {exposed} |")
+    # The plot's row: memory kept (three parts), gather buffers, step, in MB and ms.
+    print(s, *(f"{d[k] / 1e6:.1f}" for k in ("parameter_bytes_per_rank", "gradient_bytes_per_rank",
+                                            "optimizer_state_bytes_per_rank",
+                                            "working_bytes_per_rank")),
+          f"{1e3 * step:.1f}", file=plot)
 PY
+gnuplot -e "datafile='$results/plot.dat'; outfile='$out'; ranks=$ranks; hosts=$hosts" \
+  "$here/strategies.gp"
