@@ -22,6 +22,17 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
+def mlp(hidden):
+    """gradsync-train's MLP: 784 -> hidden ("2048,2048,...") -> 10, ReLU between layers."""
+    widths = [784] + [int(w) for w in hidden.split(",")] + [10]
+    layers = []
+    for i in range(len(widths) - 1):
+        layers.append(nn.Linear(widths[i], widths[i + 1]))
+        if i + 2 < len(widths):
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--hook", default="none", choices=["none", "fp16", "powersgd"])
@@ -36,13 +47,7 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(1)
-    widths = [784] + [int(w) for w in a.hidden.split(",")] + [10]
-    layers = []
-    for i in range(len(widths) - 1):
-        layers.append(nn.Linear(widths[i], widths[i + 1]))
-        if i + 2 < len(widths):
-            layers.append(nn.ReLU())
-    model = nn.Sequential(*layers)
+    model = mlp(a.hidden)
     if world > 1:
         dist.init_process_group("gloo")
         # torch 1.13's PowerSGD hook over gloo aborts ("op.preamble.length <= op.nbytes")

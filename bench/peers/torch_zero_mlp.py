@@ -31,6 +31,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from torch_ddp_mlp import mlp  # the same model as the DDP comparison (this script's folder)
+
 
 def lo_sent_bytes():
     # Local ranks talk over the loopback device, even through the host's own address.
@@ -59,13 +61,7 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1)
-    widths = [784] + [int(w) for w in a.hidden.split(",")] + [10]
-    layers = []
-    for i in range(len(widths) - 1):
-        layers.append(nn.Linear(widths[i], widths[i + 1]))
-        if i + 2 < len(widths):
-            layers.append(nn.ReLU())
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(*layers), bucket_cap_mb=25)
+    model = nn.parallel.DistributedDataParallel(mlp(a.hidden), bucket_cap_mb=25)
     if a.strategy == "ddp":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
