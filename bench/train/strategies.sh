@@ -12,7 +12,9 @@
 #   bench/train/strategies.sh [--build DIR] [--ranks 4] [--hosts 1] [--rate 1gbit]
 #                             [--steps 12] [--repeats 3] [--hidden 2048,2048,2048,2048]
 #                             [--batch 64] [--strategies "ddp zero1 zero2 zero3"]
-#                             [--out bench/train/strategies.png]
+#                             [--out bench/train/strategies.png] [--transport tcp]
+# --transport shm (one host) runs on gradsync's default there: its bytes through the shared
+# arena go uncounted, so the bytes columns then say nothing.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -26,6 +28,7 @@ hidden=2048,2048,2048,2048
 batch=64
 strategies="ddp zero1 zero2 zero3"
 out=$here/strategies.png
+transport=tcp
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --build) build=$2; shift 2 ;;
@@ -38,7 +41,8 @@ while [[ $# -gt 0 ]]; do
     --batch) batch=$2; shift 2 ;;
     --strategies) strategies=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    *) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+    --transport) transport=$2; shift 2 ;;
+    *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
   esac
 done
 [[ $build = /* ]] || build=$root/$build
@@ -61,7 +65,7 @@ train() {  # strategy repeat
     --batch "$batch" --max-steps "$steps" --quiet)
   port=$((port + 1))
   if ((hosts == 1)); then
-    GRADSYNC_TRANSPORT=tcp "$build/tools/gradsync-run" -n "$ranks" --no-prefix -- \
+    GRADSYNC_TRANSPORT=$transport "$build/tools/gradsync-run" -n "$ranks" --no-prefix -- \
       "$build/examples/gradsync-train" "${args[@]}" --json "$results/$name.json" >/dev/null 2>&1 ||
       echo "strategies: $name failed" >&2
     return
