@@ -13,8 +13,10 @@
 #                             [--steps 12] [--repeats 3] [--hidden 2048,2048,2048,2048]
 #                             [--batch 64] [--strategies "ddp zero1 zero2 zero3"]
 #                             [--out bench/train/strategies.png] [--transport tcp]
+#                             [--train-args "--codec int8"]
 # --transport shm (one host) runs on gradsync's default there: its bytes through the shared
-# arena go uncounted, so the bytes columns then say nothing.
+# arena go uncounted, so the bytes columns then say nothing. --train-args go to every run (the
+# theory column assumes float32 on the wire).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -29,6 +31,7 @@ batch=64
 strategies="ddp zero1 zero2 zero3"
 out=$here/strategies.png
 transport=tcp
+train_args=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --build) build=$2; shift 2 ;;
@@ -42,7 +45,8 @@ while [[ $# -gt 0 ]]; do
     --strategies) strategies=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --transport) transport=$2; shift 2 ;;
-    *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+    --train-args) train_args=$2; shift 2 ;;
+    *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
   esac
 done
 [[ $build = /* ]] || build=$root/$build
@@ -62,7 +66,7 @@ fi
 port=29870
 train() {  # strategy repeat
   local name="$1~$2" args=(--model mlp --hidden "$hidden" --optimizer adamw --strategy "$1"
-    --batch "$batch" --max-steps "$steps" --quiet)
+    --batch "$batch" --max-steps "$steps" --quiet $train_args)
   port=$((port + 1))
   if ((hosts == 1)); then
     GRADSYNC_TRANSPORT=$transport "$build/tools/gradsync-run" -n "$ranks" --no-prefix -- \
