@@ -759,8 +759,11 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
     working_floats = (plan.zero == 3 ? 4 : 3) * largest;
   }
   const std::size_t owned = plan.zero > 0 ? (psi + n - 1) / n : psi;
-  p.optimizer_s = optimizer_bytes_per_parameter(workload.optimizer) * static_cast<double>(owned) /
-                  (profile.optimizer_gbps * 1e9);
+  // ShardedDataParallel first averages its shard of the gradients in place: 8 bytes more a
+  // parameter it owns.
+  const double averaging = plan.zero >= 2 ? 8 : 0;
+  p.optimizer_s = (optimizer_bytes_per_parameter(workload.optimizer) + averaging) *
+                  static_cast<double>(owned) / (profile.optimizer_gbps * 1e9);
   if (plan.step_ahead && plan.zero < 2 && workload.optimizer == "sgd" && pricer.holds_back()) {
     // Save every value, move each by lr x its residual, copy the saved values back
     // (examples/train/training.cc, look_ahead and look_back): 8 + 12 + 8 bytes a parameter.
