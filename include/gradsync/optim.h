@@ -94,6 +94,9 @@ std::unique_ptr<Optimizer> make_lamb(std::vector<std::size_t> tensors, LambOptio
 // Shards are contiguous and equal; the count % N elements past them are updated by every
 // rank alike. Every stage follows the same trajectory (to floating-point summation order).
 // Stages 1 and 2 refuse an optimizer that needs whole tensors (Error kInvalidArgument).
+// This is the flat, blocking form. ShardedDataParallel (sharded.h) runs stages 2 and 3 layer by
+// layer with the communication overlapped with forward and backward; gradsync-train uses it
+// for both, and this class for stage 1 behind a Reducer (step_reduced).
 class ZeroOptimizer {
  public:
   using Factory = std::function<std::unique_ptr<Optimizer>(std::size_t count)>;
