@@ -218,8 +218,17 @@ struct ShardedDataParallel::State {
     return const_cast<Unit&>(static_cast<const State&>(*this).unit(id, op));
   }
 
-  std::span<float> shard_of(std::vector<float>& array, const Unit& u) {
-    return std::span<float>(array).subspan(u.first, u.shard);
+  // Sets unit `u` to `unit_values`, its whole parameters, identical on every rank: this rank's
+  // slice into its shard (zeros past the unit's end) and, at stage 2, the whole copy. No call
+  // of the unit may be in flight: a gather reads the shard and writes the whole copy.
+  void set_values(Unit& u, std::span<const float> unit_values) {
+    const std::size_t from = std::min(u.count, u.shard * static_cast<std::size_t>(ctx.rank()));
+    const std::size_t to = std::min(u.count, from + u.shard);
+    float* shard = values.data() + u.first;
+    std::fill(std::copy(unit_values.begin() + static_cast<std::ptrdiff_t>(from),
+                        unit_values.begin() + static_cast<std::ptrdiff_t>(to), shard),
+              shard + u.shard, 0.0f);
+    if (options.stage == 2) std::copy(unit_values.begin(), unit_values.end(), u.whole.begin());
   }
 
   bool wire16() const { return options.wire != DataType::kFloat32; }
@@ -429,18 +438,14 @@ int ShardedDataParallel::add_unit(std::string name, std::span<const float> initi
   u.shard = (u.count + s.ranks - 1) / s.ranks;
   u.first = s.shard_floats;
   s.shard_floats += u.shard;
-  // This rank's slice of the unit, zeros past its end.
-  const std::size_t from = std::min(u.count, u.shard * static_cast<std::size_t>(s.ctx.rank()));
-  const std::size_t to = std::min(u.count, from + u.shard);
-  s.values.insert(s.values.end(), initial.begin() + static_cast<std::ptrdiff_t>(from),
-                  initial.begin() + static_cast<std::ptrdiff_t>(to));
-  s.values.resize(s.shard_floats, 0.0f);
+  s.values.resize(s.shard_floats);
   if (s.options.stage == 2) {  // whole between steps: the initial values are the current ones
     u.whole = Buffer(u.shard * s.ranks);
     u.whole.resize(u.shard * s.ranks);
-    std::fill(std::copy(initial.begin(), initial.end(), u.whole.begin()), u.whole.end(), 0.0f);
+    std::fill(u.whole.begin(), u.whole.end(), 0.0f);  // the padding stays zero
     u.gathered = true;
   }
+  s.set_values(u, initial);
   s.units.push_back(std::move(u));
   return static_cast<int>(s.units.size() - 1);
 }
@@ -612,22 +617,16 @@ void ShardedDataParallel::load_values(std::span<const float> all) {
            "load_values");
   }
   std::size_t at = 0;
-  const auto rank = static_cast<std::size_t>(s.ctx.rank());
   for (State::Unit& u : s.units) {
     if (u.in_use) s.fail("load_values while unit " + u.name + " is acquired", "load_values");
-    const std::span<const float> unit = all.subspan(at, u.count);
-    const std::size_t from = std::min(u.count, u.shard * rank);
-    const std::size_t to = std::min(u.count, from + u.shard);
-    std::span<float> shard = s.shard_of(s.values, u);
-    std::fill(shard.begin(), shard.end(), 0.0f);
-    std::copy(unit.begin() + static_cast<std::ptrdiff_t>(from),
-              unit.begin() + static_cast<std::ptrdiff_t>(to), shard.begin());
+    // A gather in flight reads the shard: wait for it before writing (stage 3 drops the copy,
+    // now out of date).
     if (s.options.stage == 3) {
       s.drop(u);
     } else {
       s.finish_gather(u);
-      std::copy(unit.begin(), unit.end(), u.whole.begin());
     }
+    s.set_values(u, all.subspan(at, u.count));
     at += u.count;
   }
 }
