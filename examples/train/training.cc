@@ -471,9 +471,6 @@ void Trainer::backward(bool accumulate, gradsync::StepStats& stats) {
     stats.raw_bytes += s.raw_bytes;
     stats.allreduce_calls += s.allreduce_calls;
     stats.buckets += s.buckets;
-    stats.overlap_fraction = stats.communication_s > 0
-                                 ? std::clamp(1 - stats.exposed_s / stats.communication_s, 0.0, 1.0)
-                                 : 0.0;
     return;
   }
   if (!reducer_) {
