@@ -274,10 +274,13 @@ TEST(LossScaler, SkipsOnEveryRankWhenAnyOverflowsAndGrowsAfterGoodSteps) {
     EXPECT_EQ(restored.scale(), 512.0f);
     EXPECT_EQ(restored.skipped_steps(), 2u);
     const std::vector<std::uint8_t> foreign = optim::make_sgd(1)->save_state();
-    testing::expect_error(ErrorKind::kProtocol, [&] { restored.load_state(foreign); });
+    const Error e =
+        testing::expect_error(ErrorKind::kProtocol, [&] { restored.load_state(foreign); });
+    EXPECT_TRUE(testing::contains(e.what(), "loss scaler state")) << e.what();
   });
-  testing::expect_error(ErrorKind::kInvalidArgument,
-                        [] { optim::LossScaler bad({.backoff_factor = 1.5f}); });
+  const Error e = testing::expect_error(ErrorKind::kInvalidArgument,
+                                        [] { optim::LossScaler bad({.backoff_factor = 1.5f}); });
+  EXPECT_TRUE(testing::contains(e.detail(), "0 < backoff_factor < 1")) << e.what();
 }
 
 }  // namespace

@@ -477,12 +477,15 @@ TEST(ShardedDataParallel, RefusesOptimizersThatNeedWholeTensors) {
             for (std::size_t i = 0; i < initial.size(); ++i) initial[i] = initial_of(u, i);
             sharded.add_unit("unit" + std::to_string(u), initial);
           }
-          testing::expect_error(ErrorKind::kInvalidArgument, [&] {
-            sharded.set_optimizer([](std::size_t n) { return optim::make_lars({n}); });
-          });
-          testing::expect_error(ErrorKind::kInvalidArgument, [&] {
-            sharded.set_optimizer([](std::size_t n) { return optim::make_lamb({n}); });
-          });
+          for (const auto& make :
+               {optim::ZeroOptimizer::Factory([](std::size_t n) { return optim::make_lars({n}); }),
+                optim::ZeroOptimizer::Factory(
+                    [](std::size_t n) { return optim::make_lamb({n}); })}) {
+            const Error e = testing::expect_error(ErrorKind::kInvalidArgument,
+                                                  [&] { sharded.set_optimizer(make); });
+            EXPECT_TRUE(testing::contains(e.detail(), "needs each tensor whole")) << e.what();
+            EXPECT_EQ(e.op(), "set_optimizer");
+          }
           sharded.set_optimizer(factory(c.opt));
           train(sharded, ctx, c, 0, c.steps, runs[static_cast<std::size_t>(ctx.rank())]);
           runs[static_cast<std::size_t>(ctx.rank())].final = sharded.gather_values();
@@ -617,7 +620,11 @@ TEST(ShardedDataParallel, UnknownUnitsAreRefused) {
             testing::expect_error(ErrorKind::kInvalidArgument,
                                   [&] { sharded->acquire(bad, Pass::kBackward); });
             testing::expect_error(ErrorKind::kInvalidArgument, [&] { sharded->gradient(bad); });
-            testing::expect_error(ErrorKind::kInvalidArgument, [&] { sharded->mark_ready(bad); });
+            const Error e = testing::expect_error(ErrorKind::kInvalidArgument,
+                                                  [&] { sharded->mark_ready(bad); });
+            EXPECT_EQ(e.detail(), "no unit " + std::to_string(bad) + " (2 registered)");
+            EXPECT_EQ(e.op(), "mark_ready");
+            EXPECT_EQ(e.rank(), ctx.rank());
           }
           auto& out = runs[static_cast<std::size_t>(ctx.rank())];
           train(*sharded, ctx, c, 0, c.steps, out);
@@ -637,8 +644,9 @@ TEST(ShardedDataParallel, AddUnitAfterSetOptimizerIsRefused) {
         const Config c{.n = 2, .sizes = {5, 9}};
         auto sharded = make_sharded(ctx, c);
         const std::vector<float> late(4, 1.0f);
-        testing::expect_error(ErrorKind::kInvalidArgument,
-                              [&] { sharded->add_unit("late", late); });
+        const Error e = testing::expect_error(ErrorKind::kInvalidArgument,
+                                              [&] { sharded->add_unit("late", late); });
+        EXPECT_EQ(e.detail(), "add_unit after set_optimizer");
         EXPECT_EQ(sharded->units(), 2u);
       },
       bounded());
@@ -698,9 +706,10 @@ TEST(ShardedDataParallel, Int8GradientsFollowThePlainOptimizerClosely) {
     }
   }
   testing::run_inproc_contexts(2, [](Context& ctx) {
-    testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+    const Error e = testing::expect_error(ErrorKind::kInvalidArgument, [&] {
       ShardedDataParallel bad(ctx, {.gradient_wire = DataType::kFloat16});
     });
+    EXPECT_TRUE(testing::contains(e.detail(), "gradient wire dtype float16")) << e.what();
   });
 }
 
