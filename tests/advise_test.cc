@@ -159,11 +159,23 @@ TEST(AdvisePredict, ZeroShardsStateAndGradients) {
   const auto z2 = predict(profile, w, Plan{.ranks = 4, .zero = 2});
   // parameters 2000 + gradients 2000 + two Adam moments 4000, floats
   EXPECT_EQ(replicated.memory_per_rank_bytes, 8000u * 4);
-  EXPECT_EQ(z1.memory_per_rank_bytes, (2000u + 2000 + 2 * 500) * 4);
-  // Stage 2: the whole parameters and this rank's master shard of them, a quarter of the
-  // gradients and the moments, and whole gradients of up to three layers (ShardedDataParallel).
+  // Stages 1 and 2: the whole parameters and this rank's master shard of them, a quarter of
+  // the gradients and the moments, and whole gradients of up to three layers
+  // (ShardedDataParallel). Without accumulation the two run alike.
   EXPECT_EQ(z2.memory_per_rank_bytes, (2000u + 500 + 500 + 2 * 500 + 3 * 1000) * 4);
-  EXPECT_NEAR(z1.optimizer_s, replicated.optimizer_s / 4, 1e-15);
+  EXPECT_EQ(z1.memory_per_rank_bytes, z2.memory_per_rank_bytes);
+  EXPECT_EQ(z1.step_s, z2.step_s);
+  // A quarter of AdamW's 28 bytes a parameter, plus the 8 of averaging the shard first.
+  EXPECT_NEAR(z1.optimizer_s, replicated.optimizer_s / 4 * (28.0 + 8) / 28, 1e-15);
+  // Accumulating 4 micro-batches: stage 1 keeps the whole gradient and reduce-scatters once,
+  // stage 2 every micro-batch.
+  const auto a1 = predict(profile, w, Plan{.ranks = 4, .accumulate = 4, .zero = 1});
+  const auto a2 = predict(profile, w, Plan{.ranks = 4, .accumulate = 4, .zero = 2});
+  EXPECT_EQ(a1.memory_per_rank_bytes, z1.memory_per_rank_bytes + 2000u * 4);
+  EXPECT_EQ(a2.memory_per_rank_bytes, z2.memory_per_rank_bytes);
+  EXPECT_NEAR(a1.comm_s, z1.comm_s, 1e-12);
+  EXPECT_GT(a2.comm_s, z2.comm_s + 1e-6);
+  EXPECT_EQ(a1.wire_bytes_per_rank, z1.wire_bytes_per_rank);
 }
 
 // ZeRO 3 by hand: two layers of 1000 floats (forward 1 ms, backward 2 ms each), gathers of
@@ -290,7 +302,9 @@ TEST(AdvisePredict, RefusesWhatItCannotModel) {
   };
   refused(Plan{.ranks = 3, .hosts = 2}, "multiple of hosts");
   refused(Plan{.ranks = 2, .codec = "int8"}, "no encode and decode speed for codec 'int8'");
-  refused(Plan{.ranks = 2, .codec = "topk:ratio=0.01", .zero = 2}, "ZeRO 2 or 3 with codec topk");
+  for (int zero : {1, 2, 3}) {
+    refused(Plan{.ranks = 2, .codec = "topk:ratio=0.01", .zero = zero}, "ZeRO with codec topk");
+  }
   refused(Plan{.ranks = 2, .codec = "nonsense"}, "nonsense");
   expect_refusal([] { model_workload("resnet", 64, "sgd"); }, "model 'resnet': known are mlp");
   expect_refusal([] { model_workload("mlp:12,x", 64, "sgd"); }, "model 'mlp:12,x'");

@@ -1,6 +1,5 @@
-// Optimizers against their formulas, and ZeRO stages 1 and 2 against plain data-parallel
-// training: the same parameters after several steps (to summation order), optimizer memory
-// falling as 1/N, uneven shards, state saved and restored.
+// Optimizers against their formulas, their state saved and restored, and the loss scaler's
+// collective skip. ZeRO's sharded steps are sharded_test's.
 #include "gradsync/optim.h"
 
 #include <gtest/gtest.h>
@@ -12,13 +11,6 @@
 
 namespace gradsync {
 namespace {
-
-using optim::ZeroOptimizer;
-
-float grad_of(int rank, int step, std::size_t i) {
-  return std::sin(0.37f * static_cast<float>(i) + static_cast<float>(rank) * 1.3f +
-                  static_cast<float>(step) * 0.7f);
-}
 
 TEST(Optimizers, SgdAndAdamWFollowTheirFormulas) {
   std::vector<float> p = {1.0f, -2.0f}, g = {0.5f, 0.25f};
@@ -120,30 +112,7 @@ TEST(Optimizers, LarsAndLambScaleEachTensorByItsTrustRatio) {
   });
 }
 
-// ZeRO's shards cut tensors: LARS and LAMB need them whole, so stages 1 and 2 refuse them
-// and stage 0 steps them.
-TEST(Zero, StagesOneAndTwoRefuseOptimizersThatNeedWholeTensors) {
-  testing::run_inproc_contexts(2, [&](Context& ctx) {
-    auto lamb = [](std::size_t c) { return optim::make_lamb({c}); };
-    for (int stage : {1, 2}) {
-      try {
-        ZeroOptimizer zero(ctx, 10, stage, lamb);
-        ADD_FAILURE() << "stage " << stage << " accepted LAMB";
-      } catch (const Error& e) {
-        EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
-        EXPECT_NE(std::string(e.what()).find("only stage 0 can step it"), std::string::npos)
-            << e.what();
-      }
-    }
-    ZeroOptimizer zero(ctx, 10, 0, lamb);
-    std::vector<float> p(10, 1.0f), g(10, 0.5f);
-    zero.step(p, g);
-    EXPECT_LT(p[0], 1.0f);
-  });
-}
-
-// A schedule sets the rate before each step: the next steps use it, the state is untouched,
-// and ZeRO passes it to its shards' optimizers.
+// A schedule sets the rate before each step: the next steps use it, the state is untouched.
 TEST(Optimizers, SetLrScalesTheStepsThatFollow) {
   std::vector<float> p = {1.0f}, g = {0.5f};
   auto sgd = optim::make_sgd(1, {.lr = 0.1f});
@@ -157,96 +126,6 @@ TEST(Optimizers, SetLrScalesTheStepsThatFollow) {
   std::vector<float> q = {1.0f};
   adam->step(q, g);  // first step: the update is lr
   EXPECT_NEAR(q[0], 1.0f - 0.03f, 1e-6);
-  const std::size_t count = 7;
-  testing::run_inproc_contexts(2, [&](Context& ctx) {
-    ZeroOptimizer zero(ctx, count, 2, [](std::size_t n) { return optim::make_sgd(n, {.lr = 1}); });
-    zero.set_lr(0.25f);
-    std::vector<float> params(count, 1.0f), grads(count, 2.0f);
-    zero.step(params, grads);
-    for (float v : params) EXPECT_FLOAT_EQ(v, 0.5f);  // shards and the tail alike
-  });
-}
-
-// ZeRO 1 and 2 against stage 0 (all-reduce, full update), 1-4 ranks, counts that do not
-// divide by N, SGD with momentum and AdamW: the same parameters within float tolerance,
-// identical on every rank, optimizer state 1/N.
-TEST(Zero, StagesOneAndTwoFollowThePlainTrajectory) {
-  for (int n : {1, 2, 3, 4}) {
-    for (std::size_t count : {std::size_t{1}, std::size_t{10}, std::size_t{1003}}) {
-      for (bool adam : {false, true}) {
-        // Stages 0-2, and (variant 3) stage 1 stepped from gradients averaged beforehand, as
-        // a Reducer averages them while backward runs.
-        std::vector<std::vector<std::vector<float>>> finals(4);
-        std::vector<std::vector<ZeroOptimizer::Memory>> memory(4);
-        for (int variant = 0; variant <= 3; ++variant) {
-          const int stage = variant == 3 ? 1 : variant;
-          finals[variant].resize(static_cast<std::size_t>(n));
-          memory[variant].resize(static_cast<std::size_t>(n));
-          testing::run_inproc_contexts(n, [&](Context& ctx) {
-            ZeroOptimizer zero(ctx, count, stage, [&](std::size_t c) {
-              return adam ? optim::make_adamw(c, {.lr = 0.01f})
-                          : optim::make_sgd(c, {.lr = 0.05f, .momentum = 0.9f});
-            });
-            std::vector<float> params(count);
-            for (std::size_t i = 0; i < count; ++i) params[i] = 0.01f * static_cast<float>(i);
-            for (int step = 0; step < 5; ++step) {
-              std::vector<float> grads(count);
-              for (std::size_t i = 0; i < count; ++i) grads[i] = grad_of(ctx.rank(), step, i);
-              if (variant == 3) {
-                ctx.allreduce(grads.data(), grads.data(), count, DataType::kFloat32,
-                              ReduceOp::kAvg);
-                zero.step_reduced(params, grads);
-              } else {
-                zero.step(params, grads);
-              }
-            }
-            finals[variant][static_cast<std::size_t>(ctx.rank())] = params;
-            memory[variant][static_cast<std::size_t>(ctx.rank())] = zero.memory();
-          });
-        }
-        const std::string what = "n=" + std::to_string(n) + " count=" + std::to_string(count) +
-                                 (adam ? " adamw" : " sgd");
-        for (int stage = 0; stage <= 3; ++stage) {
-          for (int r = 0; r < n; ++r) {
-            ASSERT_EQ(finals[stage][static_cast<std::size_t>(r)], finals[stage][0]) << what;
-          }
-          for (std::size_t i = 0; i < count; ++i) {
-            ASSERT_NEAR(finals[stage][0][i], finals[0][0][i], 1e-5) << what << " stage " << stage;
-          }
-        }
-        const std::size_t per_element = adam ? 8 : 4, body = count / n * n;
-        EXPECT_EQ(memory[0][0].optimizer_state_bytes, count * per_element) << what;
-        for (int stage = 1; stage <= 2; ++stage) {
-          EXPECT_EQ(memory[stage][0].optimizer_state_bytes,
-                    (body / n + (count - body)) * per_element)
-              << what;
-        }
-        EXPECT_EQ(memory[1][0].reduced_gradient_bytes, count * 4) << what;
-        EXPECT_EQ(memory[2][0].reduced_gradient_bytes, (body / n + (count - body)) * 4) << what;
-      }
-    }
-  }
-}
-
-TEST(Zero, ShardStateSurvivesSaveAndRestore) {
-  testing::run_inproc_contexts(3, [&](Context& ctx) {
-    auto make = [](std::size_t c) { return optim::make_adamw(c); };
-    ZeroOptimizer a(ctx, 100, 2, make), b(ctx, 100, 2, make);
-    std::vector<float> pa(100, 1.0f), pb(100, 1.0f), g(100);
-    for (std::size_t i = 0; i < 100; ++i) g[i] = grad_of(ctx.rank(), 0, i);
-    std::vector<float> g1 = g;
-    a.step(pa, g1);
-    b.load_state(a.save_state());
-    pb = pa;
-    std::vector<float> ga = g, gb = g;
-    a.step(pa, ga);
-    b.step(pb, gb);
-    EXPECT_EQ(pa, pb);
-    testing::expect_error(ErrorKind::kInvalidArgument,
-                          [&] { ZeroOptimizer bad(ctx, 10, 3, make); });
-    // Stage 2 keeps only its shard of the reduced gradient: an all-reduced one is refused.
-    testing::expect_error(ErrorKind::kInvalidArgument, [&] { a.step_reduced(pa, g); });
-  });
 }
 
 // GradScaler's rule: a NaN or Inf on any one rank skips the step on every rank and halves the

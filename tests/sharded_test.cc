@@ -1,8 +1,9 @@
-// ShardedDataParallel (ZeRO stages 2 and 3 with overlapped gathers and reduce-scatters)
+// ShardedDataParallel (ZeRO stages 1, 2 and 3 with overlapped gathers and reduce-scatters)
 // against a plain single-process optimizer over the whole flat parameter vector, stepped with
 // the mean of every rank's gradient: the parameters acquire() hands forward at every step and
-// gather_values() at the end, over world sizes 1-8, both stages, prefetch on and off, units
-// whose sizes do not divide by the world size, 16-bit wire dtypes and micro-batches; ranks
+// gather_values() at the end, over world sizes 1-8, every stage, prefetch on and off, units
+// whose sizes do not divide by the world size, 16-bit wire dtypes and micro-batches (stage 1
+// communicating once a step); ranks
 // that acquire different units fail with kMismatch instead of hanging or combining the wrong
 // data; optimizers that need whole tensors are refused; memory() counts shards; values and
 // optimizer state restore a trajectory bit for bit; bad unit ids are refused.
@@ -40,7 +41,7 @@ const char* name_of(Opt opt) {
   return opt == Opt::kSgd ? "sgd" : "adamw";
 }
 
-optim::ZeroOptimizer::Factory factory(Opt opt) {
+ShardedDataParallel::OptimizerFactory factory(Opt opt) {
   if (opt == Opt::kSgd) {
     return [](std::size_t c) { return optim::make_sgd(c, {.lr = 0.05f, .momentum = 0.9f}); };
   }
@@ -317,7 +318,7 @@ constexpr double kRel8 = 2e-2, kAbs8 = 2e-3;
 
 TEST(ShardedDataParallel, FollowsThePlainOptimizerOverWorldSizesStagesAndPrefetch) {
   for (int n : {1, 2, 3, 4, 5, 8}) {
-    for (int stage : {3, 2}) {
+    for (int stage : {3, 2, 1}) {
       for (bool prefetch : {true, false}) {
         for (Opt opt : {Opt::kSgd, Opt::kAdamW}) {
           const Config c{.n = n, .options = {.stage = stage, .prefetch = prefetch}, .opt = opt};
@@ -331,7 +332,7 @@ TEST(ShardedDataParallel, FollowsThePlainOptimizerOverWorldSizesStagesAndPrefetc
 // The header lets other collectives share the context between the class's calls: they queue
 // behind the prefetches and reduce-scatters alike on every rank and neither side's data mixes.
 TEST(ShardedDataParallel, OtherCollectivesMayRunBetweenItsCalls) {
-  for (int stage : {3, 2}) {
+  for (int stage : {3, 2, 1}) {
     const Config c{.n = 3, .options = {.stage = stage}, .interleave = true};
     expect_follows_reference(c, run(c), kRel32, kAbs32);
   }
@@ -357,7 +358,7 @@ bool exact_in(DataType wire, float f) {
 TEST(ShardedDataParallel, SixteenBitWireStaysCloseAndIdenticalOnEveryRank) {
   for (DataType wire : {DataType::kBFloat16, DataType::kFloat16}) {
     for (int n : {2, 3}) {
-      for (int stage : {3, 2}) {
+      for (int stage : {3, 2, 1}) {
         const Opt opt = n == 2 ? Opt::kAdamW : Opt::kSgd;
         const Config c{.n = n, .options = {.stage = stage, .wire = wire}, .opt = opt};
         const auto runs = run(c);
@@ -382,7 +383,7 @@ TEST(ShardedDataParallel, SixteenBitWireStaysCloseAndIdenticalOnEveryRank) {
 // parameters as the first.
 TEST(ShardedDataParallel, MicroBatchesAccumulateUntilStep) {
   for (int n : {2, 3}) {
-    for (int stage : {3, 2}) {
+    for (int stage : {3, 2, 1}) {
       for (Opt opt : {Opt::kSgd, Opt::kAdamW}) {
         const Config c{
             .n = n, .options = {.stage = stage}, .opt = opt, .steps = 3, .micro_batches = 2};
@@ -400,6 +401,65 @@ TEST(ShardedDataParallel, MicroBatchesAccumulateUntilStep) {
   }
 }
 
+// Stage 1 accumulating 3 micro-batches a step: the first two send nothing (their gradients
+// add up on each rank), the third reduce-scatters the sum, and the steps follow the mean over
+// ranks and micro-batches; stepping after 2 of the 3 is refused, naming the counts.
+TEST(ShardedDataParallel, StageOneCommunicatesOnceAStep) {
+  for (int n : {1, 2, 3, 5}) {
+    for (DataType wire : {DataType::kFloat32, DataType::kBFloat16}) {
+      const Config c{.n = n,
+                     .options = {.stage = 1, .accumulate_steps = 3, .wire = wire},
+                     .opt = Opt::kAdamW,
+                     .steps = 3,
+                     .micro_batches = 3};
+      const auto runs = run(c);
+      if (wire == DataType::kFloat32) {
+        expect_follows_reference(c, runs, kRel32, kAbs32);
+      } else {  // one bf16 rounding of the summed gradient and of each gathered parameter
+        expect_follows_reference(c, runs, 2e-2, 2e-2);
+      }
+      for (const auto& r : runs) {
+        ASSERT_EQ(r.stats.size(), 9u) << c.describe();
+        for (std::size_t i = 0; i < r.stats.size(); ++i) {
+          const bool last = i % 3 == 2;
+          EXPECT_EQ(r.stats[i].communicated, last) << c.describe() << " micro-batch " << i;
+          EXPECT_EQ(r.stats[i].buckets, last ? kAwkward.size() : 0u) << c.describe();
+          // The first micro-batch's forward waits for the gathers queued by the last step.
+          if (i % 3 == 1) {
+            EXPECT_EQ(r.stats[i].bytes_sent, 0u) << c.describe();
+          }
+        }
+      }
+    }
+  }
+  testing::run_inproc_contexts(
+      2,
+      [&](Context& ctx) {
+        const Config c{.n = 2,
+                       .options = {.stage = 1, .accumulate_steps = 3},
+                       .sizes = {5, 9},
+                       .steps = 1,
+                       .micro_batches = 2};
+        auto sharded = make_sharded(ctx, c);
+        RankRun out;
+        const Error e = testing::expect_error(ErrorKind::kInvalidArgument,
+                                              [&] { train(*sharded, ctx, c, 0, 1, out); });
+        EXPECT_EQ(e.detail(),
+                  "step after 2 micro-batches, with 3 a step (the gradients go out with the last)");
+        EXPECT_EQ(e.op(), "step");
+        EXPECT_EQ(out.stats.size(), 2u);
+      },
+      bounded());
+  for (int stage : {2, 3}) {
+    testing::run_inproc_contexts(1, [&](Context& ctx) {
+      const Error e = testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+        ShardedDataParallel bad(ctx, {.stage = stage, .accumulate_steps = 2});
+      });
+      EXPECT_TRUE(testing::contains(e.detail(), "reduce-scatter every micro-batch")) << e.what();
+    });
+  }
+}
+
 // Rank 1 runs its units in another order than its peers (forward 1, 0, 2): the first unit it
 // acquires is not theirs. With sizes that differ the gathers' counts differ; with equal sizes
 // only the unit's identity does, and the header promises kMismatch all the same ("never
@@ -407,7 +467,7 @@ TEST(ShardedDataParallel, MicroBatchesAccumulateUntilStep) {
 // acquire has nothing to gather at the first step, so its mismatch shows at the
 // reduce-scatters, which run in another order too.
 TEST(ShardedDataParallel, ARankAcquiringAnotherUnitFailsWithMismatch) {
-  for (int stage : {3, 2}) {
+  for (int stage : {3, 2, 1}) {
     for (bool equal_sizes : {false, true}) {
       const int n = 3;
       const Config c{.n = n,
@@ -465,7 +525,7 @@ TEST(ShardedDataParallel, ARankAcquiringAnotherUnitFailsWithMismatch) {
 // A shard cuts tensors anywhere: LARS and LAMB, whose steps use each tensor's norm, are
 // refused, and the refusal leaves the class ready for an optimizer it can step.
 TEST(ShardedDataParallel, RefusesOptimizersThatNeedWholeTensors) {
-  for (int stage : {3, 2}) {
+  for (int stage : {3, 2, 1}) {
     const Config c{.n = 2, .options = {.stage = stage}, .steps = 1};
     std::vector<RankRun> runs(2);
     testing::run_inproc_contexts(
@@ -477,10 +537,10 @@ TEST(ShardedDataParallel, RefusesOptimizersThatNeedWholeTensors) {
             for (std::size_t i = 0; i < initial.size(); ++i) initial[i] = initial_of(u, i);
             sharded.add_unit("unit" + std::to_string(u), initial);
           }
-          for (const auto& make :
-               {optim::ZeroOptimizer::Factory([](std::size_t n) { return optim::make_lars({n}); }),
-                optim::ZeroOptimizer::Factory(
-                    [](std::size_t n) { return optim::make_lamb({n}); })}) {
+          for (const auto& make : {ShardedDataParallel::OptimizerFactory(
+                                       [](std::size_t n) { return optim::make_lars({n}); }),
+                                   ShardedDataParallel::OptimizerFactory(
+                                       [](std::size_t n) { return optim::make_lamb({n}); })}) {
             const Error e = testing::expect_error(ErrorKind::kInvalidArgument,
                                                   [&] { sharded.set_optimizer(make); });
             EXPECT_TRUE(testing::contains(e.detail(), "needs each tensor whole")) << e.what();
@@ -495,14 +555,14 @@ TEST(ShardedDataParallel, RefusesOptimizersThatNeedWholeTensors) {
   }
 }
 
-// Stage 3 keeps 1/N of the parameters (each unit's shard, padded), stage 2 that master shard
-// and the whole model (each unit padded to a multiple of N); both keep 1/N of the reduced
-// gradient and AdamW's two moments of it.
+// Stage 3 keeps 1/N of the parameters (each unit's shard, padded), stages 1 and 2 that master
+// shard and the whole model (each unit padded to a multiple of N); all keep 1/N of the reduced
+// gradient and AdamW's two moments of it, and stage 1 accumulating the whole gradient too.
 TEST(ShardedDataParallel, MemoryCountsThisRanksShards) {
   const int n = 3;
   const std::size_t shard_bytes = shard_floats(kAwkward, n) * 4;
   const std::size_t whole_bytes = shard_bytes * n + shard_bytes;
-  for (int stage : {3, 2}) {
+  for (int stage : {3, 2, 1}) {
     const Config c{.n = n, .options = {.stage = stage}, .opt = Opt::kAdamW, .steps = 1};
     const auto runs = run(c);
     for (int r = 0; r < n; ++r) {
@@ -513,6 +573,14 @@ TEST(ShardedDataParallel, MemoryCountsThisRanksShards) {
       EXPECT_EQ(m.optimizer_state_bytes, 2 * shard_bytes) << what;
       EXPECT_GT(m.working_bytes, 0u) << what;
     }
+  }
+  const Config accumulating{.n = n,
+                            .options = {.stage = 1, .accumulate_steps = 2},
+                            .opt = Opt::kAdamW,
+                            .steps = 1,
+                            .micro_batches = 2};
+  for (const auto& r : run(accumulating)) {
+    EXPECT_EQ(r.memory.gradient_bytes, shard_bytes + shard_bytes * n) << accumulating.describe();
   }
   // Many equal units: stage 3 holds a few whole units at once (the one in use, the prefetched
   // one, gradients on their way), never the whole model.
@@ -587,7 +655,7 @@ TEST(ShardedDataParallel, ValuesAndStateRestoreTheTrajectoryBitForBit) {
 // finish() reports a backward that communicated (reduce-scatters ran on every pass); the
 // times are measurements, so only their signs and the overlap's range are checked.
 TEST(ShardedDataParallel, FinishReportsTheBackwardsCommunication) {
-  for (int stage : {3, 2}) {
+  for (int stage : {3, 2, 1}) {
     const Config c{.n = 2, .options = {.stage = stage}};
     const auto runs = run(c);
     for (const auto& r : runs) {
@@ -607,7 +675,7 @@ TEST(ShardedDataParallel, FinishReportsTheBackwardsCommunication) {
 // Unknown unit ids are the caller's mistake, refused before anything is queued: the same
 // instance then trains as if they had never been made.
 TEST(ShardedDataParallel, UnknownUnitsAreRefused) {
-  for (int stage : {3, 2}) {
+  for (int stage : {3, 2, 1}) {
     const Config c{.n = 2, .options = {.stage = stage}, .sizes = {5, 9}, .steps = 2};
     std::vector<RankRun> runs(2);
     testing::run_inproc_contexts(
@@ -656,7 +724,7 @@ TEST(ShardedDataParallel, AddUnitAfterSetOptimizerIsRefused) {
 // on every rank, leaving the parameters as they were and halving the scale; the next step,
 // finite everywhere, unscales and goes on as the plain optimizer would.
 TEST(ShardedDataParallel, ALossScalerOverflowOnOneRankSkipsTheStepOnEvery) {
-  for (int stage : {3, 2}) {
+  for (int stage : {3, 2, 1}) {
     testing::run_inproc_contexts(
         3,
         [&](Context& ctx) {
@@ -694,7 +762,7 @@ TEST(ShardedDataParallel, ALossScalerOverflowOnOneRankSkipsTheStepOnEvery) {
 // counted in memory(); the parameters still travel in float32.
 TEST(ShardedDataParallel, Int8GradientsFollowThePlainOptimizerClosely) {
   for (int n : {1, 2, 3, 5}) {
-    for (int stage : {3, 2}) {
+    for (int stage : {3, 2, 1}) {
       const Config c{.n = n, .options = {.stage = stage, .gradient_wire = DataType::kInt8}};
       const auto runs = run(c);
       expect_follows_reference(c, runs, kRel8, kAbs8);

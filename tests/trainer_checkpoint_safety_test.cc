@@ -295,7 +295,7 @@ TEST(TrainerCheckpointSave, NonFiniteWeightsDoNotReplaceTheLastGoodSet) {
   auto ctx = gradsync::init(options);
   auto model = train::make_model("mlp", 1, {8});
   auto optimizer = gradsync::optim::make_sgd(model->values().size());
-  const train::RankState state{*ctx, *model, optimizer.get(), nullptr, nullptr, nullptr, nullptr};
+  const train::RankState state{*ctx, *model, optimizer.get(), nullptr, nullptr, nullptr};
   const train::Identity identity = {{"--model", "mlp"}};
   train::save_checkpoint(dir, state, identity, {1, 0, 1}, 1);
   const std::string latest = testing::read_file(dir + "/LATEST");

@@ -2,8 +2,8 @@
 # DDP against ZeRO 1, 2 and 3 in gradsync-train, as each run counts itself (--json): bytes each
 # rank sent per step against the theory (a ring all-reduce sends 2(N-1)/N of the parameters'
 # bytes, a reduce-scatter or an all-gather (N-1)/N), memory per rank (parameters, gradients,
-# optimizer state kept between steps; the buffers ZeRO 2 and 3 gather into as layers run; peak
-# RSS), the median step time, and how much of ZeRO 2 and 3's all-gather time the step waited
+# optimizer state kept between steps; the buffers ZeRO gathers into as layers run; peak
+# RSS), the median step time, and how much of ZeRO's all-gather time the step waited
 # for, with AdamW; and OUT.png, memory per rank and step time side by side. Ranks talk over TCP
 # (GRADSYNC_TRANSPORT=tcp) so that every byte is counted; with --hosts H, over H namespace
 # hosts of scripts/netns-cluster.sh linked at --rate (root). Repeats alternate the
@@ -97,9 +97,10 @@ runs = {}
 for path in glob.glob(os.path.join(results, "*.json")):
     s, _ = os.path.basename(path)[:-5].split("~")
     runs.setdefault(s, []).append(json.load(open(path)))
-# x (N-1)/N of the parameters' bytes. ZeRO 2's first step gathers nothing (its parameters
-# start whole) and its last step's gather is counted by no step: (2S-1)/S over S steps.
-theory = {"ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3}
+# x (N-1)/N of the parameters' bytes. ZeRO 1 and 2's first step gathers nothing (their
+# parameters start whole) and their last step's gather is counted by no step: (2S-1)/S over S
+# steps.
+theory = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3}
 base = base_memory = None
 print("| strategy | bytes sent per rank per step | theory | parameters | gradients | "
       "optimizer state | kept vs DDP | gather buffers | peak RSS | step (median) | vs DDP | "

@@ -257,9 +257,7 @@ CheckpointFile snapshot(const RankState& state, const Identity& identity, const 
   f.epoch = at.epoch;
   f.step = static_cast<std::int64_t>(at.step);
   f.values.assign(values.begin(), values.end());
-  f.optimizer = state.sharded ? state.sharded->save_state()
-                : state.zero  ? state.zero->save_state()
-                              : state.optimizer->save_state();
+  f.optimizer = state.sharded ? state.sharded->save_state() : state.optimizer->save_state();
   if (state.reducer) f.reducer = state.reducer->save_state();
   if (state.scaler) f.scaler = state.scaler->save_state();
   return f;
@@ -325,11 +323,7 @@ Position load_own(const std::string& dir, const RankState& state, const Identity
       state.sharded->load_state(f.optimizer);
     } else {
       std::copy(f.values.begin(), f.values.end(), state.model.values().begin());
-      if (state.zero) {
-        state.zero->load_state(f.optimizer);
-      } else {
-        state.optimizer->load_state(f.optimizer);
-      }
+      state.optimizer->load_state(f.optimizer);
     }
     if (state.reducer) state.reducer->load_state(f.reducer);
     if (state.scaler) state.scaler->load_state(f.scaler);

@@ -46,13 +46,12 @@ struct Bounds {
 };
 
 // What a checkpoint holds of one rank besides the position: the model's values, whole (with
-// ZeRO 2 and 3 gathered from the shards), and the state of whichever of the optimizer, ZeRO 1
-// and the reducer (its codec's residuals), or the sharded engine, the run has (the others null).
+// ZeRO gathered from the shards), and the state of the optimizer and the reducer (its codec's
+// residuals), or of the sharded engine, whichever the run has (the others null).
 struct RankState {
   gradsync::Context& ctx;
   Model& model;
   gradsync::optim::Optimizer* optimizer;
-  gradsync::optim::ZeroOptimizer* zero;
   gradsync::Reducer* reducer;
   gradsync::ShardedDataParallel* sharded;
   gradsync::optim::LossScaler* scaler;  // --amp fp16

@@ -42,12 +42,13 @@ constexpr const char* kUsage =
     "  --step-ahead 0|1       with a codec that holds gradient back (error feedback) and SGD,\n"
     "                         compute gradients at value - lr * held back (default 1)\n"
     "  --accumulate K         K micro-batches per optimizer step, communicating once\n"
-    "  --zero 0|1|2|3         ZeRO stage (1: sharded optimizer state, the gradients all-reduced\n"
-    "                         while backward runs as without; 2: sharded gradients too, each\n"
-    "                         layer's reduce-scattered as backward has it; 3: sharded\n"
-    "                         parameters too, each layer gathered as it runs); 2 and 3 take\n"
-    "                         --codec none, fp16 or bf16 (parameters and gradients) or int8\n"
-    "                         (gradients, with error feedback)\n"
+    "  --zero 0|1|2|3         ZeRO stage (1: sharded optimizer state, each layer's gradient\n"
+    "                         reduce-scattered as backward has it, once a step, and the\n"
+    "                         parameters gathered after the step; 2: sharded gradients too,\n"
+    "                         reduce-scattered every micro-batch; 3: sharded parameters too,\n"
+    "                         each layer gathered as it runs); 1-3 take --codec none, fp16 or\n"
+    "                         bf16 (parameters and gradients) or int8 (gradients, with error\n"
+    "                         feedback)\n"
     "  --strategy S           ddp (--zero 0), zero1, zero2 or zero3 (--zero 1, 2, 3)\n"
     "  --max-steps N          stop after N optimizer steps (benchmarks; default: all)\n"
     "  --data DIR             Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)\n"
@@ -250,14 +251,14 @@ void complete_and_check(Config& c) {
     }
     c.codec = c.amp;
   }
-  if (c.zero >= 2 && c.codec != "none" && c.codec != "fp16" && c.codec != "bf16" &&
+  if (c.zero >= 1 && c.codec != "none" && c.codec != "fp16" && c.codec != "bf16" &&
       c.codec != "int8") {
     usage_error("--zero " + std::to_string(c.zero) +
                 " reduce-scatters each layer's gradient and gathers its parameters in float32 "
                 "or 16 bits (--codec fp16, bf16), or the gradients in int8 (--codec int8); "
                 "--codec " +
                 c.codec +
-                " compresses whole tensors, which a shard is not: use --zero 1, which "
+                " compresses whole tensors, which a shard is not: use --zero 0, which "
                 "all-reduces through the codec");
   }
 }

@@ -223,7 +223,7 @@ class Trainer {
   void load_batch(const std::vector<std::size_t>& samples);
   void backward(bool accumulate, gradsync::StepStats& stats);
   void average_micro_batch_gradients();
-  void optimizer_step(gradsync::StepStats& stats);
+  void optimizer_step();
   void record(const StepResult& result);
   double batch_accuracy(const StepResult& result) const;
   bool checkpoint_due() const;
@@ -242,8 +242,7 @@ class Trainer {
   std::optional<gradsync::Reducer> reducer_;  // without ZeRO
   // Without ZeRO the gradients arrive averaged and every rank updates everything.
   std::unique_ptr<gradsync::optim::Optimizer> optimizer_;
-  std::optional<gradsync::optim::ZeroOptimizer> zero_;  // ZeRO 1
-  // ZeRO 2 and 3: the model's layers are its units, gathered and reduced as they run.
+  // ZeRO: the model's layers are its units, gathered and reduced as they run.
   std::optional<gradsync::ShardedDataParallel> sharded_;
   gradsync::DataType precision_ = gradsync::DataType::kFloat32;  // --amp
   std::optional<gradsync::optim::LossScaler> scaler_;            // --amp fp16
@@ -278,32 +277,29 @@ Trainer::Trainer(const Config& c, const gradsync::Options& options)
       lr_(c, steps_per_epoch_, world_),
       images_(c.batch * train_set_.rows * train_set_.cols),
       labels_(c.batch) {
-  const std::size_t total = model_->values().size();
-  // DDP and ZeRO 1 average the gradients through the Reducer, bucket by bucket while backward
-  // runs (through the codec); ZeRO 2 and 3 reduce-scatter each layer's as backward has it.
-  if (c.zero < 2) {
+  // DDP averages the gradients through the Reducer, bucket by bucket while backward runs
+  // (through the codec); ZeRO reduce-scatters each layer's as backward has it.
+  if (c.zero == 0) {
     reducer_.emplace(*ctx_, reducer_options(c));
     std::vector<std::size_t> tensors;
     for (auto& p : model_->parameters()) {
       reducer_->add_parameter(p.name, p.count, p.grad, p.rows);
       tensors.push_back(p.count);
     }
-    if (c.zero == 0) optimizer_ = make_optimizer(c, std::move(tensors));
-  }
-  const auto shard_optimizer = [&c](std::size_t count) { return make_optimizer(c, {count}); };
-  if (c.zero == 1) zero_.emplace(*ctx_, total, c.zero, shard_optimizer);
-  if (c.zero >= 2) {
+    optimizer_ = make_optimizer(c, std::move(tensors));
+  } else {
     const gradsync::DataType wire = c.codec == "fp16"   ? gradsync::DataType::kFloat16
                                     : c.codec == "bf16" ? gradsync::DataType::kBFloat16
                                                         : gradsync::DataType::kFloat32;
     sharded_.emplace(*ctx_, gradsync::ShardedOptions{
                                 .stage = c.zero,
+                                .accumulate_steps = c.zero == 1 ? c.accumulate : 1,
                                 .wire = wire,
                                 .gradient_wire = c.codec == "int8" ? gradsync::DataType::kInt8
                                                                    : gradsync::DataType::kFloat32,
                                 .prefetch = c.overlap});
     model_->shard(*sharded_);
-    sharded_->set_optimizer(shard_optimizer);
+    sharded_->set_optimizer([&c](std::size_t count) { return make_optimizer(c, {count}); });
   }
   if (c.amp != "none") {
     precision_ = c.amp == "fp16" ? gradsync::DataType::kFloat16 : gradsync::DataType::kBFloat16;
@@ -320,7 +316,6 @@ RankState Trainer::state() {
   return {*ctx_,
           *model_,
           optimizer_.get(),
-          zero_ ? &*zero_ : nullptr,
           reducer_ ? &*reducer_ : nullptr,
           sharded_ ? &*sharded_ : nullptr,
           scaler_ ? &*scaler_ : nullptr};
@@ -423,7 +418,7 @@ StepResult Trainer::train_step(int epoch, std::size_t step) {
   for (int micro = 0; micro < c_.accumulate; ++micro) run_micro_batch(epoch, step, micro, result);
   if (ahead) look_back(*model_, saved_);
   average_micro_batch_gradients();
-  optimizer_step(result.stats);
+  optimizer_step();
   result.seconds = seconds_since(step_start);
   return result;
 }
@@ -455,13 +450,13 @@ void Trainer::load_batch(const std::vector<std::size_t>& samples) {
 // With the reducer, each gradient starts on its way the moment backward has it; `stats` keeps
 // the micro-batch that communicated (the last of the step).
 void Trainer::backward(bool accumulate, gradsync::StepStats& stats) {
-  if (sharded_) {  // every micro-batch reduce-scatters: the step's statistics add them up
+  if (sharded_) {  // the step's statistics add up those of its micro-batches
     {
       gradsync::timeline::Span span("backward", "compute");
       model_->backward(labels_, accumulate, {});
     }
     const gradsync::StepStats s = sharded_->finish();
-    stats.communicated = true;
+    stats.communicated = stats.communicated || s.communicated;
     stats.compute_s += s.compute_s;
     stats.communication_s += s.communication_s;
     stats.exposed_s += s.exposed_s;
@@ -493,40 +488,20 @@ void Trainer::average_micro_batch_gradients() {
   for (float& g : model_->grads()) g /= static_cast<float>(c_.accumulate);
 }
 
-// ZeRO 2 reduce-scatters the gradients inside its step, so that step is the communication the
-// statistics report; ZeRO 1's gradients came through the Reducer, and its step adds the
-// all-gather of the parameters, exposed.
-void Trainer::optimizer_step(gradsync::StepStats& stats) {
-  gradsync::timeline::Span span(zero_ || sharded_ ? "zero step" : "optimizer", "optimizer");
+// ZeRO 1 and 2 queue the parameters' gathers in their step, each waited for by the next
+// forward (the statistics count them there).
+void Trainer::optimizer_step() {
+  gradsync::timeline::Span span(sharded_ ? "zero step" : "optimizer", "optimizer");
   const float lr = lr_.at(steps_done_);
-  if (sharded_) {  // stage 2's gathers are queued here and waited for by the next forward
+  if (sharded_) {
     sharded_->set_lr(lr);
     sharded_->step(scaler_ ? &*scaler_ : nullptr);
     return;
   }
   // The gradients are averaged and whole on every rank: each unscales and checks its own.
   if (scaler_ && !scaler_->unscale(*ctx_, model_->grads())) return;
-  if (!zero_) {
-    optimizer_->set_lr(lr);
-    optimizer_->step(model_->values(), model_->grads());
-    return;
-  }
-  const auto comm_start = Clock::now();
-  zero_->set_lr(lr);
-  const auto before = ctx_->total_traffic().bytes_sent;
-  if (reducer_) {
-    zero_->step_reduced(model_->values(), model_->grads());
-    const double gather_s = seconds_since(comm_start);
-    stats.communication_s += gather_s;
-    stats.exposed_s += gather_s;
-    stats.bytes_sent += ctx_->total_traffic().bytes_sent - before;
-    return;
-  }
-  zero_->step(model_->values(), model_->grads());
-  stats.communication_s = stats.exposed_s = seconds_since(comm_start);
-  stats.bytes_sent = ctx_->total_traffic().bytes_sent - before;
-  stats.raw_bytes = model_->values().size() * sizeof(float);
-  stats.allreduce_calls = 1;
+  optimizer_->set_lr(lr);
+  optimizer_->step(model_->values(), model_->grads());
 }
 
 void Trainer::record(const StepResult& result) {
@@ -582,10 +557,8 @@ RunReport Trainer::summarize() const {
     r.working_bytes = m.working_bytes;
     r.error_feedback_bytes = m.error_feedback_bytes;
   } else {
-    r.optimizer_state_bytes =
-        zero_ ? zero_->memory().optimizer_state_bytes : optimizer_->state_bytes();
-    r.reduced_gradient_bytes =
-        zero_ ? zero_->memory().reduced_gradient_bytes : model_->values().size() * sizeof(float);
+    r.optimizer_state_bytes = optimizer_->state_bytes();
+    r.reduced_gradient_bytes = model_->values().size() * sizeof(float);
     r.parameter_bytes = model_->values().size() * sizeof(float);
     r.gradient_bytes = model_->grads().size() * sizeof(float);
   }

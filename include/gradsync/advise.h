@@ -139,8 +139,9 @@ struct Plan {
   std::string codec = "none";
   double bucket_mb = 25, first_bucket_mb = 1;
   int accumulate = 1;  // micro-batches per optimizer step
-  // 0: replicated optimizer; 1, 2: sharded state (and gradients); 3: parameters too, each
-  // layer's gathered before its forward and backward (FSDP; not in gradsync-train yet).
+  // 0: DDP (the Reducer); 1-3: ZeRO as ShardedDataParallel runs it (sharded.h): optimizer
+  // state sharded, gradients too (2), parameters too, each layer's gathered before its
+  // forward and backward (3).
   int zero = 0;
   bool overlap = true;
   // Every all-reduce by this algorithm, as GRADSYNC_ALGO (or NCCL_ALGO) fixes it; kAuto: the
@@ -150,6 +151,10 @@ struct Plan {
   // back: three more passes over the parameters a step.
   bool step_ahead = true;
 };
+
+// Whether ZeRO (plan.zero > 0) can send this codec's gradients: none, fp16, bf16 and int8
+// cut a tensor anywhere; the others compress whole tensors, which a shard is not.
+bool zero_takes_codec(const std::string& codec);
 
 struct BucketPrediction {
   std::size_t parameters = 0;                  // floats in the bucket

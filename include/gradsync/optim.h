@@ -1,16 +1,14 @@
-// Optimizers over flat float32 parameters, and ZeRO sharding (Rajbhandari et al., 2020) of
-// their state and of the gradients across data-parallel ranks.
+// Optimizers over flat float32 parameters, and dynamic loss scaling for float16 training.
+// ZeRO sharding of their state across data-parallel ranks is ShardedDataParallel's
+// (sharded.h), which steps one of these over this rank's shards.
 //
 // Example:
-//   gradsync::optim::ZeroOptimizer zero(*ctx, weights.size(), /*stage=*/2, [](std::size_t n) {
-//     return gradsync::optim::make_adamw(n, {.lr = 1e-3f});
-//   });
-//   zero.step(weights, grad);  // averages grad over ranks, updates weights alike on every rank
+//   auto adamw = gradsync::optim::make_adamw(weights.size(), {.lr = 1e-3f});
+//   adamw->step(weights, grad);  // grad averaged over the ranks (a Reducer's)
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -84,58 +82,6 @@ std::unique_ptr<Optimizer> make_adamw(std::size_t count, AdamWOptions options = 
 // Over tensors of these sizes, back to back: count is their sum.
 std::unique_ptr<Optimizer> make_lars(std::vector<std::size_t> tensors, LarsOptions options = {});
 std::unique_ptr<Optimizer> make_lamb(std::vector<std::size_t> tensors, LambOptions options = {});
-
-// Data-parallel optimizer step with ZeRO sharding, collective over the context:
-//   stage 0  all-reduce the gradients; every rank updates every parameter (plain DDP).
-//   stage 1  all-reduce the gradients; each rank keeps optimizer state for, and updates,
-//            only its shard (1/N), then all-gathers the parameters.
-//   stage 2  reduce-scatter the gradients, so each rank holds only its shard of the reduced
-//            gradient too; update the shard; all-gather the parameters.
-// Shards are contiguous and equal; the count % N elements past them are updated by every
-// rank alike. Every stage follows the same trajectory (to floating-point summation order).
-// Stages 1 and 2 refuse an optimizer that needs whole tensors (Error kInvalidArgument).
-// This is the flat, blocking form. ShardedDataParallel (sharded.h) runs stages 2 and 3 layer by
-// layer with the communication overlapped with forward and backward; gradsync-train uses it
-// for both, and this class for stage 1 behind a Reducer (step_reduced).
-class ZeroOptimizer {
- public:
-  using Factory = std::function<std::unique_ptr<Optimizer>(std::size_t count)>;
-  ZeroOptimizer(Context& ctx, std::size_t count, int stage, const Factory& make);
-
-  // `grads` is this rank's own gradient (it is used as scratch); the average over ranks is
-  // applied to `params`, which end identical on every rank.
-  void step(std::span<float> params, std::span<float> grads);
-  // The same step from gradients already averaged over the ranks (a Reducer's, all-reduced
-  // bucket by bucket while backward ran, through any codec): stages 0 and 1. Stage 2 keeps
-  // only its shard of the reduced gradient, which an all-reduce cannot give it: refused
-  // (Error kInvalidArgument).
-  void step_reduced(std::span<float> params, std::span<const float> reduced_grads);
-  void set_lr(float lr);
-
-  struct Memory {
-    std::size_t optimizer_state_bytes = 0;   // this rank's
-    std::size_t reduced_gradient_bytes = 0;  // the reduced gradient this rank keeps
-  };
-  Memory memory() const;
-  int stage() const { return stage_; }
-  // This rank's shard: [first, first + count) of the parameters.
-  std::size_t shard_first() const { return first_; }
-  std::size_t shard_count() const { return shard_; }
-
-  std::vector<std::uint8_t> save_state() const;  // this rank's optimizer state (its shard)
-  void load_state(std::span<const std::uint8_t> state);
-
- private:
-  // Steps this rank's shard and the tail, then all-gathers the shards.
-  void update_shard_and_gather(std::span<float> params, std::span<const float> shard_grads,
-                               std::span<const float> tail_grads);
-
-  Context& ctx_;
-  std::size_t count_, shard_ = 0, first_ = 0, tail_ = 0;
-  int stage_;
-  std::unique_ptr<Optimizer> main_, tail_opt_;
-  std::vector<float> reduced_;  // stage 1: the whole reduced gradient; stage 2: the shard
-};
 
 // Dynamic loss scaling for float16 training, by the rule of torch.cuda.amp.GradScaler: backward
 // runs on the loss times scale(), so that small gradients survive float16; unscale() divides

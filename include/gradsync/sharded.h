@@ -1,14 +1,17 @@
-// Sharded data parallelism: ZeRO stage 3 (Rajbhandari et al., 2020; PyTorch FSDP's
-// FULL_SHARD) and stage 2 (FSDP's SHARD_GRAD_OP), with the communication overlapped with
-// forward and backward.
+// Sharded data parallelism: ZeRO stages 1, 2 and 3 (Rajbhandari et al., 2020; stage 3 is
+// PyTorch FSDP's FULL_SHARD, stage 2 its SHARD_GRAD_OP), with the communication overlapped
+// with forward and backward.
 //
 // The model is cut into units (a layer's weight and bias), each sharded evenly across the
 // ranks. Stage 3 keeps only this rank's shard of each unit between uses: a unit is
 // all-gathered just before its forward and again before its backward, the next unit's gather
-// is queued while this one computes, and the whole copy is freed after use. Stage 2 keeps the
-// parameters whole and all-gathers them after the step, each unit waited for only when its
-// next forward needs it. In both, a unit's gradient is reduce-scattered as soon as backward
-// has it, while backward goes on, and the optimizer steps only this rank's shard.
+// is queued while this one computes, and the whole copy is freed after use. Stages 1 and 2 keep
+// the parameters whole and all-gather them after the step, each unit waited for only when its
+// next forward needs it. In all three, a unit's gradient is reduce-scattered as soon as
+// backward has it, while backward goes on, and the optimizer steps only this rank's shard: a
+// step sends what a DDP all-reduce sends (stages 1 and 2) or half as much again (stage 3).
+// Stage 2 reduce-scatters every micro-batch and keeps only its shard of the gradient; stage 1
+// keeps the whole gradient through gradient accumulation and communicates once a step.
 //
 // Example:
 //   gradsync::ShardedDataParallel sharded(*ctx, {.stage = 3});
@@ -26,7 +29,7 @@
 //       sharded.release(layer.unit, gradsync::Pass::kBackward);
 //     }
 //     sharded.finish();  // waits for the reduce-scatters
-//     sharded.step();    // this rank's shard; stage 2 then all-gathers the parameters
+//     sharded.step();    // this rank's shard; stages 1 and 2 then all-gather the parameters
 //   }
 //
 // Calls: every acquire, mark_ready, finish and step is collective in effect (it may queue a
@@ -39,6 +42,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -52,8 +56,16 @@ namespace gradsync {
 
 struct ShardedOptions {
   // 3: parameters, gradients and optimizer state sharded; 2: gradients and optimizer state
-  // sharded, parameters whole between steps.
+  // sharded, parameters whole between steps; 1: optimizer state sharded, parameters whole,
+  // gradients whole while micro-batches accumulate.
   int stage = 3;
+  // Stage 1: each step has a multiple of this many micro-batches (finish() calls); the
+  // gradients of each group's micro-batches but the last add up on each rank, and the last's
+  // backward reduce-scatters their sum, so a step communicates once whatever the
+  // accumulation (the DDP Reducer's accumulate_steps).
+  // Stages 2 and 3 keep only their shard of the gradient, so they reduce-scatter every
+  // micro-batch and take only 1.
+  int accumulate_steps = 1;
   // The parameters' and gradients' dtype on the wire: kFloat32, or kBFloat16 / kFloat16 for
   // half the bytes (gathered parameters rounded to it; gradients reduce-scattered with a
   // float32 addition at every hop, pre-divided by the ranks so that fp16 cannot overflow).
@@ -75,6 +87,9 @@ enum class Pass : std::uint8_t { kForward, kBackward };
 
 class ShardedDataParallel {
  public:
+  // Makes the optimizer of `count` parameters.
+  using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(std::size_t count)>;
+
   ShardedDataParallel(Context& ctx, ShardedOptions options = {});
   ~ShardedDataParallel();
   ShardedDataParallel(const ShardedDataParallel&) = delete;
@@ -87,26 +102,28 @@ class ShardedDataParallel {
   // The optimizer of this rank's shards (every unit's shard back to back, padded to a
   // multiple of the ranks with zeros). One that needs whole tensors (LARS, LAMB) is refused
   // (kInvalidArgument): a shard cuts its tensors anywhere.
-  void set_optimizer(const optim::ZeroOptimizer::Factory& make);
+  void set_optimizer(const OptimizerFactory& make);
   void set_lr(float lr);
 
   // The unit's whole parameters for this pass: waits for its gather (queued now unless
   // prefetched), and queues the next unit's. Valid until release(unit, pass).
   std::span<const float> acquire(int unit, Pass pass);
   // Stage 3 frees the unit's whole copy, unless the next pass starts with it (the last unit
-  // from forward to backward). Stage 2 keeps it.
+  // from forward to backward). Stages 1 and 2 keep it.
   void release(int unit, Pass pass);
   // Where backward writes the unit's whole gradient (overwriting it), until mark_ready.
   std::span<float> gradient(int unit);
-  // The unit's gradient is final: its reduce-scatter is queued.
+  // The unit's gradient is final: its reduce-scatter is queued (stage 1, before the last
+  // micro-batch of a step: it is added to the unit's accumulated gradient instead).
   void mark_ready(int unit);
   // Waits for every reduce-scatter of this backward and adds the results into this rank's
   // shard of the gradient (micro-batches accumulate until step()). Reports what this
   // backward cost: communication_s the reduce-scatters and gathers ran since the last
-  // finish(), exposed_s the time acquire and finish waited for them.
+  // finish(), exposed_s the time acquire and finish waited for them; communicated is false
+  // for a stage 1 micro-batch that sent nothing.
   StepStats finish();
   // Steps this rank's shard with the mean gradient over the ranks and the micro-batches
-  // finished since the last step; stage 2 then queues the gather of every unit. Stage 3
+  // finished since the last step; stages 1 and 2 then queue the gather of every unit. Stage 3
   // drops any whole copy still held, now out of date. With a loss scaler (float16 training)
   // the gradients are unscaled first, and where any rank's hold NaN or Inf the step is
   // skipped on every rank: false, the gradients dropped, the parameters as they were.
@@ -124,10 +141,12 @@ class ShardedDataParallel {
   void load_state(std::span<const std::uint8_t> state);
 
   struct Memory {
-    // This rank's float32 shard (the master copy), and with stage 2 the whole copy of every
-    // unit, each padded to a multiple of the ranks.
+    // This rank's float32 shard (the master copy), and with stages 1 and 2 the whole copy of
+    // every unit, each padded to a multiple of the ranks.
     std::size_t parameter_bytes = 0;
-    std::size_t gradient_bytes = 0;         // this rank's shard of the reduced gradient
+    // This rank's shard of the reduced gradient, and with stage 1 accumulating micro-batches
+    // the whole gradient they add up in.
+    std::size_t gradient_bytes = 0;
     std::size_t optimizer_state_bytes = 0;  // this rank's
     std::size_t working_bytes = 0;          // the most held at once for gathers and gradients
     std::size_t error_feedback_bytes = 0;   // int8 gradients: what rounding held back

@@ -41,7 +41,7 @@ std::vector<Candidate> candidates(const Profile& profile, const Plan& now) {
     out.push_back({"first-bucket-mb", number(mb), p, "the first bucket starts communication early",
                    "none to accuracy"});
   }
-  if (now.zero <= 1) {
+  {
     struct Codec {
       const char* spec;
       const char* name;
@@ -58,6 +58,8 @@ std::vector<Candidate> candidates(const Profile& profile, const Plan& now) {
     };
     for (const auto& c : kCodecs) {
       if (now.codec.rfind(c.name, 0) == 0 || !profile.codecs.count(c.name)) continue;
+      // ZeRO reduce-scatters shards: only codecs that cut anywhere (predict refuses others).
+      if (now.zero > 0 && !zero_takes_codec(c.spec)) continue;
       Plan p = now;
       p.codec = c.spec;
       out.push_back(
@@ -85,21 +87,19 @@ std::vector<Candidate> candidates(const Profile& profile, const Plan& now) {
   // ZeRO shards the optimizer's work as well as its state: each rank steps 1/N of the
   // parameters, for an all-gather of them after the step.
   for (int z : {1, 2, 3}) {
-    const bool shards_codec =
-        now.codec == "none" || now.codec == "fp16" || now.codec == "bf16" || now.codec == "int8";
-    if (z == now.zero || (z >= 2 && !shards_codec) || now.ranks == 1) continue;
+    if (z == now.zero || !zero_takes_codec(now.codec) || now.ranks == 1) continue;
     Plan p = now;
     p.zero = z;
     out.push_back(
         {"zero", number(z), p,
-         z == 1   ? "optimizer state and its step sharded across ranks"
+         z == 1   ? "optimizer state and its step sharded across ranks, each layer's gradients "
+                    "reduce-scattered once a step as backward ends it"
          : z == 2 ? "optimizer state, its step and the reduced gradients sharded, each layer's "
                     "reduce-scattered as backward ends it"
                   : "parameters sharded too: each layer gathered just before its forward and "
                     "backward",
-         z == 1   ? "none to accuracy; the parameters' all-gather follows the step"
-         : z == 2 ? "none to accuracy; the parameters' all-gather waits for the next forward"
-                  : "none to accuracy; 1.5x DDP's traffic, each layer's gather before it runs"});
+         z <= 2 ? "none to accuracy; the parameters' all-gather waits for the next forward"
+                : "none to accuracy; 1.5x DDP's traffic, each layer's gather before it runs"});
   }
   return out;
 }

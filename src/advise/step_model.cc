@@ -564,6 +564,10 @@ CollectivePrediction predict_collective(const Profile& profile, const std::strin
   return c;
 }
 
+bool zero_takes_codec(const std::string& codec) {
+  return codec == "none" || codec == "fp16" || codec == "bf16" || codec == "int8";
+}
+
 Prediction predict(const Profile& profile, const Workload& workload, const Plan& plan) {
   if (plan.ranks < 1 || plan.hosts < 1 || plan.ranks % plan.hosts != 0) {
     throw invalid("plan of " + std::to_string(plan.ranks) + " ranks on " +
@@ -575,9 +579,8 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
         "plan or workload out of range (accumulate >= 1, zero 0-3, bucket sizes > 0, "
         "batch >= 1, at least one layer)");
   }
-  if (plan.zero >= 2 && plan.codec != "none" && plan.codec != "fp16" && plan.codec != "bf16" &&
-      plan.codec != "int8") {
-    throw invalid("ZeRO 2 or 3 with codec " + plan.codec +
+  if (plan.zero >= 1 && !zero_takes_codec(plan.codec)) {
+    throw invalid("ZeRO with codec " + plan.codec +
                   ": gradsync-train refuses it (a shard is gathered and reduce-scattered in "
                   "float32 or 16 bits, fp16 or bf16, or its gradients in int8; never "
                   "compressed whole)");
@@ -628,23 +631,13 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
                                : Phase{0, shared, shared};
 
   double last_micro_s = 0;  // the micro-batch that communicates, from the start of its forward
-  double tail_comm_s = 0;   // ZeRO's all-gather after the optimizer
   double latency_s = 0;     // of comm_s, the calls' fixed costs
-  // A micro-batch before the last, where it differs from forward and backward alone (ZeRO 3
-  // communicates in every one); and memory beyond the shards (ZeRO 3's gathered layers).
+  // A micro-batch before the last, where it differs from forward and backward alone (ZeRO 2
+  // and 3 communicate in every one); and memory beyond the shards (ZeRO 3's gathered layers).
   double accumulated_micro_s = forward_s + backward_s;
   std::size_t working_floats = 0;
-  if (plan.zero <= 1) {
-    // DDP, and ZeRO 1 as gradsync-train runs it: the Reducer all-reduces bucket by bucket;
-    // ZeRO 1 then all-gathers the parameters each rank updated.
-    if (plan.zero == 1) {
-      tail_comm_s = pricer.allgather_us(psi) * 1e-6;
-      p.comm_s += tail_comm_s;
-      if (n > 1) {
-        p.wire_bytes_per_rank +=
-            static_cast<std::size_t>(static_cast<double>(n - 1) / n * psi * sizeof(float));
-      }
-    }
+  if (plan.zero == 0) {
+    // DDP: the Reducer all-reduces bucket by bucket.
     std::vector<std::size_t> waits_for;
     std::vector<std::vector<Phase>> work;
     for (const auto& positions :
@@ -741,42 +734,51 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
           ((2 - last_floats / static_cast<double>(psi)) * gather_bytes + scatter_bytes) *
           plan.accumulate);
     } else {
-      // The gathers after the step are waited for by the next step's first forward.
-      p.comm_s = gathers + plan.accumulate * scatters;
-      latency_s = units * (gather_latency + plan.accumulate * scatter_latency);
+      // The gathers after the step are waited for by the next step's first forward. Stage 2
+      // reduce-scatters every micro-batch; stage 1 only the last, which sends the sum of
+      // those before, added up on each rank in a pass over the whole gradient each (8 bytes
+      // a parameter to copy the first, 12 to add each later one).
+      const int scattering = plan.zero == 2 ? plan.accumulate : 1;
+      p.comm_s = gathers + scattering * scatters;
+      latency_s = units * (gather_latency + scattering * scatter_latency);
       last_micro_s = sharded_micro_batch(2, forward_layers, backward_layers, gather, scatter,
                                          busy_phase.compute_speed, busy_phase.worker_speed);
       const std::vector<double> nothing(gather.size(), 0.0);
-      accumulated_micro_s =
-          sharded_micro_batch(2, forward_layers, backward_layers, nothing, scatter,
-                              busy_phase.compute_speed, busy_phase.worker_speed);
-      p.wire_bytes_per_rank =
-          static_cast<std::size_t>(gather_bytes + plan.accumulate * scatter_bytes);
+      accumulated_micro_s = sharded_micro_batch(2, forward_layers, backward_layers, nothing,
+                                                plan.zero == 2 ? scatter : nothing,
+                                                busy_phase.compute_speed, busy_phase.worker_speed);
+      if (plan.zero == 1 && plan.accumulate > 1) {
+        const double pass_s = static_cast<double>(psi) / (profile.optimizer_gbps * 1e9);
+        accumulated_micro_s += (8 + 12.0 * (plan.accumulate - 2)) / (plan.accumulate - 1) * pass_s;
+        last_micro_s += 12 * pass_s;
+      }
+      p.wire_bytes_per_rank = static_cast<std::size_t>(gather_bytes + scattering * scatter_bytes);
     }
     // Layers whole at once, at most: stage 3 the one computing and its gradient, the one
-    // before's gradient still being reduce-scattered and the next layer prefetched; stage 2
-    // the gradient being written and two in flight (ShardedDataParallel::mark_ready).
+    // before's gradient still being reduce-scattered and the next layer prefetched; stages 1
+    // and 2 the gradient being written and two in flight (ShardedDataParallel::mark_ready).
     working_floats = (plan.zero == 3 ? 4 : 3) * largest;
   }
   const std::size_t owned = plan.zero > 0 ? (psi + n - 1) / n : psi;
   // ShardedDataParallel first averages its shard of the gradients in place: 8 bytes more a
   // parameter it owns.
-  const double averaging = plan.zero >= 2 ? 8 : 0;
+  const double averaging = plan.zero >= 1 ? 8 : 0;
   p.optimizer_s = (optimizer_bytes_per_parameter(workload.optimizer) + averaging) *
                   static_cast<double>(owned) / (profile.optimizer_gbps * 1e9);
-  if (plan.step_ahead && plan.zero < 2 && workload.optimizer == "sgd" && pricer.holds_back()) {
+  if (plan.step_ahead && plan.zero == 0 && workload.optimizer == "sgd" && pricer.holds_back()) {
     // Save every value, move each by lr x its residual, copy the saved values back
     // (examples/train/training.cc, look_ahead and look_back): 8 + 12 + 8 bytes a parameter.
     p.optimizer_s += 28.0 * static_cast<double>(psi) / (profile.optimizer_gbps * 1e9);
   }
-  p.step_s =
-      (plan.accumulate - 1) * accumulated_micro_s + last_micro_s + p.optimizer_s + tail_comm_s;
+  p.step_s = (plan.accumulate - 1) * accumulated_micro_s + last_micro_s + p.optimizer_s;
   p.exposed_comm_s = std::max(0.0, p.step_s - p.compute_s - p.optimizer_s);
 
   const std::size_t state = optimizer_state_floats(workload.optimizer) * owned;
-  const std::size_t grads = plan.zero >= 2 ? owned : psi;
-  // Stage 2 keeps the whole model and its float32 shard (the master copy).
-  const std::size_t params = plan.zero >= 3 ? owned : plan.zero == 2 ? psi + owned : psi;
+  // Stage 1 accumulating keeps the whole gradient too.
+  const std::size_t grads =
+      plan.zero == 0 ? psi : owned + (plan.zero == 1 && plan.accumulate > 1 ? psi : 0);
+  // Stages 1 and 2 keep the whole model and its float32 shard (the master copy).
+  const std::size_t params = plan.zero == 3 ? owned : plan.zero >= 1 ? psi + owned : psi;
   p.memory_per_rank_bytes = (params + grads + state + working_floats) * sizeof(float);
   classify(p, latency_s, profile, plan);
   find_pitfalls(p, latency_s, workload, plan, pricer.whole_buckets());

@@ -1,4 +1,4 @@
-// ZeRO stages 2 and 3 over units (see sharded.h). Each gather and each reduce-scatter is one
+// ZeRO stages 1, 2 and 3 over units (see sharded.h). Each gather and each reduce-scatter is one
 // call on the context's worker, its 16-bit conversions inside the call, so a Work that is done
 // leaves float32 data ready: the thread running forward and backward only queues calls and
 // waits for the ones it needs next.
@@ -165,6 +165,8 @@ struct ShardedDataParallel::State {
     double gather_s = 0;              // written by the call, read once it is done
     // The whole gradient from gradient() to the end of its reduce-scatter.
     Buffer grad;
+    // Stage 1 accumulating: the sum of this step's micro-batches before the last.
+    Buffer accumulated;
     bool grad_out = false;  // handed out by gradient(), not yet marked ready
     Work reduce;
     bool reducing = false;
@@ -174,8 +176,17 @@ struct ShardedDataParallel::State {
 
   State(Context& c, ShardedOptions o)
       : ctx(c), options(o), ranks(static_cast<std::size_t>(c.size())) {
-    if (options.stage != 2 && options.stage != 3) {
-      fail("stage " + std::to_string(options.stage) + " (2 or 3)", "ShardedDataParallel");
+    if (options.stage < 1 || options.stage > 3) {
+      fail("stage " + std::to_string(options.stage) + " (1, 2 or 3)", "ShardedDataParallel");
+    }
+    if (options.accumulate_steps < 1 || (options.stage > 1 && options.accumulate_steps != 1)) {
+      fail("accumulate_steps " + std::to_string(options.accumulate_steps) + " at stage " +
+               std::to_string(options.stage) +
+               (options.stage > 1 ? " (stages 2 and 3 keep only a shard of the gradient, so "
+                                    "they reduce-scatter every micro-batch: 1; stage 1 "
+                                    "accumulates whole gradients)"
+                                  : " (at least 1)"),
+           "ShardedDataParallel");
     }
     if (options.wire != DataType::kFloat32 && options.wire != DataType::kBFloat16 &&
         options.wire != DataType::kFloat16) {
@@ -228,9 +239,14 @@ struct ShardedDataParallel::State {
     std::fill(std::copy(unit_values.begin() + static_cast<std::ptrdiff_t>(from),
                         unit_values.begin() + static_cast<std::ptrdiff_t>(to), shard),
               shard + u.shard, 0.0f);
-    if (options.stage == 2) std::copy(unit_values.begin(), unit_values.end(), u.whole.begin());
+    if (whole_parameters()) std::copy(unit_values.begin(), unit_values.end(), u.whole.begin());
   }
 
+  // Stages 1 and 2 keep every unit's parameters whole between steps.
+  bool whole_parameters() const { return options.stage < 3; }
+  // Whether this micro-batch's gradients are reduce-scattered: stage 1 sends only the sum of
+  // a step's micro-batches, in the last one's backward.
+  bool reduces_now() const { return (micro_batches + 1) % options.accumulate_steps == 0; }
   bool wire16() const { return options.wire != DataType::kFloat32; }
   bool int8_gradients() const { return options.gradient_wire == DataType::kInt8; }
   // Whether the gradients' sum arrives divided by the ranks (16-bit wires divide first).
@@ -320,7 +336,7 @@ struct ShardedDataParallel::State {
     Unit& u = units[id];
     float* grad = u.grad.data();
     float* target = gradients.data() + u.first;
-    const bool overwrite = micro_batches == 0;
+    const bool overwrite = reduced_batches == 0;
     const std::size_t shard_count = u.shard, whole_count = u.shard * ranks;
     float* scratch = nullptr;
     std::uint16_t *send16 = nullptr, *recv16 = nullptr;
@@ -413,6 +429,7 @@ struct ShardedDataParallel::State {
   BufferPool pool;
   std::deque<std::size_t> reducing;  // units whose reduce-scatter is queued, oldest first
   int micro_batches = 0;             // finish() calls since the last step
+  int reduced_batches = 0;           // of them, those that reduce-scattered
   bool in_backward = false;
   Clock::time_point backward_start;
   std::uint64_t bytes_at_finish = 0;
@@ -439,7 +456,7 @@ int ShardedDataParallel::add_unit(std::string name, std::span<const float> initi
   u.first = s.shard_floats;
   s.shard_floats += u.shard;
   s.values.resize(s.shard_floats);
-  if (s.options.stage == 2) {  // whole between steps: the initial values are the current ones
+  if (s.whole_parameters()) {  // the initial values are the current ones
     u.whole = Buffer(u.shard * s.ranks);
     u.whole.resize(u.shard * s.ranks);
     std::fill(u.whole.begin(), u.whole.end(), 0.0f);  // the padding stays zero
@@ -450,7 +467,7 @@ int ShardedDataParallel::add_unit(std::string name, std::span<const float> initi
   return static_cast<int>(s.units.size() - 1);
 }
 
-void ShardedDataParallel::set_optimizer(const optim::ZeroOptimizer::Factory& make) {
+void ShardedDataParallel::set_optimizer(const OptimizerFactory& make) {
   State& s = *s_;
   auto optimizer = make(s.shard_floats);
   if (optimizer->needs_whole_tensors()) {
@@ -460,6 +477,12 @@ void ShardedDataParallel::set_optimizer(const optim::ZeroOptimizer::Factory& mak
   s.optimizer = std::move(optimizer);
   s.gradients.assign(s.shard_floats, 0.0f);
   if (s.int8_gradients()) s.residuals.assign(s.shard_floats * s.ranks, 0.0f);
+  if (s.options.accumulate_steps > 1) {
+    for (State::Unit& u : s.units) {
+      u.accumulated = Buffer(u.shard * s.ranks);
+      u.accumulated.resize(u.shard * s.ranks);
+    }
+  }
 }
 
 void ShardedDataParallel::set_lr(float lr) {
@@ -518,6 +541,21 @@ void ShardedDataParallel::mark_ready(int id) {
   State::Unit& u = s.unit(id, "mark_ready");
   if (!u.grad_out) s.fail("unit " + u.name + " marked ready without a gradient", "mark_ready");
   u.grad_out = false;
+  if (!u.accumulated.empty()) {  // stage 1, accumulating: the sum goes out with the last
+    float* sum = u.accumulated.data();
+    float* grad = u.grad.data();
+    const std::size_t n = u.accumulated.size();
+    if (!s.reduces_now()) {
+      if (s.micro_batches % s.options.accumulate_steps == 0) {
+        std::copy(grad, grad + n, sum);
+      } else {
+        for (std::size_t i = 0; i < n; ++i) sum[i] += grad[i];
+      }
+      s.pool.give(u.grad);
+      return;
+    }
+    for (std::size_t i = 0; i < n; ++i) grad[i] += sum[i];
+  }
   s.start_reduce(static_cast<std::size_t>(id));
   s.reducing.push_back(static_cast<std::size_t>(id));
   ++s.reduced_units;
@@ -543,7 +581,7 @@ StepStats ShardedDataParallel::finish() {
     s.reducing.pop_front();
   }
   StepStats stats;
-  stats.communicated = true;
+  stats.communicated = s.reduces_now();
   stats.compute_s = s.in_backward ? seconds_between(s.backward_start, called) : 0;
   stats.communication_s = s.gather_s + s.reduce_s;
   stats.exposed_s = s.exposed_s;
@@ -562,6 +600,7 @@ StepStats ShardedDataParallel::finish() {
   s.calls = s.reduced_units = 0;
   s.raw_bytes = 0;
   s.in_backward = false;
+  if (stats.communicated) ++s.reduced_batches;
   ++s.micro_batches;
   return stats;
 }
@@ -570,6 +609,12 @@ bool ShardedDataParallel::step(optim::LossScaler* scaler) {
   State& s = *s_;
   if (!s.optimizer) s.fail("step before set_optimizer", "step");
   if (s.micro_batches == 0) s.fail("step without a finished backward", "step");
+  if (s.micro_batches % s.options.accumulate_steps != 0) {
+    s.fail("step after " + std::to_string(s.micro_batches) + " micro-batches, with " +
+               std::to_string(s.options.accumulate_steps) +
+               " a step (the gradients go out with the last)",
+           "step");
+  }
   if (!s.reducing.empty()) s.fail("step with reduce-scatters not finished", "step");
   // Sums over ranks (16-bit wires were divided by the ranks before the sum) and micro-batches.
   const float divisor = static_cast<float>(s.micro_batches) *
@@ -578,7 +623,7 @@ bool ShardedDataParallel::step(optim::LossScaler* scaler) {
     const float inverse = 1.0f / divisor;
     for (float& g : s.gradients) g *= inverse;
   }
-  s.micro_batches = 0;
+  s.micro_batches = s.reduced_batches = 0;
   if (scaler && !scaler->unscale(s.ctx, s.gradients)) return false;
   s.optimizer->step(s.values, s.gradients);
   for (std::size_t id = 0; id < s.units.size(); ++id) {
@@ -587,7 +632,7 @@ bool ShardedDataParallel::step(optim::LossScaler* scaler) {
     if (s.options.stage == 3) {
       s.drop(u);
     } else {
-      s.finish_gather(u);  // stage 2: refreshed in place, waited for by its next acquire
+      s.finish_gather(u);  // refreshed in place, waited for by its next acquire
       s.start_gather(id);
     }
   }
@@ -659,10 +704,11 @@ ShardedDataParallel::Memory ShardedDataParallel::memory() const {
   const State& s = *s_;
   Memory m;
   m.parameter_bytes = s.shard_floats * sizeof(float);
-  if (s.options.stage == 2) {
-    for (const State::Unit& u : s.units) m.parameter_bytes += u.whole.size() * sizeof(float);
-  }
   m.gradient_bytes = s.gradients.size() * sizeof(float);
+  for (const State::Unit& u : s.units) {
+    if (s.whole_parameters()) m.parameter_bytes += u.whole.size() * sizeof(float);
+    m.gradient_bytes += u.accumulated.size() * sizeof(float);
+  }
   m.optimizer_state_bytes = s.optimizer ? s.optimizer->state_bytes() : 0;
   m.working_bytes = s.pool.peak_bytes();
   m.error_feedback_bytes = s.residuals.size() * sizeof(float);
