@@ -2,6 +2,7 @@
 #include "harness.h"
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "rendezvous/socket.h"
 #include "transport/inproc.h"
 
 namespace gradsync::testing {
@@ -100,6 +102,43 @@ TempDir::TempDir() {
 TempDir::~TempDir() {
   std::error_code ec;
   std::filesystem::remove_all(path_, ec);
+}
+
+pid_t start_worker_by_hand(const std::string& mode, const std::string& log,
+                           const std::map<std::string, std::string>& env) {
+  const std::string worker = build_dir() + "/tests/collective_worker";
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    std::freopen(log.c_str(), "w", stdout);
+    std::freopen(log.c_str(), "a", stderr);
+    ::unsetenv("GRADSYNC_TOKEN");
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    ::execl(worker.c_str(), worker.c_str(), mode.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  return pid;
+}
+
+int free_port() {
+  net::Fd l = net::listen_tcp("127.0.0.1", 0, false);
+  return net::local_port(l.get());
+}
+
+std::string listening_address(int port) {
+  char want[16];
+  std::snprintf(want, sizeof want, ":%04X ", port);
+  std::istringstream lines(read_file("/proc/net/tcp"));
+  std::string line;
+  while (std::getline(lines, line)) {
+    std::istringstream fields(line);
+    std::string slot, local, remote, state;
+    fields >> slot >> local >> remote >> state;
+    if (state == "0A" && (local + " ").find(want) != std::string::npos) {
+      return local.substr(0, local.find(':'));
+    }
+  }
+  return {};
 }
 
 std::vector<std::string> segments_left(const std::string& part) {

@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -46,6 +47,19 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// A collective_worker (tests/collective_worker.cc) in `mode`, started as mpirun or a user
+// would start it: with `env` (RANK, WORLD_SIZE, MASTER_ADDR, ...) and without the test's own
+// GRADSYNC_TOKEN, its output to `log`. It dies with this process; the caller reaps it.
+pid_t start_worker_by_hand(const std::string& mode, const std::string& log,
+                           const std::map<std::string, std::string>& env);
+
+// A TCP port on 127.0.0.1 free a moment ago.
+int free_port();
+
+// The local address of the socket listening on `port`, as /proc/net/tcp writes it (hex), or
+// "" while there is none.
+std::string listening_address(int port);
 
 // Names in /dev/shm that contain `part`: must stay empty whatever happens to the ranks.
 std::vector<std::string> segments_left(const std::string& part);

@@ -16,7 +16,6 @@
 #include <thread>
 
 #include "harness.h"
-#include "rendezvous/socket.h"
 
 namespace gradsync {
 namespace {
@@ -25,6 +24,8 @@ using namespace std::chrono_literals;
 
 using testing::build_dir;
 using testing::count_of;
+using testing::free_port;
+using testing::listening_address;
 using testing::read_file;
 using testing::run_shell;
 
@@ -138,26 +139,8 @@ INSTANTIATE_TEST_SUITE_P(Transports, KillNine, ::testing::Values("shm", "tcp"),
 
 // --- Rendezvous mistakes, with ranks started by hand ---------------------------------------
 
-// A collective_worker started as mpirun or a user would start it, writing to its own log; the
-// test's own GRADSYNC_TOKEN does not leak into it. It dies with this process.
 pid_t start_by_hand(const std::string& log, const std::map<std::string, std::string>& env) {
-  const std::string worker = build_dir() + "/tests/collective_worker";
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    std::freopen(log.c_str(), "w", stdout);
-    std::freopen(log.c_str(), "a", stderr);
-    ::unsetenv("GRADSYNC_TOKEN");
-    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
-    ::execl(worker.c_str(), worker.c_str(), "check", static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  return pid;
-}
-
-int free_port() {
-  net::Fd l = net::listen_tcp("127.0.0.1", 0, false);
-  return net::local_port(l.get());
+  return testing::start_worker_by_hand("check", log, env);
 }
 
 struct HandRank {
@@ -231,24 +214,6 @@ TEST(Rendezvous, ARankWithAnotherTokenIsNamedInTheTimeoutOfTheOthers) {
       << ranks[0].second;
   EXPECT_TRUE(testing::contains(ranks[0].second, "its GRADSYNC_TOKEN differs from this job's"))
       << ranks[0].second;
-}
-
-// The local address of the socket listening on `port`, as /proc/net/tcp writes it (hex), or
-// "" while there is none.
-std::string listening_address(int port) {
-  char want[16];
-  std::snprintf(want, sizeof want, ":%04X ", port);
-  std::istringstream lines(read_file("/proc/net/tcp"));
-  std::string line;
-  while (std::getline(lines, line)) {
-    std::istringstream fields(line);
-    std::string slot, local, remote, state;
-    fields >> slot >> local >> remote >> state;
-    if (state == "0A" && (local + " ").find(want) != std::string::npos) {
-      return local.substr(0, local.find(':'));
-    }
-  }
-  return {};
 }
 
 // Rank 0 of a job whose MASTER_ADDR is 127.0.0.1 serves the store there, not on every

@@ -134,13 +134,30 @@ TEST(TrainerReport, JsonReportHasEveryKeyTheScriptsRead) {
   EXPECT_TRUE(contains(text, "\"codec\": \"odd\\\"codec\"")) << text;
   EXPECT_TRUE(contains(text, "\"step_ahead\": false")) << text;
   EXPECT_TRUE(contains(text, "\"strategy\": \"ddp\"")) << text;
-  for (const char* key :
-       {"epochs", "steps", "wall_s", "step_s", "communication_s_per_step", "exposed_s_per_step",
-        "bytes_sent_per_rank", "allreduce_calls", "optimizer_state_bytes_per_rank",
-        "reduced_gradient_bytes_per_rank", "train_accuracy", "wall_at_step",
-        "test_accuracy_per_epoch", "config", "lr_schedule", "accumulate", "max_steps",
-        "parameter_bytes_per_rank", "gradient_bytes_per_rank", "peak_rss_bytes", "strategy",
-        "lr_scaling", "base_batch", "warmup_epochs"}) {
+  for (const char* key : {"epochs",
+                          "steps",
+                          "wall_s",
+                          "step_s",
+                          "communication_s_per_step",
+                          "exposed_s_per_step",
+                          "bytes_sent_per_rank",
+                          "allreduce_calls",
+                          "optimizer_state_bytes_per_rank",
+                          "reduced_gradient_bytes_per_rank",
+                          "train_accuracy",
+                          "wall_at_step",
+                          "test_accuracy_per_epoch",
+                          "config",
+                          "lr_schedule",
+                          "accumulate",
+                          "max_steps",
+                          "parameter_bytes_per_rank",
+                          "gradient_bytes_per_rank",
+                          "peak_rss_bytes",
+                          "strategy",
+                          "lr_scaling",
+                          "base_batch",
+                          "warmup_epochs"}) {
     EXPECT_TRUE(contains(text, std::string("\"") + key + "\": ")) << key;
   }
   EXPECT_FALSE(write_json_report(dir.path() + "/no/such/dir/run.json", r, c));

@@ -39,6 +39,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr const char* kUsage =
     "usage: gradsync-run [options] [--] prog [args...]\n"
+    "       gradsync-run --cleanup\n"
     "\n"
     "Starts N ranks of `prog` on this host and sets in each: RANK, WORLD_SIZE, LOCAL_RANK,\n"
     "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GRADSYNC_TOKEN.\n"
@@ -53,6 +54,9 @@ constexpr const char* kUsage =
     "  --timeout-s S           stop the job (exit 124) if it runs longer than S seconds\n"
     "  --grace-s S             seconds between SIGTERM and SIGKILL when stopping (default 3)\n"
     "  --no-prefix             do not prefix output lines with \"[rank R] \"\n"
+    "  --cleanup               remove from /dev/shm the segments of any gradsync job of this\n"
+    "                          user whose creating process is gone (a rank killed by SIGKILL\n"
+    "                          while setting up), print their names, and exit\n"
     "  -h, --help              this text\n"
     "\n"
     "GRADSYNC_TOKEN, the secret every connection of the job presents, is taken from the\n"
@@ -124,6 +128,12 @@ Config parse_args(int argc, char** argv) {
     }
     if (arg == "-h" || arg == "--help") {
       std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (arg == "--cleanup") {
+      if (argc != 2) usage_error("--cleanup takes no other option or command");
+      for (const std::string& name : gradsync::remove_stale_shm_segments_of_every_job()) {
+        std::printf("removed /dev/shm/%s\n", name.c_str());
+      }
       std::exit(0);
     } else if (take_value(arg, "-n", &v) || take_value(arg, "--nproc-per-node", &v)) {
       cfg.nproc_per_node = static_cast<int>(parse_int("--nproc-per-node", v, 1, 4096));

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -14,9 +15,11 @@
 
 #include <cctype>
 #include <cerrno>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace gradsync {
 
@@ -82,31 +85,85 @@ inline std::optional<pid_t> shm_segment_creator(std::string_view name) {
   return static_cast<pid_t>(std::stol(std::string(digits)));
 }
 
-// Removes from /dev/shm the segments of the job with this token that no process will unlink:
-// the transport unlinks its segments as soon as every rank has mapped them, so only a rank
-// killed during setup leaves some behind. For a launcher, once all of the job's ranks have
-// exited. Keeps a segment whose creator still runs (another job whose token shares the first
-// 8 characters, still setting up: unlinking would make its ranks fail), and every segment of
-// another user. Does nothing for a token shorter than 8 characters, whose prefix unrelated
-// jobs share too easily. Errors are ignored: this is best-effort tidying.
-inline void remove_stale_shm_segments(std::string_view token) {
-  if (token.size() < 8) return;
-  const std::string prefix = shm_segment_prefix(token);
+// Where a segment records the pid namespace its creator ran in (an 8-byte inode number of
+// /proc/<pid>/ns/pid, 0 until the creator has written its header): a pid means one process
+// only within one namespace. The transport's segment layout keeps it here
+// (static_assert in src/transport/shm_layout.h).
+inline constexpr std::size_t kShmCreatorNamespaceOffset = 48;
+
+namespace shm_segments_detail {
+
+inline std::uint64_t own_pid_namespace() {
+  struct stat st {};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<std::uint64_t>(st.st_ino) : 0;
+}
+
+// Whether the segment /dev/shm/<name> is one nobody will unlink: its creator (read from the
+// name) is gone, it belongs to this user, and it was made in this pid namespace (or its
+// creator died before saying where), since a pid from another namespace sharing /dev/shm
+// says nothing about that process here. A name that does not say its creator is stale only
+// where the caller knows whose it is (`nameless_is_stale`: the launcher, of its own job).
+inline bool stale(const std::string& name, std::uint64_t namespace_here, bool nameless_is_stale) {
+  const std::optional<pid_t> creator = shm_segment_creator(name);
+  if (!creator && !nameless_is_stale) return false;
+  if (creator && (*creator <= 0 || ::kill(*creator, 0) == 0 || errno == EPERM)) return false;
+  const std::string path = "/dev/shm/" + name;
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0 || st.st_uid != ::geteuid() || !S_ISREG(st.st_mode)) {
+    return false;
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) return false;
+  std::uint64_t made_in = 0;
+  const bool read =
+      ::pread(fd, &made_in, sizeof made_in, static_cast<off_t>(kShmCreatorNamespaceOffset)) ==
+      static_cast<ssize_t>(sizeof made_in);
+  ::close(fd);
+  return !read || made_in == 0 || made_in == namespace_here;
+}
+
+// Unlinks the stale segments whose names start with `prefix`; returns their names.
+inline std::vector<std::string> remove_stale_with_prefix(const std::string& prefix,
+                                                         bool nameless_is_stale) {
+  std::vector<std::string> removed;
   DIR* dir = ::opendir("/dev/shm");
-  if (!dir) return;
+  if (!dir) return removed;
+  const std::uint64_t namespace_here = own_pid_namespace();
   while (const dirent* entry = ::readdir(dir)) {
     const std::string name = entry->d_name;
-    if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    if (const std::optional<pid_t> creator = shm_segment_creator(name);
-        creator && *creator > 0 && (::kill(*creator, 0) == 0 || errno == EPERM)) {
+    if (name.compare(0, prefix.size(), prefix) != 0 ||
+        !stale(name, namespace_here, nameless_is_stale)) {
       continue;
     }
-    const std::string path = "/dev/shm/" + name;
-    struct stat st {};
-    // Never another user's segment, even when the token prefix collides.
-    if (::lstat(path.c_str(), &st) == 0 && st.st_uid == ::geteuid()) ::unlink(path.c_str());
+    if (::unlink(("/dev/shm/" + name).c_str()) == 0) removed.push_back(name);
   }
   ::closedir(dir);
+  return removed;
+}
+
+}  // namespace shm_segments_detail
+
+// Removes from /dev/shm the segments of the job with this token that no process will unlink:
+// the transport unlinks its segments as soon as every rank has mapped them, and when a rank
+// ends by SIGTERM, SIGINT or SIGHUP, so only a rank killed (SIGKILL) during setup leaves some
+// behind. For a launcher, once all of the job's ranks have exited: those whose names do not
+// say their creator go too (this job's, by the token). Keeps a segment whose
+// creator still runs (another job whose token shares the first 8 characters, still setting
+// up: unlinking would make its ranks fail), one made in another pid namespace, and every
+// segment of another user. Does nothing for a token shorter than 8 characters, whose prefix
+// unrelated jobs share too easily. Errors are ignored: this is best-effort tidying. Returns
+// the names removed.
+inline std::vector<std::string> remove_stale_shm_segments(std::string_view token) {
+  if (token.size() < 8) return {};
+  return shm_segments_detail::remove_stale_with_prefix(shm_segment_prefix(token), true);
+}
+
+// The same for every gradsync job's segments, whatever its token, but only those whose names
+// say their creator: what each new shm transport runs before it creates its own (so a rank
+// killed during setup leaves nothing past the next job on the host), and `gradsync-run
+// --cleanup`.
+inline std::vector<std::string> remove_stale_shm_segments_of_every_job() {
+  return shm_segments_detail::remove_stale_with_prefix("gradsync-", false);
 }
 
 }  // namespace gradsync

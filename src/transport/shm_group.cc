@@ -10,6 +10,7 @@
 #include <thread>
 #include <utility>
 
+#include "gradsync/shm_segments.h"
 #include "rendezvous/store_util.h"
 
 namespace gradsync::transport::shm {
@@ -76,6 +77,9 @@ void ShmGroup::connect(Store& store, const std::string& key_prefix,
   const std::uint64_t my_pid_namespace = pid_namespace_id();
   auto segment_key = [&](int r) { return key_prefix + "/shm/segment/" + std::to_string(r); };
 
+  // Segments that ranks killed during an earlier job's setup left behind (no process will
+  // unlink them now): on a shared node they would pile up until memory runs out.
+  remove_stale_shm_segments_of_every_job();
   SegmentUnlinker unlinker;
 
   // 1. Create and initialise our inbox, then publish its name.

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "gradsync/shm_segments.h"
 #include "transport/transport.h"
 
 // Hidden, as all shm internals are (see shm_group.h).
@@ -117,6 +118,9 @@ struct SegmentHeader {
   alignas(kCacheLine) FutexWord owner_closed{0};
   GroupControl group;  // used only in the segment of the group's first rank
 };
+
+// remove_stale_shm_segments (shm_segments.h) reads it there, without this layout.
+static_assert(offsetof(SegmentHeader, owner_pid_namespace) == kShmCreatorNamespaceOffset);
 
 constexpr std::size_t round_up(std::size_t n, std::size_t to) {
   return (n + to - 1) / to * to;

@@ -3,11 +3,14 @@
 #include "transport/shm_segment.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 
+#include <array>
 #include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -73,11 +76,96 @@ MappingPtr map_segment(int fd, std::size_t bytes, const std::string& name, int r
   });
 }
 
+// The segment names a terminating signal should unlink, as /dev/shm paths. A signal handler
+// may neither lock nor allocate, so this is a fixed table of slots, each claimed and released
+// with an atomic: free -> writing -> ready -> free.
+namespace pending_names {
+
+constexpr std::size_t kSlots = 64;
+constexpr std::size_t kPathBytes = 320;  // "/dev/shm" and a name of at most ~200
+constexpr int kFree = 0, kWriting = 1, kReady = 2;
+
+struct Slot {
+  std::atomic<int> state{kFree};
+  char path[kPathBytes];
+};
+std::array<Slot, kSlots> slots;
+
+// The slot now holding `name`, or -1 (the table full, or the name too long): that segment is
+// then left to the sweep of the next job on the host.
+int add(const std::string& name) {
+  const std::string path = "/dev/shm" + name;
+  if (path.size() >= kPathBytes) return -1;
+  for (std::size_t i = 0; i < kSlots; ++i) {
+    int free = kFree;
+    if (!slots[i].state.compare_exchange_strong(free, kWriting)) continue;
+    std::memcpy(slots[i].path, path.c_str(), path.size() + 1);
+    slots[i].state.store(kReady, std::memory_order_release);
+    return static_cast<int>(i);
+  }
+  return -1;
+}
+
+void remove(int slot) {
+  if (slot >= 0) slots[static_cast<std::size_t>(slot)].state.store(kFree);
+}
+
+// From the signal handler: unlink() is async-signal-safe (shm_unlink is not listed).
+void unlink_all_now() {
+  for (auto& slot : slots) {
+    if (slot.state.load(std::memory_order_acquire) == kReady) ::unlink(slot.path);
+  }
+}
+
+}  // namespace pending_names
+
+constexpr std::array<int, 3> kTerminatingSignals = {SIGTERM, SIGINT, SIGHUP};
+// What each signal did before the handler was installed (written once, before installing).
+std::array<struct sigaction, kTerminatingSignals.size()> previous_actions;
+
+void unlink_then_pass_on(int sig, siginfo_t* info, void* context) {
+  const int saved_errno = errno;
+  pending_names::unlink_all_now();
+  std::size_t i = 0;
+  while (i + 1 < kTerminatingSignals.size() && kTerminatingSignals[i] != sig) ++i;
+  const struct sigaction& previous = previous_actions[i];
+  if ((previous.sa_flags & SA_SIGINFO) != 0) {
+    if (previous.sa_sigaction) previous.sa_sigaction(sig, info, context);
+  } else if (previous.sa_handler == SIG_DFL) {
+    // Blocked while this handler runs, the signal is delivered again, to its default action,
+    // as soon as it returns.
+    struct sigaction default_action {};
+    default_action.sa_handler = SIG_DFL;
+    ::sigaction(sig, &default_action, nullptr);
+    ::raise(sig);
+  } else if (previous.sa_handler != SIG_IGN) {
+    previous.sa_handler(sig);
+  }
+  errno = saved_errno;
+}
+
+// Once a process: a signal its owner ignores stays ignored.
+void install_signal_handlers() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    for (std::size_t i = 0; i < kTerminatingSignals.size(); ++i) {
+      struct sigaction current {};
+      if (::sigaction(kTerminatingSignals[i], nullptr, &current) != 0) continue;
+      if ((current.sa_flags & SA_SIGINFO) == 0 && current.sa_handler == SIG_IGN) continue;
+      previous_actions[i] = current;
+      struct sigaction ours {};
+      ours.sa_sigaction = unlink_then_pass_on;
+      ours.sa_flags = SA_SIGINFO | SA_RESTART;
+      sigemptyset(&ours.sa_mask);
+      ::sigaction(kTerminatingSignals[i], &ours, nullptr);
+    }
+  });
+}
+
 }  // namespace
 
 std::uint64_t pid_namespace_id() {
-  struct stat st;
-  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<std::uint64_t>(st.st_ino) : 0;
+  return shm_segments_detail::own_pid_namespace();
 }
 
 int open_pidfd(pid_t pid) {
@@ -108,8 +196,16 @@ Mapping::~Mapping() {
   ::munmap(address_, bytes_);
 }
 
+void SegmentUnlinker::add(const std::string& name) {
+  install_signal_handlers();
+  names_.push_back({name, pending_names::add(name)});
+}
+
 void SegmentUnlinker::unlink_all() {
-  for (const auto& n : names_) ::shm_unlink(n.c_str());  // ENOENT: another rank was first
+  for (const auto& n : names_) {
+    ::shm_unlink(n.name.c_str());  // ENOENT: another rank was first
+    pending_names::remove(n.slot);
+  }
   names_.clear();
 }
 

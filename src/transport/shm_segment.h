@@ -87,18 +87,26 @@ class Mapping {
 using MappingPtr = std::shared_ptr<const Mapping>;
 
 // Segment names waiting to be unlinked. Setup unlinks them all once every rank has mapped
-// every segment, and on every error path, so /dev/shm is clean however setup ends.
+// every segment, and on every error path, so /dev/shm is clean however setup ends. Until
+// then a SIGTERM, SIGINT or SIGHUP unlinks them too: the first add() installs a handler for
+// each of those not ignored, which unlinks every name still waiting and then does what the
+// signal did before (by default, ends the process with that signal, so its exit status is
+// the usual one).
 class SegmentUnlinker {
  public:
   SegmentUnlinker() = default;
   SegmentUnlinker(const SegmentUnlinker&) = delete;
   SegmentUnlinker& operator=(const SegmentUnlinker&) = delete;
   ~SegmentUnlinker() { unlink_all(); }
-  void add(const std::string& name) { names_.push_back(name); }
+  void add(const std::string& name);
   void unlink_all();
 
  private:
-  std::vector<std::string> names_;
+  struct Name {
+    std::string name;
+    int slot;  // in the table the signal handler reads; -1 when it was full
+  };
+  std::vector<Name> names_;
 };
 
 // A name for this process's segment of `rank` (gradsync::shm_segment_name, numbered so that
