@@ -1,8 +1,8 @@
 // Nothing left in /dev/shm however a rank ends, without gradsync-run to tidy up: SIGTERM,
 // SIGINT or SIGHUP during the shm transport's setup unlinks the segments and ends the process
-// with that signal; during rendezvous and mid-collective the process ends with the signal and
-// leaves nothing; SIGKILL during setup leaves the segment only until the next job on the host
-// sets up, or `gradsync-run --cleanup`; and the sweep keeps what is not provably stale.
+// with that signal; during rendezvous, mid-collective and after shutdown the process ends with
+// the signal and leaves nothing; SIGKILL during setup leaves the segment only until the next job on
+// the host sets up, or `gradsync-run --cleanup`; and the sweep keeps what is not provably stale.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -168,6 +168,32 @@ TEST(ShmSignals, MidCollectiveTheSignalEndsTheRankAndNothingIsLeft) {
   EXPECT_TRUE(testing::contains(testing::read_file(job.log(1)), "rank 0"))
       << testing::read_file(job.log(1));
   EXPECT_EQ(job.left(), std::vector<std::string>{});
+}
+
+// After a group has set up, run and shut down (its transports destroyed, the handler long
+// installed), the signal still ends the process with it, and there is nothing to leave.
+TEST(ShmSignals, AfterShutdownTheSignalStillEndsTheProcess) {
+  testing::TempDir dir;
+  const std::string prefix = testing::unique_name("shm-after");
+  const std::string marker = dir.path() + "/shut-down";
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    {
+      auto store = make_inproc_store();
+      testing::run_threads(2, [&](int rank) {
+        make_shm_transport(*store, prefix, rank, 2, testing::all_ranks(2), {}, 60s);
+      });
+    }
+    const int fd = ::open(marker.c_str(), O_CREAT | O_WRONLY, 0600);
+    ::close(fd);
+    for (;;) ::pause();
+  }
+  ASSERT_TRUE(wait_for([&] { return std::filesystem::exists(marker); }));
+  ::kill(pid, SIGHUP);
+  const int status = status_of(pid);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGHUP) << "status " << status;
+  EXPECT_EQ(segments_left(prefix), std::vector<std::string>{});
 }
 
 // SIGKILL cannot be handled: the segment stays until the next job on the host sets up its
