@@ -88,6 +88,49 @@ TEST(TrainerCheckpoint, ResumeAfterACrashInTheMiddleOfASaveRepeatsTheLossesBitFo
   std::filesystem::remove_all(dir);
 }
 
+// gradsync-run --max-restarts 1: rank 0 fails in the middle of its second save; the launcher
+// stops the other ranks and starts all three again, and the trainer, seeing
+// GRADSYNC_RESTART_COUNT=1, resumes from the checkpoint of step 8 on its own. The steps after
+// it repeat the uninterrupted run's losses bit for bit (ZeRO 1, so sharded optimizer state
+// is restored too). A failure in every attempt ends the job after the restarts with the
+// failing rank's code.
+TEST(TrainerRestart, MaxRestartsResumesFromTheLatestCheckpointBitForBit) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no data";
+  const std::string dir = testing::build_dir() + "/train_restart_" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  const std::string pinned =
+      "GRADSYNC_COST_MODEL=alpha_us=500,bandwidth_gbps=0.5,reduce_gbps=1,shm_call_us=100000 ";
+  const std::string train = testing::build_dir() +
+                            "/examples/gradsync-train --hidden 32 --max-steps 24 --quiet "
+                            "--checkpoint-every 8 --zero 1 --optimizer adamw ";
+  const std::string launcher = testing::build_dir() + "/tools/gradsync-run -n 3 --no-prefix ";
+  auto r = testing::run_shell(pinned + launcher + "-- " + train + "--checkpoint " + dir +
+                              "/full --json " + dir + "/full.json 2>&1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  // Only the first attempt fails.
+  const std::string crash_once =
+      "sh -c 'if [ \"$GRADSYNC_RESTART_COUNT\" = 0 ]; then export GRADSYNC_TRAIN_CRASH_AT_SAVE=2; "
+      "fi; exec \"$@\"' sh ";
+  r = testing::run_shell(pinned + launcher + "--max-restarts 1 -- " + crash_once + train +
+                         "--checkpoint " + dir + "/restarted --json " + dir +
+                         "/restarted.json 2>&1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "restarting every rank (restart 1 of 1)")) << r.output;
+  const auto full = losses(dir + "/full.json"), resumed = losses(dir + "/restarted.json");
+  ASSERT_EQ(full.size(), 24u);
+  ASSERT_EQ(resumed.size(), 16u) << r.output;
+  for (std::size_t i = 0; i < resumed.size(); ++i) {
+    EXPECT_EQ(resumed[i], full[8 + i]) << "step " << 8 + i;
+  }
+  EXPECT_EQ(testing::read_file(dir + "/restarted/LATEST"), "24\n");
+  // Every attempt fails: two restarts, then the job ends with rank 0's failure.
+  r = testing::run_shell(launcher +
+                         "--max-restarts 2 -- sh -c '[ $RANK = 0 ] && exit 7; sleep 60' 2>&1");
+  EXPECT_EQ(r.exit_code(), 7) << r.output;
+  EXPECT_EQ(testing::count_of(r.output, "restarting every rank"), 2) << r.output;
+  std::filesystem::remove_all(dir);
+}
+
 // Step-ahead error feedback moves where the gradient is computed by what the codec holds
 // back: nothing for float32 (the same losses with it on or off), and for top-k nothing at
 // the first step (nothing held back yet) and something at every later one.

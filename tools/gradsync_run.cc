@@ -53,6 +53,10 @@ constexpr const char* kUsage =
     "  --master-port P         its port (default: a free port on one host, 29500 on several)\n"
     "  --timeout-s S           stop the job (exit 124) if it runs longer than S seconds\n"
     "  --grace-s S             seconds between SIGTERM and SIGKILL when stopping (default 3)\n"
+    "  --max-restarts N        when a rank fails, stop the others and start every rank again,\n"
+    "                          up to N times (default 0; one host only); each attempt's ranks\n"
+    "                          see GRADSYNC_RESTART_COUNT (0, 1, ...), so a program can resume\n"
+    "                          from its checkpoint (gradsync-train --checkpoint does)\n"
     "  --no-prefix             do not prefix output lines with \"[rank R] \"\n"
     "  --cleanup               remove from /dev/shm the segments of any gradsync job of this\n"
     "                          user whose creating process is gone (a rank killed by SIGKILL\n"
@@ -79,6 +83,7 @@ struct Config {
   int master_port = -1;  // -1: choose (see kUsage)
   double timeout_s = 0;  // 0: no job timeout
   double grace_s = 3;    // long enough for a rank to flush logs and unlink shm on SIGTERM
+  int max_restarts = 0;
   bool prefix = true;
   std::vector<std::string> command;
 };
@@ -150,6 +155,8 @@ Config parse_args(int argc, char** argv) {
       cfg.timeout_s = parse_seconds("--timeout-s", v);
     } else if (take_value(arg, "--grace-s", &v)) {
       cfg.grace_s = parse_seconds("--grace-s", v);
+    } else if (take_value(arg, "--max-restarts", &v)) {
+      cfg.max_restarts = static_cast<int>(parse_int("--max-restarts", v, 0, 1000));
     } else if (arg == "--no-prefix") {
       cfg.prefix = false;
     } else if (!arg.empty() && arg[0] == '-') {
@@ -165,6 +172,11 @@ Config parse_args(int argc, char** argv) {
     usage_error("--nnodes " + std::to_string(cfg.nnodes) + " x --nproc-per-node " +
                 std::to_string(cfg.nproc_per_node) + " is " + std::to_string(ranks) +
                 " ranks, more than the " + std::to_string(kMaxWorldSize) + " a job may have");
+  }
+  if (cfg.max_restarts > 0 && cfg.nnodes > 1) {
+    usage_error(
+        "--max-restarts with --nnodes > 1: every host's launcher would have to restart its "
+        "ranks together, which gradsync-run cannot coordinate yet; use it on one host");
   }
   if (cfg.node_rank >= cfg.nnodes) {
     usage_error("--node-rank " + std::to_string(cfg.node_rank) + " must be below --nnodes " +
@@ -360,8 +372,9 @@ bool pump(OutputRelay& relay, Rank& r, Stream& s) {
 }
 
 std::vector<std::string> child_environment(const Config& cfg, int local_rank,
-                                           const std::string& token) {
+                                           const std::string& token, int restart) {
   const std::pair<const char*, std::string> ours[] = {
+      {"GRADSYNC_RESTART_COUNT", std::to_string(restart)},
       {"RANK", std::to_string(cfg.node_rank * cfg.nproc_per_node + local_rank)},
       {"WORLD_SIZE", std::to_string(cfg.nnodes * cfg.nproc_per_node)},
       {"LOCAL_RANK", std::to_string(local_rank)},
@@ -387,7 +400,7 @@ std::vector<std::string> child_environment(const Config& cfg, int local_rank,
 // fork + exec one rank. Its stdout/stderr go to pipes (or are inherited with --no-prefix);
 // it leads its own process group so that stopping it also stops whatever it spawned
 // (a shell script's children would otherwise keep running and hold the pipes open).
-void spawn(const Config& cfg, Rank& r, int local_rank, const std::string& token) {
+void spawn(const Config& cfg, Rank& r, int local_rank, const std::string& token, int restart) {
   int pipes[2][2] = {{-1, -1}, {-1, -1}};
   if (cfg.prefix) {
     for (auto& p : pipes) {
@@ -398,7 +411,7 @@ void spawn(const Config& cfg, Rank& r, int local_rank, const std::string& token)
     }
   }
   // Built before fork: the child must only call async-signal-safe functions before exec.
-  std::vector<std::string> env = child_environment(cfg, local_rank, token);
+  std::vector<std::string> env = child_environment(cfg, local_rank, token, restart);
   std::vector<char*> envp;
   for (auto& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
@@ -480,51 +493,35 @@ int exit_code_of(int status) {
   return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
 }
 
-}  // namespace
+// How one start of every rank ended: the first rank that failed, or the signal or timeout
+// that made the launcher stop them (none of these: every rank exited 0).
+struct Outcome {
+  std::optional<Rank> first_failure;
+  int launcher_signal = 0;  // a signal that made the launcher stop the job
+  bool timed_out = false;
+  int stopped = 0;  // ranks still running when the job was first told to stop
+};
 
-int main(int argc, char** argv) {
-  Config cfg = parse_args(argc, argv);
-
-  const char* env_token = std::getenv("GRADSYNC_TOKEN");
-  if (cfg.master_port < 0) {
-    // One host: any free port avoids clashes between jobs. Several hosts: every host must
-    // agree without talking, so the conventional default.
-    cfg.master_port = cfg.nnodes == 1 ? pick_free_port() : 29500;
-    if (cfg.master_port < 0) {
-      std::fprintf(stderr, "gradsync-run: cannot find a free port: %s\n", std::strerror(errno));
-      return 1;
-    }
-  }
-  std::string token;
-  if (env_token && *env_token) {
-    token = env_token;
-  } else if (cfg.nnodes == 1) {
-    token = random_token();
-  } else {
-    token = derived_token(cfg.master_addr, cfg.master_port);
-    std::fprintf(stderr,
-                 "gradsync-run: warning: GRADSYNC_TOKEN is not set; using a token derived from "
-                 "%s:%d, which anyone who knows that address can reproduce. Export the same "
-                 "random GRADSYNC_TOKEN on every host.\n",
-                 cfg.master_addr.c_str(), cfg.master_port);
-  }
-
-  install_handlers();
+// Starts every rank of this host, relays their output, and waits for all of them: stopping the
+// others (SIGTERM, then SIGKILL after the grace period) once one fails, the launcher gets a
+// signal, or the job passes --timeout-s since `start`.
+Outcome run_ranks(const Config& cfg, const std::string& token, int restart,
+                  Clock::time_point start) {
+  Outcome outcome;
   std::vector<Rank> ranks(static_cast<std::size_t>(cfg.nproc_per_node));
   for (int l = 0; l < cfg.nproc_per_node; ++l) {
     Rank& r = ranks[static_cast<std::size_t>(l)];
     r.rank = cfg.node_rank * cfg.nproc_per_node + l;
-    spawn(cfg, r, l, token);
+    spawn(cfg, r, l, token, restart);
   }
 
   OutputRelay relay(cfg.prefix);
-  const auto start = Clock::now();
   std::optional<Clock::time_point> kill_at;  // set once stopping: when SIGKILL follows SIGTERM
   const Rank* first_failure = nullptr;
-  int launcher_signal = 0;  // a signal that made the launcher stop the job
-  bool timed_out = false;
+  int& launcher_signal = outcome.launcher_signal;
+  bool& timed_out = outcome.timed_out;
   int running = cfg.nproc_per_node;
-  int stopped = 0;  // ranks still running when the job was first told to stop
+  int& stopped = outcome.stopped;
 
   auto stop_all = [&](int sig) {
     for (const Rank& r : ranks) {
@@ -633,22 +630,73 @@ int main(int argc, char** argv) {
     for (const Rank& r : ranks) ::kill(-r.pid, SIGKILL);
   }
   gradsync::remove_stale_shm_segments(token);
+  if (first_failure) outcome.first_failure = *first_failure;
+  return outcome;
+}
 
-  if (first_failure) {
-    std::fprintf(stderr, "gradsync-run: %s", describe_exit(*first_failure).c_str());
-    if (stopped > 0) std::fprintf(stderr, "; stopped %d other rank(s)", stopped);
+// The launcher's own report of how the job ended, and its exit code.
+int report(const Config& cfg, const Outcome& outcome) {
+  if (outcome.first_failure) {
+    std::fprintf(stderr, "gradsync-run: %s", describe_exit(*outcome.first_failure).c_str());
+    if (outcome.stopped > 0) std::fprintf(stderr, "; stopped %d other rank(s)", outcome.stopped);
     std::fprintf(stderr, "\n");
-    return exit_code_of(first_failure->status);
+    return exit_code_of(outcome.first_failure->status);
   }
-  if (launcher_signal) {
+  if (outcome.launcher_signal) {
     std::fprintf(stderr, "gradsync-run: received %s; stopped %d rank(s)\n",
-                 describe_signal(launcher_signal).c_str(), stopped);
-    return 128 + launcher_signal;
+                 describe_signal(outcome.launcher_signal).c_str(), outcome.stopped);
+    return 128 + outcome.launcher_signal;
   }
-  if (timed_out) {
+  if (outcome.timed_out) {
     std::fprintf(stderr, "gradsync-run: job exceeded --timeout-s %g; stopped %d rank(s)\n",
-                 cfg.timeout_s, stopped);
+                 cfg.timeout_s, outcome.stopped);
     return 124;  // as timeout(1)
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config cfg = parse_args(argc, argv);
+
+  const char* env_token = std::getenv("GRADSYNC_TOKEN");
+  const bool port_given = cfg.master_port >= 0;
+  if (cfg.master_port < 0) {
+    // One host: any free port avoids clashes between jobs. Several hosts: every host must
+    // agree without talking, so the conventional default.
+    cfg.master_port = cfg.nnodes == 1 ? pick_free_port() : 29500;
+    if (cfg.master_port < 0) {
+      std::fprintf(stderr, "gradsync-run: cannot find a free port: %s\n", std::strerror(errno));
+      return 1;
+    }
+  }
+  std::string token;
+  if (env_token && *env_token) {
+    token = env_token;
+  } else if (cfg.nnodes == 1) {
+    token = random_token();
+  } else {
+    token = derived_token(cfg.master_addr, cfg.master_port);
+    std::fprintf(stderr,
+                 "gradsync-run: warning: GRADSYNC_TOKEN is not set; using a token derived from "
+                 "%s:%d, which anyone who knows that address can reproduce. Export the same "
+                 "random GRADSYNC_TOKEN on every host.\n",
+                 cfg.master_addr.c_str(), cfg.master_port);
+  }
+
+  install_handlers();
+  const auto start = Clock::now();
+  for (int restart = 0;; ++restart) {
+    const Outcome outcome = run_ranks(cfg, token, restart, start);
+    if (outcome.first_failure && !outcome.launcher_signal && !outcome.timed_out &&
+        restart < cfg.max_restarts) {
+      std::fprintf(stderr, "gradsync-run: %s; restarting every rank (restart %d of %d)\n",
+                   describe_exit(*outcome.first_failure).c_str(), restart + 1, cfg.max_restarts);
+      // The ranks' store starts afresh: on one host, on a port nobody holds.
+      if (cfg.nnodes == 1 && !port_given) cfg.master_port = pick_free_port();
+      continue;
+    }
+    return report(cfg, outcome);
+  }
 }

@@ -60,7 +60,9 @@ constexpr const char* kUsage =
     "                         cost model the checkpoint's run chose algorithms by\n"
     "  --overwrite            a new run replaces the checkpoints DIR holds (without it or\n"
     "                         --resume, a DIR that holds checkpoints is refused)\n"
-    "  --quiet                no progress bar\n";
+    "  --quiet                no progress bar\n"
+    "Started again by gradsync-run --max-restarts (GRADSYNC_RESTART_COUNT > 0), a run with\n"
+    "--checkpoint DIR resumes from DIR/LATEST, or starts over if it failed before its first.\n";
 
 [[noreturn]] void usage_error(const std::string& what) {
   std::fprintf(stderr, "gradsync-train: %s\n%s", what.c_str(), kUsage);

@@ -581,7 +581,18 @@ int Trainer::report() {
 
 }  // namespace
 
-int run_training(const Config& c) {
+int run_training(Config c) {
+  // Started again by gradsync-run --max-restarts after a rank failed: go on from this run's
+  // latest checkpoint, or, where it failed before its first, start over what it left.
+  const char* restart = std::getenv("GRADSYNC_RESTART_COUNT");
+  if (restart && *restart && std::string(restart) != "0" && !c.checkpoint.empty() && !c.resume) {
+    if (std::filesystem::exists(c.checkpoint + "/LATEST")) {
+      c.resume = true;
+      c.overwrite = false;
+    } else {
+      c.overwrite = true;
+    }
+  }
   // A resumed run chooses its algorithms by the cost model the checkpoint's run chose by
   // (unless the environment sets one).
   gradsync::Options options;

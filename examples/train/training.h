@@ -8,6 +8,6 @@ namespace train {
 
 // Trains as `c` says, as the rank of the job that gradsync::init() finds in the environment
 // (gradsync-run sets it), and reports; returns the process's exit status. Errors throw.
-int run_training(const Config& c);
+int run_training(Config c);
 
 }  // namespace train
