@@ -14,6 +14,7 @@
 #include "flag_numbers.h"
 #include "gradsync/advise.h"
 #include "gradsync/error.h"
+#include "gradsync/version.h"
 #include "json_writer.h"
 
 namespace {
@@ -23,6 +24,7 @@ using gradsync::advise::Prediction;
 using gradsync::advise::Profile;
 
 constexpr const char* kUsage = R"(usage: gradsync-advise [flags]
+       gradsync-advise --version
 
 The configuration (gradsync-train's flags):
   --model mlp|cnn      (mlp: 784-2048x4-10)
@@ -93,6 +95,10 @@ Flags parse(int argc, char** argv) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
       std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (flag == "--version") {
+      std::printf("gradsync-advise %s\n", gradsync::version());
       std::exit(0);
     }
     if (flag == "--no-overlap") {

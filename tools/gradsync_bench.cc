@@ -31,6 +31,7 @@ enum class Collective { kAllreduce, kReduceScatter, kAllgather, kBroadcast };
 
 constexpr const char* kUsage =
     "usage: gradsync-bench <allreduce|reduce_scatter|allgather|broadcast> [options]\n"
+    "       gradsync-bench --version\n"
     "Run every rank under gradsync-run (or any launcher that sets RANK/WORLD_SIZE/...).\n"
     "\n"
     "  --min-bytes B     smallest message (default 4096; K/M/G suffixes are powers of 1024)\n"
@@ -119,6 +120,10 @@ Config parse_args(int argc, char** argv) {
   c.coll_name = argv[1];
   if (c.coll_name == "-h" || c.coll_name == "--help") {
     std::fputs(kUsage, stdout);
+    std::exit(0);
+  }
+  if (c.coll_name == "--version") {
+    std::printf("gradsync-bench %s\n", gradsync::version());
     std::exit(0);
   }
   if (c.coll_name == "allreduce")

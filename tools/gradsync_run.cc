@@ -28,8 +28,9 @@
 
 // Header-only, so the launcher still links nothing of the library; by path, as this target
 // has no include directories.
-#include "../include/gradsync/shm_segments.h"
 #include "flag_numbers.h"
+#include "gradsync/shm_segments.h"
+#include "gradsync/version.h"
 
 extern char** environ;
 
@@ -61,6 +62,7 @@ constexpr const char* kUsage =
     "  --cleanup               remove from /dev/shm the segments of any gradsync job of this\n"
     "                          user whose creating process is gone (a rank killed by SIGKILL\n"
     "                          while setting up), print their names, and exit\n"
+    "  --version               the version of gradsync, and exit\n"
     "  -h, --help              this text\n"
     "\n"
     "GRADSYNC_TOKEN, the secret every connection of the job presents, is taken from the\n"
@@ -133,6 +135,9 @@ Config parse_args(int argc, char** argv) {
     }
     if (arg == "-h" || arg == "--help") {
       std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (arg == "--version") {
+      std::printf("gradsync-run %s\n", GRADSYNC_VERSION_STRING);
       std::exit(0);
     } else if (arg == "--cleanup") {
       if (argc != 2) usage_error("--cleanup takes no other option or command");

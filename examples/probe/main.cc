@@ -30,11 +30,13 @@
 #include "gradsync/error.h"
 #include "gradsync/gradsync.h"
 #include "gradsync/optim.h"
+#include "gradsync/version.h"
 #include "train/model.h"
 
 namespace {
 
 constexpr const char* kUsage = R"(usage: gradsync-run -n N -- gradsync-probe [flags]
+       gradsync-probe --version
   --model M      the trainer's model whose compute speed to measure (mlp, cnn)
   --hidden H,..  the MLP's hidden widths
   --batch B      samples per rank (64)
@@ -61,6 +63,10 @@ Flags parse(int argc, char** argv) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
       std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (flag == "--version") {
+      std::printf("gradsync-probe %s\n", gradsync::version());
       std::exit(0);
     }
     if (i + 1 >= argc) usage_error(flag + " needs a value (or is unknown)");

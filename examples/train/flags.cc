@@ -3,6 +3,7 @@
 #include "train/flags.h"
 
 #include <gradsync/compress.h>
+#include <gradsync/version.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +17,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: gradsync-train [options]   (one process per rank: run it under gradsync-run)\n"
+    "       gradsync-train --version\n"
     "  --model mlp|cnn        the network (default mlp: 784-2048x4-10, 14.2 M parameters)\n"
     "  --hidden A,B,...       the MLP's hidden widths (default 2048,2048,2048,2048)\n"
     "  --epochs N             passes over the training set (default 1)\n"
@@ -277,6 +279,10 @@ Config parse_flags(int argc, char** argv) {
     const std::string flag = args.next_flag();
     if (flag == "-h" || flag == "--help") {
       std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (flag == "--version") {
+      std::printf("gradsync-train %s\n", gradsync::version());
       std::exit(0);
     }
     if (!read_model_flag(flag, args, c) && !read_communication_flag(flag, args, c) &&

@@ -19,6 +19,7 @@
 #include "gradsync/error.h"
 #include "gradsync/store.h"
 #include "gradsync/types.h"
+#include "gradsync/version.h"
 
 namespace gradsync {
 
