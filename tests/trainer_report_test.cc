@@ -140,7 +140,8 @@ TEST(TrainerReport, JsonReportHasEveryKeyTheScriptsRead) {
         "reduced_gradient_bytes_per_rank", "train_accuracy", "wall_at_step",
         "test_accuracy_per_epoch", "config", "lr_schedule", "accumulate", "max_steps",
         "parameter_bytes_per_rank", "gradient_bytes_per_rank", "peak_rss_bytes", "strategy",
-        "lr_scaling", "base_batch", "warmup_epochs"}) {
+        "lr_scaling", "base_batch", "warmup_epochs", "poly_power", "weight_decay",
+        "exclude_biases", "beta2"}) {
     EXPECT_TRUE(contains(text, std::string("\"") + key + "\": ")) << key;
   }
   EXPECT_FALSE(write_json_report(dir.path() + "/no/such/dir/run.json", r, c));
