@@ -112,6 +112,69 @@ TEST(Optimizers, LarsAndLambScaleEachTensorByItsTrustRatio) {
   });
 }
 
+// A tensor excluded (a bias) steps as plain SGD with momentum (LARS) or Adam (LAMB): no
+// weight decay, ratio 1; the others keep both. Against the formulas in double precision.
+TEST(Optimizers, LarsAndLambStepExcludedTensorsWithoutDecayOrTrustRatio) {
+  const std::vector<std::size_t> sizes = {3, 2};
+  const std::vector<bool> excluded = {false, true};
+  const std::vector<float> w0 = {10.0f, -20.0f, 5.0f, 0.1f, -0.2f};
+  const std::vector<float> g = {0.5f, 0.25f, -1.0f, 0.03f, 0.01f};
+  const optim::LarsOptions lo{
+      .lr = 0.5f, .momentum = 0.9f, .weight_decay = 0.01f, .trust = 0.02f, .excluded = excluded};
+  const optim::LambOptions bo{.lr = 0.01f, .weight_decay = 0.1f, .excluded = excluded};
+  std::vector<double> lars_w(w0.begin(), w0.end()), lars_b(w0.size(), 0.0);
+  std::vector<double> lamb_w(w0.begin(), w0.end()), m(w0.size(), 0.0), v(w0.size(), 0.0);
+  auto lars = optim::make_lars(sizes, lo);
+  auto lamb = optim::make_lamb(sizes, bo);
+  std::vector<float> lars_p = w0, lamb_p = w0;
+  for (int step = 1; step <= 3; ++step) {
+    lars->step(lars_p, g);
+    lamb->step(lamb_p, g);
+    std::size_t first = 0;
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      const std::size_t n = sizes[t];
+      const double decay_lars = excluded[t] ? 0 : lo.weight_decay;
+      const double decay_lamb = excluded[t] ? 0 : bo.weight_decay;
+      std::vector<double> w(lars_w.begin() + first, lars_w.begin() + first + n), gt(n);
+      for (std::size_t i = 0; i < n; ++i) gt[i] = g[first + i];
+      const double ratio = excluded[t] ? 1 : lo.trust * l2(w) / (l2(gt) + lo.weight_decay * l2(w));
+      for (std::size_t i = 0; i < n; ++i) {
+        auto& b = lars_b[first + i];
+        b = lo.momentum * b + lo.lr * ratio * (gt[i] + decay_lars * w[i]);
+        lars_w[first + i] -= b;
+      }
+      std::vector<double> u(n), lw(lamb_w.begin() + first, lamb_w.begin() + first + n);
+      for (std::size_t i = 0; i < n; ++i) {
+        auto& mi = m[first + i];
+        auto& vi = v[first + i];
+        mi = bo.beta1 * mi + (1 - bo.beta1) * gt[i];
+        vi = bo.beta2 * vi + (1 - bo.beta2) * gt[i] * gt[i];
+        u[i] = mi / (1 - std::pow(bo.beta1, step)) /
+                   (std::sqrt(vi / (1 - std::pow(bo.beta2, step))) + bo.eps) +
+               decay_lamb * lw[i];
+      }
+      const double r = excluded[t] ? 1 : l2(lw) / l2(u);
+      for (std::size_t i = 0; i < n; ++i) lamb_w[first + i] -= bo.lr * r * u[i];
+      first += n;
+    }
+    for (std::size_t i = 0; i < w0.size(); ++i) {
+      EXPECT_NEAR(lars_p[i], lars_w[i], 1e-5 * (1 + std::abs(lars_w[i]))) << step << " " << i;
+      EXPECT_NEAR(lamb_p[i], lamb_w[i], 1e-5 * (1 + std::abs(lamb_w[i]))) << step << " " << i;
+    }
+  }
+  // The excluded tensor's Adam step is about lr per element, not lr x its small norm.
+  EXPECT_NEAR(std::abs(lamb_p[3] - w0[3]), 3 * bo.lr, 1e-4);
+  // One flag per tensor, or none.
+  const Error e = testing::expect_error(ErrorKind::kInvalidArgument,
+                                        [&] { optim::make_lamb(sizes, {.excluded = {true}}); });
+  EXPECT_NE(std::string(e.what()).find("LAMB over 2 tensors given 1 exclusion flags"),
+            std::string::npos)
+      << e.what();
+  testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+    optim::make_lars(sizes, {.excluded = {true, false, true}});
+  });
+}
+
 // A schedule sets the rate before each step: the next steps use it, the state is untouched.
 TEST(Optimizers, SetLrScalesTheStepsThatFollow) {
   std::vector<float> p = {1.0f}, g = {0.5f};

@@ -108,6 +108,9 @@ TEST_F(TrainerCheckpointSafety, AResumeWithOtherFlagsIsRefusedNamingEach) {
                  "written with --codec none; this run has --codec topk:ratio=0.01");
   expect_refused(testing::run_shell(resume("--optimizer adamw")),
                  "written with --optimizer sgd; this run has --optimizer adamw");
+  // Recorded only where set away from the default: the file has none, this run one.
+  expect_refused(testing::run_shell(resume("--weight-decay 0.1")),
+                 "written with --weight-decay (not recorded); this run has --weight-decay 0.1");
   // Two differences at once: both named.
   const auto r = testing::run_shell(resume("--accumulate 2 --zero 1"));
   expect_refused(r, "written with --accumulate 1; this run has --accumulate 2");

@@ -29,7 +29,20 @@ TEST(TrainerFlags, ConflictsAndUnknownValuesAreRefused) {
   }
   r = testing::run_shell(train + " --lr-schedule linear 2>&1");
   EXPECT_EQ(r.exit_code(), 2) << r.output;
-  EXPECT_TRUE(testing::contains(r.output, "--lr-schedule is constant or cosine")) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "--lr-schedule is constant, cosine or poly")) << r.output;
+  r = testing::run_shell(train + " --poly-power 2 --lr-schedule cosine 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(
+      testing::contains(r.output, "--poly-power is poly's: give it with --lr-schedule poly"))
+      << r.output;
+  r = testing::run_shell(train + " --beta2 0.99 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "--beta2 is Adam's: give it with --optimizer adamw"))
+      << r.output;
+  r = testing::run_shell(train + " --optimizer adamw --exclude-biases 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "--exclude-biases is for the trust ratios of"))
+      << r.output;
   r = testing::run_shell(train + " --step-ahead yes 2>&1");
   EXPECT_EQ(r.exit_code(), 2) << r.output;
   EXPECT_TRUE(testing::contains(r.output, "--step-ahead is 0 or 1")) << r.output;
@@ -72,6 +85,11 @@ TEST(TrainerFlags, NumbersAreReadStrictlyAndInRange) {
       {"--warmup-epochs -1", "--warmup-epochs: '-1' is not a number in [0, "},
       {"--base-batch 0", "--base-batch: '0' is not an integer in [1, "},
       {"--seed -1", "--seed: '-1' is not an integer in [0, "},
+      {"--weight-decay -0.1", "--weight-decay: '-0.1' is not a number in [0, 1]"},
+      {"--weight-decay 2", "--weight-decay: '2' is not a number in [0, 1]"},
+      {"--optimizer lamb --beta2 1", "--beta2: '1' is not a number in (0, 1)"},
+      {"--optimizer lamb --beta2 0", "--beta2: '0' is not a number in (0, "},
+      {"--lr-schedule poly --poly-power 0", "--poly-power: '0' is not a number in (0, 16]"},
       {"--seed 0x10", "--seed: '0x10' is not an integer"},
   };
   for (auto [args, want] : cases) {
@@ -97,6 +115,10 @@ TEST(TrainerFlags, LearningRateScalingAndWarmUpAreAnnounced) {
   r = testing::run_shell(train + " --optimizer lamb --lr-scaling sqrt --base-batch 16" + run);
   ASSERT_EQ(r.exit_code(), 0) << r.output;
   EXPECT_TRUE(testing::contains(r.output, "lamb lr 0.01 (constant, sqrt scaling to 0.02)"))
+      << r.output;
+  r = testing::run_shell(train + " --optimizer lamb --lr-schedule poly --poly-power 2" + run);
+  ASSERT_EQ(r.exit_code(), 0) << r.output;
+  EXPECT_TRUE(testing::contains(r.output, "lamb lr 0.01 (poly (power 2) over 2 steps)"))
       << r.output;
 }
 

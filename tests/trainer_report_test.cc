@@ -157,7 +157,11 @@ TEST(TrainerReport, JsonReportHasEveryKeyTheScriptsRead) {
                           "strategy",
                           "lr_scaling",
                           "base_batch",
-                          "warmup_epochs"}) {
+                          "warmup_epochs",
+                          "poly_power",
+                          "weight_decay",
+                          "exclude_biases",
+                          "beta2"}) {
     EXPECT_TRUE(contains(text, std::string("\"") + key + "\": ")) << key;
   }
   EXPECT_FALSE(write_json_report(dir.path() + "/no/such/dir/run.json", r, c));

@@ -197,16 +197,27 @@ std::uint64_t identity_hash(const Identity& identity) {
   return hash;
 }
 
-// "written with --batch 32; this run has --batch 64" for each entry that differs.
+// "written with --batch 32; this run has --batch 64" for each entry that differs. Flags
+// recorded only where set (--amp, --weight-decay, ...) count on both sides: one the file
+// has and this run lacks differs too.
 std::string identity_mismatches(const Identity& written, const Identity& ours) {
   std::string why;
-  for (const auto& [what, value] : ours) {
-    const auto it = std::find_if(written.begin(), written.end(),
-                                 [&](const auto& entry) { return entry.first == what; });
-    const std::string theirs = it == written.end() ? "(not recorded)" : it->second;
-    if (theirs == value) continue;
+  const auto note = [&](const std::string& what, const std::string& theirs,
+                        const std::string& value) {
     why += (why.empty() ? "" : "; ") +
            ("written with " + what + " " + theirs + "; this run has " + what + " " + value);
+  };
+  const auto find = [](const Identity& in, const std::string& what) {
+    return std::find_if(in.begin(), in.end(),
+                        [&](const auto& entry) { return entry.first == what; });
+  };
+  for (const auto& [what, value] : ours) {
+    const auto it = find(written, what);
+    const std::string theirs = it == written.end() ? "(not recorded)" : it->second;
+    if (theirs != value) note(what, theirs, value);
+  }
+  for (const auto& [what, theirs] : written) {
+    if (find(ours, what) == ours.end()) note(what, theirs, "(not given)");
   }
   return why;
 }

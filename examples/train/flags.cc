@@ -23,8 +23,11 @@ constexpr const char* kUsage =
     "  --epochs N             passes over the training set (default 1)\n"
     "  --batch B              samples per rank per micro-batch (default 64)\n"
     "  --lr X                 learning rate (default 0.05 sgd, 0.001 adamw, 0.01 lamb, 1 lars)\n"
-    "  --lr-schedule S        constant (default) or cosine: lr (1 + cos(pi t / T)) / 2 at step\n"
-    "                         t of T, as torch's CosineAnnealingLR to zero\n"
+    "  --lr-schedule S        constant (default); cosine: lr (1 + cos(pi t / T)) / 2 at step\n"
+    "                         t of T, as torch's CosineAnnealingLR to zero; or poly: lr (1 -\n"
+    "                         t / T)^P, the LAMB paper's polynomial decay (t and T after any\n"
+    "                         warm-up)\n"
+    "  --poly-power P         poly's exponent P (default 1)\n"
     "  --lr-scaling S         none (default), linear or sqrt: --lr times (or times the square\n"
     "                         root of) the global batch (batch x ranks x accumulate) over\n"
     "  --base-batch B         (default 256), for large batches\n"
@@ -33,6 +36,12 @@ constexpr const char* kUsage =
     "                         adamw, lars (SGD with momentum and a trust ratio per tensor) or\n"
     "                         lamb (AdamW with a trust ratio per tensor); lars and lamb need\n"
     "                         --zero 0\n"
+    "  --weight-decay X       sgd's (added to the gradient, as torch's), adamw's and lamb's\n"
+    "                         (decoupled) or lars's (default 0 sgd and lars, 0.01 adamw and\n"
+    "                         lamb)\n"
+    "  --exclude-biases       lars and lamb step biases (1-D tensors) without weight decay or\n"
+    "                         trust ratio, as NVIDIA's LAMB\n"
+    "  --beta2 X              adamw's and lamb's second-moment decay, in (0, 1) (default 0.999)\n"
     "  --seed S               weights and data order (default 1)\n"
     "  --codec SPEC           gradient codec (default none; fp16, int8, topk:ratio=0.01, ...)\n"
     "  --amp bf16|fp16        mixed precision: forward and backward rounded to it, float32\n"
@@ -82,6 +91,8 @@ constexpr long kMaxAccumulate = 65536;
 constexpr long kMaxSteps = 1000000000;
 constexpr double kMaxLearningRate = 1000;
 constexpr double kMaxBucketMb = 4096;
+constexpr double kMaxWeightDecay = 1;  // a decay of lr x 1 per step already zeroes weights
+constexpr double kMaxPolyPower = 16;
 
 // A positive finite number in (0, high].
 double number(const std::string& flag, const std::string& v, double high) {
@@ -139,9 +150,12 @@ bool read_model_flag(const std::string& flag, Arguments& args, Config& c) {
   } else if (flag == "--lr") {
     c.lr = number(flag, args.value_of(flag), kMaxLearningRate);
   } else if (flag == "--lr-schedule") {
-    const std::string v = args.value_of(flag);
-    if (v != "constant" && v != "cosine") usage_error("--lr-schedule is constant or cosine");
-    c.cosine = v == "cosine";
+    c.lr_schedule = args.value_of(flag);
+    if (c.lr_schedule != "constant" && c.lr_schedule != "cosine" && c.lr_schedule != "poly") {
+      usage_error("--lr-schedule is constant, cosine or poly");
+    }
+  } else if (flag == "--poly-power") {
+    c.poly_power = number(flag, args.value_of(flag), kMaxPolyPower);
   } else if (flag == "--lr-scaling") {
     c.lr_scaling = args.value_of(flag);
     if (c.lr_scaling != "none" && c.lr_scaling != "linear" && c.lr_scaling != "sqrt") {
@@ -158,6 +172,16 @@ bool read_model_flag(const std::string& flag, Arguments& args, Config& c) {
         c.optimizer != "lamb") {
       usage_error("--optimizer is sgd, adamw, lars or lamb");
     }
+  } else if (flag == "--weight-decay") {
+    c.weight_decay =
+        gradsync::flags::number(flag, args.value_of(flag), 0, kMaxWeightDecay, false, usage_error);
+  } else if (flag == "--exclude-biases") {
+    c.exclude_biases = true;
+  } else if (flag == "--beta2") {
+    const std::string v = args.value_of(flag);
+    c.beta2 = number(flag, v, 1);
+    // 1 would divide by Adam's bias correction 1 - beta2^t = 0; 0 is refused as (0, 1] says.
+    if (c.beta2 >= 1) usage_error(gradsync::flags::refusal(flag, v, "a number", "(0, 1)"));
   } else if (flag == "--seed") {
     c.seed = static_cast<std::uint64_t>(
         whole(flag, args.value_of(flag), 0, std::numeric_limits<long>::max()));
@@ -234,6 +258,18 @@ void complete_and_check(Config& c) {
            : c.optimizer == "lamb" ? 0.01
            : c.optimizer == "lars" ? 1.0
                                    : 0.05;
+  const bool adam = c.optimizer == "adamw" || c.optimizer == "lamb";
+  if (c.weight_decay < 0) c.weight_decay = default_weight_decay(c.optimizer);
+  if (c.beta2 >= 0 && !adam)
+    usage_error("--beta2 is Adam's: give it with --optimizer adamw or lamb");
+  if (c.beta2 < 0) c.beta2 = 0.999;
+  if (c.exclude_biases && c.optimizer != "lars" && c.optimizer != "lamb") {
+    usage_error("--exclude-biases is for the trust ratios of --optimizer lars and lamb");
+  }
+  if (c.poly_power > 0 && c.lr_schedule != "poly") {
+    usage_error("--poly-power is poly's: give it with --lr-schedule poly");
+  }
+  if (c.lr_schedule == "poly" && c.poly_power == 0) c.poly_power = 1;
   if ((c.optimizer == "lars" || c.optimizer == "lamb") && c.zero > 0) {
     usage_error("--optimizer " + c.optimizer +
                 " scales each tensor by its norms; ZeRO's shards cut tensors: use --zero 0");
@@ -268,6 +304,10 @@ void complete_and_check(Config& c) {
 }
 
 }  // namespace
+
+double default_weight_decay(const std::string& optimizer) {
+  return optimizer == "adamw" || optimizer == "lamb" ? 0.01 : 0.0;
+}
 
 bool codec_has_momentum(const std::string& spec) {
   return gradsync::compress::CodecSpec::parse(spec).get("momentum", 0) > 0;

@@ -16,8 +16,13 @@ struct Config {
   std::vector<std::size_t> hidden;
   int epochs = 1;
   std::size_t batch = 64;
-  double lr = -1;  // below 0: the optimizer's default, set by parse_flags
-  bool cosine = false;
+  double lr = -1;                        // below 0: the optimizer's default, set by parse_flags
+  std::string lr_schedule = "constant";  // or "cosine", "poly"
+  double poly_power = 0;                 // poly's exponent; 0: not given (1 with poly)
+  double weight_decay = -1;              // below 0: the optimizer's default, set by parse_flags
+  // LARS and LAMB step biases (1-D tensors) with neither weight decay nor trust ratio.
+  bool exclude_biases = false;
+  double beta2 = -1;  // Adam's (adamw, lamb); below 0: 0.999
   // --lr scaled by the global batch (batch x ranks x accumulate) over base_batch: "none",
   // "linear" (Goyal et al., for SGD) or "sqrt" (Hoffer et al., for Adam and LAMB).
   std::string lr_scaling = "none";
@@ -51,5 +56,8 @@ Config parse_flags(int argc, char** argv);
 // A codec with momentum correction (DGC) applies SGD's momentum before the wire: what arrives
 // is already the update, so the optimizer must not apply momentum again.
 bool codec_has_momentum(const std::string& spec);
+
+// --weight-decay's default for this --optimizer: AdamW's and LAMB's 0.01, else none.
+double default_weight_decay(const std::string& optimizer);
 
 }  // namespace train

@@ -93,13 +93,14 @@ double evaluate(gradsync::Context& ctx, Model& model, const Dataset& test, std::
 
 // The learning rate of optimizer step `step` (0-based): a function of the step alone, so a
 // resumed run continues the schedule without saving it. --lr, scaled by the global batch
-// where asked, rises linearly over the warm-up steps, then stays or follows the cosine over
-// the steps left.
+// where asked, rises linearly over the warm-up steps, then stays or follows the cosine or the
+// polynomial over the steps left.
 class LearningRate {
  public:
   LearningRate(const Config& c, std::size_t steps_per_epoch, int world)
       : peak_(c.lr * scale(c, world)),
-        cosine_(c.cosine),
+        schedule_(c.lr_schedule),
+        power_(c.poly_power),
         warmup_steps_(std::lround(c.warmup_epochs * static_cast<double>(steps_per_epoch))),
         total_steps_(static_cast<long>(steps_per_epoch) * c.epochs),
         scaling_(c.lr_scaling) {
@@ -107,7 +108,13 @@ class LearningRate {
   }
   // For the checkpoint's identity: a resumed run must continue the same schedule.
   std::string describe() const {
-    std::string d = cosine_ ? "cosine over " + std::to_string(total_steps_) + " steps" : "constant";
+    std::string d = schedule_;
+    if (schedule_ == "poly") {
+      char power[32];
+      std::snprintf(power, sizeof power, "%g", power_);
+      d += std::string(" (power ") + power + ")";
+    }
+    if (schedule_ != "constant") d += " over " + std::to_string(total_steps_) + " steps";
     if (scaling_ != "none") {
       char peak[32];
       std::snprintf(peak, sizeof peak, "%g", peak_);
@@ -121,9 +128,10 @@ class LearningRate {
       return static_cast<float>(peak_ * static_cast<double>(step + 1) /
                                 static_cast<double>(warmup_steps_));
     }
-    if (!cosine_) return static_cast<float>(peak_);
+    if (schedule_ == "constant") return static_cast<float>(peak_);
     const double t = static_cast<double>(step - warmup_steps_);
     const double span = static_cast<double>(std::max(total_steps_ - warmup_steps_, 1L));
+    if (schedule_ == "poly") return static_cast<float>(peak_ * std::pow(1 - t / span, power_));
     return static_cast<float>(peak_ * 0.5 * (1 + std::cos(std::numbers::pi * t / span)));
   }
 
@@ -138,7 +146,8 @@ class LearningRate {
   }
 
   double peak_;
-  bool cosine_;
+  std::string schedule_;
+  double power_;
   long warmup_steps_;
   long total_steps_;
   std::string scaling_;
@@ -156,17 +165,32 @@ gradsync::ReducerOptions reducer_options(const Config& c) {
   return ro;
 }
 
-// Over the parameter tensors of these sizes (LARS and LAMB scale each one by its norms).
+// Over the parameter tensors of these sizes (LARS and LAMB scale each one by its norms), of
+// which `biases` flags the 1-D ones (empty: none known, as for a ZeRO shard).
 std::unique_ptr<gradsync::optim::Optimizer> make_optimizer(const Config& c,
-                                                           std::vector<std::size_t> tensors) {
+                                                           std::vector<std::size_t> tensors,
+                                                           std::vector<bool> biases = {}) {
   const auto lr = static_cast<float>(c.lr);
-  if (c.optimizer == "lars") return gradsync::optim::make_lars(std::move(tensors), {.lr = lr});
-  if (c.optimizer == "lamb") return gradsync::optim::make_lamb(std::move(tensors), {.lr = lr});
+  const auto decay = static_cast<float>(c.weight_decay);
+  const auto beta2 = static_cast<float>(c.beta2);
+  std::vector<bool> excluded = c.exclude_biases ? std::move(biases) : std::vector<bool>{};
+  if (c.optimizer == "lars") {
+    return gradsync::optim::make_lars(std::move(tensors),
+                                      {.lr = lr, .weight_decay = decay, .excluded = excluded});
+  }
+  if (c.optimizer == "lamb") {
+    return gradsync::optim::make_lamb(
+        std::move(tensors),
+        {.lr = lr, .beta2 = beta2, .weight_decay = decay, .excluded = excluded});
+  }
   std::size_t count = 0;
   for (std::size_t n : tensors) count += n;
-  if (c.optimizer == "adamw") return gradsync::optim::make_adamw(count, {.lr = lr});
+  if (c.optimizer == "adamw") {
+    return gradsync::optim::make_adamw(count, {.lr = lr, .beta2 = beta2, .weight_decay = decay});
+  }
   return gradsync::optim::make_sgd(
-      count, {.lr = lr, .momentum = codec_has_momentum(c.codec) ? 0.0f : 0.9f});
+      count,
+      {.lr = lr, .momentum = codec_has_momentum(c.codec) ? 0.0f : 0.9f, .weight_decay = decay});
 }
 
 // What one optimizer step did, for the totals, the curves and the progress line.
@@ -282,11 +306,13 @@ Trainer::Trainer(const Config& c, const gradsync::Options& options)
   if (c.zero == 0) {
     reducer_.emplace(*ctx_, reducer_options(c));
     std::vector<std::size_t> tensors;
+    std::vector<bool> biases;
     for (auto& p : model_->parameters()) {
       reducer_->add_parameter(p.name, p.count, p.grad, p.rows);
       tensors.push_back(p.count);
+      biases.push_back(p.rows == 0);
     }
-    optimizer_ = make_optimizer(c, std::move(tensors));
+    optimizer_ = make_optimizer(c, std::move(tensors), std::move(biases));
   } else {
     const gradsync::DataType wire = c.codec == "fp16"   ? gradsync::DataType::kFloat16
                                     : c.codec == "bf16" ? gradsync::DataType::kBFloat16
@@ -349,8 +375,14 @@ Identity Trainer::identity() const {
                     {"--accumulate", std::to_string(c_.accumulate)},
                     {"--zero", std::to_string(c_.zero)},
                     {"--seed", std::to_string(c_.seed)}};
-  // Only where used: the checkpoints of format 3, from before --amp, read as "none".
+  // Only where used or set away from the optimizer's default, so that the checkpoints from
+  // before these flags (format 3 before --amp) still read as the defaults.
   if (c_.amp != "none") identity.emplace_back("--amp", c_.amp);
+  if (c_.weight_decay != default_weight_decay(c_.optimizer)) {
+    identity.emplace_back("--weight-decay", text(c_.weight_decay));
+  }
+  if (c_.beta2 != 0.999) identity.emplace_back("--beta2", text(c_.beta2));
+  if (c_.exclude_biases) identity.emplace_back("--exclude-biases", "given");
   return identity;
 }
 

@@ -44,6 +44,10 @@ struct LarsOptions {
   float momentum = 0.9f;
   float weight_decay = 0.0f;
   float trust = 0.001f;
+  // Per tensor, or empty for none: true for a tensor stepped with neither weight decay nor
+  // trust ratio (ratio 1), as the LAMB paper's BERT setup and NVIDIA's LAMB step biases,
+  // whose small norms would otherwise hold back their steps.
+  std::vector<bool> excluded = {};
 };
 
 // LAMB (You et al., 2019), for large batches with Adam: Adam's bias-corrected update plus
@@ -55,6 +59,9 @@ struct LambOptions {
   float beta2 = 0.999f;
   float eps = 1e-6f;
   float weight_decay = 0.01f;
+  // As LarsOptions::excluded: an excluded tensor takes Adam's step, u without weight decay
+  // and ratio 1.
+  std::vector<bool> excluded = {};
 };
 
 // Updates a fixed range of `count` parameters from their gradients; keeps its state (momentum,
@@ -79,7 +86,8 @@ class Optimizer {
 
 std::unique_ptr<Optimizer> make_sgd(std::size_t count, SgdOptions options = {});
 std::unique_ptr<Optimizer> make_adamw(std::size_t count, AdamWOptions options = {});
-// Over tensors of these sizes, back to back: count is their sum.
+// Over tensors of these sizes, back to back: count is their sum. An `excluded` that is neither
+// empty nor one flag per tensor is refused (Error kInvalidArgument).
 std::unique_ptr<Optimizer> make_lars(std::vector<std::size_t> tensors, LarsOptions options = {});
 std::unique_ptr<Optimizer> make_lamb(std::vector<std::size_t> tensors, LambOptions options = {});
 

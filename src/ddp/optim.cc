@@ -112,24 +112,34 @@ class AdamW final : public BufferedOptimizer {
   AdamWOptions o_;
 };
 
-// Each tensor's range of a flat buffer, from the tensors' sizes.
+// Each tensor's range of a flat buffer, from the tensors' sizes, and whether it is excluded
+// from weight decay and the trust ratio.
 struct Tensors {
-  explicit Tensors(std::vector<std::size_t> sizes) : sizes_(std::move(sizes)) {
+  Tensors(std::vector<std::size_t> sizes, std::vector<bool> excluded, const char* optimizer)
+      : sizes_(std::move(sizes)), excluded_(std::move(excluded)) {
     for (std::size_t n : sizes_) count_ += n;
+    if (!excluded_.empty() && excluded_.size() != sizes_.size()) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  std::string(optimizer) + " over " + std::to_string(sizes_.size()) +
+                      " tensors given " + std::to_string(excluded_.size()) +
+                      " exclusion flags: one per tensor, or none",
+                  Error::kUnknownRank, Error::kNoPeer, optimizer);
+    }
   }
   std::size_t count() const { return count_; }
-  // f(first, size) for each tensor in order.
+  // f(first, size, excluded) for each tensor in order.
   template <class F>
   void each(F f) const {
     std::size_t first = 0;
-    for (std::size_t n : sizes_) {
-      f(first, n);
-      first += n;
+    for (std::size_t t = 0; t < sizes_.size(); ++t) {
+      f(first, sizes_[t], !excluded_.empty() && excluded_[t]);
+      first += sizes_[t];
     }
   }
 
  private:
   std::vector<std::size_t> sizes_;
+  std::vector<bool> excluded_;
   std::size_t count_ = 0;
 };
 
@@ -147,19 +157,23 @@ double trust_ratio(double numerator, double denominator) {
 class Lars final : public BufferedOptimizer {
  public:
   Lars(std::vector<std::size_t> tensors, LarsOptions o)
-      : BufferedOptimizer("GSLR", Tensors(tensors).count()), tensors_(std::move(tensors)), o_(o) {}
+      : BufferedOptimizer("GSLR", 0), tensors_(std::move(tensors), o.excluded, "LARS"), o_(o) {
+    state_.resize(tensors_.count());
+  }
   bool needs_whole_tensors() const override { return true; }
   void step(std::span<float> p, std::span<const float> g) override {
     check_sizes(tensors_.count(), p, g);
-    tensors_.each([&](std::size_t first, std::size_t n) {
+    tensors_.each([&](std::size_t first, std::size_t n, bool excluded) {
       float* w = p.data() + first;
       const float* grad = g.data() + first;
       float* b = state_.data() + first;  // momentum, holding lr: b = momentum b + lr ratio g
+      const float decay = excluded ? 0.0f : o_.weight_decay;
       const double w_norm = norm(w, n);
-      const double ratio = trust_ratio(o_.trust * w_norm, norm(grad, n) + o_.weight_decay * w_norm);
+      const double ratio =
+          excluded ? 1.0 : trust_ratio(o_.trust * w_norm, norm(grad, n) + decay * w_norm);
       const auto scaled_lr = static_cast<float>(o_.lr * ratio);
       for (std::size_t i = 0; i < n; ++i) {
-        b[i] = o_.momentum * b[i] + scaled_lr * (grad[i] + o_.weight_decay * w[i]);
+        b[i] = o_.momentum * b[i] + scaled_lr * (grad[i] + decay * w[i]);
         w[i] -= b[i];
       }
     });
@@ -175,9 +189,9 @@ class Lars final : public BufferedOptimizer {
 class Lamb final : public BufferedOptimizer {
  public:
   Lamb(std::vector<std::size_t> tensors, LambOptions o)
-      : BufferedOptimizer("GSLB", 2 * Tensors(tensors).count()),
-        tensors_(std::move(tensors)),
-        o_(o) {}
+      : BufferedOptimizer("GSLB", 0), tensors_(std::move(tensors), o.excluded, "LAMB"), o_(o) {
+    state_.resize(2 * tensors_.count());
+  }
   bool needs_whole_tensors() const override { return true; }
   void step(std::span<float> p, std::span<const float> g) override {
     const std::size_t count = tensors_.count();
@@ -187,18 +201,20 @@ class Lamb final : public BufferedOptimizer {
     const auto c1 = static_cast<float>(1.0 - std::pow(static_cast<double>(o_.beta1), t));
     const auto c2 = static_cast<float>(1.0 - std::pow(static_cast<double>(o_.beta2), t));
     update_.resize(count);
-    tensors_.each([&](std::size_t first, std::size_t n) {
+    tensors_.each([&](std::size_t first, std::size_t n, bool excluded) {
       float* w = p.data() + first;
       const float* grad = g.data() + first;
       float* m = state_.data() + first;  // the moments: m then v
       float* v = state_.data() + count + first;
       float* u = update_.data() + first;
+      const float decay = excluded ? 0.0f : o_.weight_decay;
       for (std::size_t i = 0; i < n; ++i) {
         m[i] = o_.beta1 * m[i] + (1 - o_.beta1) * grad[i];
         v[i] = o_.beta2 * v[i] + (1 - o_.beta2) * grad[i] * grad[i];
-        u[i] = (m[i] / c1) / (std::sqrt(v[i] / c2) + o_.eps) + o_.weight_decay * w[i];
+        u[i] = (m[i] / c1) / (std::sqrt(v[i] / c2) + o_.eps) + decay * w[i];
       }
-      const auto scaled_lr = static_cast<float>(o_.lr * trust_ratio(norm(w, n), norm(u, n)));
+      const double ratio = excluded ? 1.0 : trust_ratio(norm(w, n), norm(u, n));
+      const auto scaled_lr = static_cast<float>(o_.lr * ratio);
       for (std::size_t i = 0; i < n; ++i) w[i] -= scaled_lr * u[i];
     });
   }
