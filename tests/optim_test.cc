@@ -38,41 +38,44 @@ TEST(Optimizers, SgdAndAdamWFollowTheirFormulas) {
   testing::expect_error(ErrorKind::kInvalidArgument, [&] { adam->step(p, g); });
 }
 
-// LARS and LAMB against their formulas worked in double precision, tensor by tensor: two
-// tensors whose norms differ by 100x get steps scaled by their own trust ratios, and a tensor
-// at zero steps as plain SGD or Adam (ratio 1).
 double l2(const std::vector<double>& x) {
   double s = 0;
   for (double v : x) s += v * v;
   return std::sqrt(s);
 }
 
-TEST(Optimizers, LarsAndLambScaleEachTensorByItsTrustRatio) {
-  const std::vector<std::size_t> sizes = {3, 2, 2};
-  const std::vector<float> w0 = {10.0f, -20.0f, 5.0f, 0.1f, -0.2f, 0.0f, 0.0f};
-  const std::vector<float> g = {0.5f, 0.25f, -1.0f, 0.03f, 0.01f, 0.2f, -0.1f};
-  const optim::LarsOptions lo{.lr = 0.5f, .momentum = 0.9f, .weight_decay = 0.01f, .trust = 0.02f};
-  const optim::LambOptions bo{.lr = 0.01f, .weight_decay = 0.1f};
-  std::vector<double> lars_w(w0.begin(), w0.end()), lars_b(w0.size(), 0.0);
-  std::vector<double> lamb_w(w0.begin(), w0.end()), m(w0.size(), 0.0), v(w0.size(), 0.0);
-  auto lars = optim::make_lars(sizes, lo);
-  auto lamb = optim::make_lamb(sizes, bo);
-  std::vector<float> lars_p = w0, lamb_p = w0;
-  for (int step = 1; step <= 3; ++step) {
-    lars->step(lars_p, g);
-    lamb->step(lamb_p, g);
+// LARS and LAMB stepped in double precision, tensor by tensor, as optim.h states them; an
+// excluded tensor takes no weight decay and ratio 1, as does one with a zero norm.
+struct ReferenceLarsLamb {
+  std::vector<double> lars_w, lars_b, lamb_w, m, v;
+
+  explicit ReferenceLarsLamb(const std::vector<float>& w0)
+      : lars_w(w0.begin(), w0.end()),
+        lars_b(w0.size(), 0.0),
+        lamb_w(w0.begin(), w0.end()),
+        m(w0.size(), 0.0),
+        v(w0.size(), 0.0) {}
+
+  void step(int step, const std::vector<float>& g, const std::vector<std::size_t>& sizes,
+            const optim::LarsOptions& lo, const optim::LambOptions& bo) {
     std::size_t first = 0;
-    for (std::size_t n : sizes) {
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      const std::size_t n = sizes[t];
+      const bool lars_out = !lo.excluded.empty() && lo.excluded[t];
+      const bool lamb_out = !bo.excluded.empty() && bo.excluded[t];
       std::vector<double> w(lars_w.begin() + first, lars_w.begin() + first + n), gt(n);
       for (std::size_t i = 0; i < n; ++i) gt[i] = g[first + i];
       const double wn = l2(w), gn = l2(gt);
-      const double ratio = wn > 0 && gn > 0 ? lo.trust * wn / (gn + lo.weight_decay * wn) : 1;
+      const double ratio =
+          lars_out || !(wn > 0 && gn > 0) ? 1 : lo.trust * wn / (gn + lo.weight_decay * wn);
+      const double lars_decay = lars_out ? 0 : lo.weight_decay;
       for (std::size_t i = 0; i < n; ++i) {
         auto& b = lars_b[first + i];
-        b = lo.momentum * b + lo.lr * ratio * (gt[i] + lo.weight_decay * w[i]);
+        b = lo.momentum * b + lo.lr * ratio * (gt[i] + lars_decay * w[i]);
         lars_w[first + i] -= b;
       }
       std::vector<double> u(n), lw(lamb_w.begin() + first, lamb_w.begin() + first + n);
+      const double lamb_decay = lamb_out ? 0 : bo.weight_decay;
       for (std::size_t i = 0; i < n; ++i) {
         auto& mi = m[first + i];
         auto& vi = v[first + i];
@@ -80,17 +83,42 @@ TEST(Optimizers, LarsAndLambScaleEachTensorByItsTrustRatio) {
         vi = bo.beta2 * vi + (1 - bo.beta2) * gt[i] * gt[i];
         u[i] = mi / (1 - std::pow(bo.beta1, step)) /
                    (std::sqrt(vi / (1 - std::pow(bo.beta2, step))) + bo.eps) +
-               bo.weight_decay * lw[i];
+               lamb_decay * lw[i];
       }
       const double lwn = l2(lw), un = l2(u);
-      const double r = lwn > 0 && un > 0 ? lwn / un : 1;
+      const double r = lamb_out || !(lwn > 0 && un > 0) ? 1 : lwn / un;
       for (std::size_t i = 0; i < n; ++i) lamb_w[first + i] -= bo.lr * r * u[i];
       first += n;
     }
-    for (std::size_t i = 0; i < w0.size(); ++i) {
+  }
+
+  // Both optimizers' parameters within float precision of the reference's.
+  void expect_near(const std::vector<float>& lars_p, const std::vector<float>& lamb_p,
+                   int step) const {
+    for (std::size_t i = 0; i < lars_w.size(); ++i) {
       EXPECT_NEAR(lars_p[i], lars_w[i], 1e-5 * (1 + std::abs(lars_w[i]))) << step << " " << i;
       EXPECT_NEAR(lamb_p[i], lamb_w[i], 1e-5 * (1 + std::abs(lamb_w[i]))) << step << " " << i;
     }
+  }
+};
+
+// LARS and LAMB against their formulas: two tensors whose norms differ by 100x get steps
+// scaled by their own trust ratios, and a tensor at zero steps as plain SGD or Adam (ratio 1).
+TEST(Optimizers, LarsAndLambScaleEachTensorByItsTrustRatio) {
+  const std::vector<std::size_t> sizes = {3, 2, 2};
+  const std::vector<float> w0 = {10.0f, -20.0f, 5.0f, 0.1f, -0.2f, 0.0f, 0.0f};
+  const std::vector<float> g = {0.5f, 0.25f, -1.0f, 0.03f, 0.01f, 0.2f, -0.1f};
+  const optim::LarsOptions lo{.lr = 0.5f, .momentum = 0.9f, .weight_decay = 0.01f, .trust = 0.02f};
+  const optim::LambOptions bo{.lr = 0.01f, .weight_decay = 0.1f};
+  ReferenceLarsLamb reference(w0);
+  auto lars = optim::make_lars(sizes, lo);
+  auto lamb = optim::make_lamb(sizes, bo);
+  std::vector<float> lars_p = w0, lamb_p = w0;
+  for (int step = 1; step <= 3; ++step) {
+    lars->step(lars_p, g);
+    lamb->step(lamb_p, g);
+    reference.step(step, g, sizes, lo, bo);
+    reference.expect_near(lars_p, lamb_p, step);
   }
   // The large tensor moved by about its own scale times the rate, the small one likewise:
   // LAMB's step is lr x ||w|| whatever the gradient's size.
@@ -122,45 +150,15 @@ TEST(Optimizers, LarsAndLambStepExcludedTensorsWithoutDecayOrTrustRatio) {
   const optim::LarsOptions lo{
       .lr = 0.5f, .momentum = 0.9f, .weight_decay = 0.01f, .trust = 0.02f, .excluded = excluded};
   const optim::LambOptions bo{.lr = 0.01f, .weight_decay = 0.1f, .excluded = excluded};
-  std::vector<double> lars_w(w0.begin(), w0.end()), lars_b(w0.size(), 0.0);
-  std::vector<double> lamb_w(w0.begin(), w0.end()), m(w0.size(), 0.0), v(w0.size(), 0.0);
+  ReferenceLarsLamb reference(w0);
   auto lars = optim::make_lars(sizes, lo);
   auto lamb = optim::make_lamb(sizes, bo);
   std::vector<float> lars_p = w0, lamb_p = w0;
   for (int step = 1; step <= 3; ++step) {
     lars->step(lars_p, g);
     lamb->step(lamb_p, g);
-    std::size_t first = 0;
-    for (std::size_t t = 0; t < sizes.size(); ++t) {
-      const std::size_t n = sizes[t];
-      const double decay_lars = excluded[t] ? 0 : lo.weight_decay;
-      const double decay_lamb = excluded[t] ? 0 : bo.weight_decay;
-      std::vector<double> w(lars_w.begin() + first, lars_w.begin() + first + n), gt(n);
-      for (std::size_t i = 0; i < n; ++i) gt[i] = g[first + i];
-      const double ratio = excluded[t] ? 1 : lo.trust * l2(w) / (l2(gt) + lo.weight_decay * l2(w));
-      for (std::size_t i = 0; i < n; ++i) {
-        auto& b = lars_b[first + i];
-        b = lo.momentum * b + lo.lr * ratio * (gt[i] + decay_lars * w[i]);
-        lars_w[first + i] -= b;
-      }
-      std::vector<double> u(n), lw(lamb_w.begin() + first, lamb_w.begin() + first + n);
-      for (std::size_t i = 0; i < n; ++i) {
-        auto& mi = m[first + i];
-        auto& vi = v[first + i];
-        mi = bo.beta1 * mi + (1 - bo.beta1) * gt[i];
-        vi = bo.beta2 * vi + (1 - bo.beta2) * gt[i] * gt[i];
-        u[i] = mi / (1 - std::pow(bo.beta1, step)) /
-                   (std::sqrt(vi / (1 - std::pow(bo.beta2, step))) + bo.eps) +
-               decay_lamb * lw[i];
-      }
-      const double r = excluded[t] ? 1 : l2(lw) / l2(u);
-      for (std::size_t i = 0; i < n; ++i) lamb_w[first + i] -= bo.lr * r * u[i];
-      first += n;
-    }
-    for (std::size_t i = 0; i < w0.size(); ++i) {
-      EXPECT_NEAR(lars_p[i], lars_w[i], 1e-5 * (1 + std::abs(lars_w[i]))) << step << " " << i;
-      EXPECT_NEAR(lamb_p[i], lamb_w[i], 1e-5 * (1 + std::abs(lamb_w[i]))) << step << " " << i;
-    }
+    reference.step(step, g, sizes, lo, bo);
+    reference.expect_near(lars_p, lamb_p, step);
   }
   // The excluded tensor's Adam step is about lr per element, not lr x its small norm.
   EXPECT_NEAR(std::abs(lamb_p[3] - w0[3]), 3 * bo.lr, 1e-4);
