@@ -60,6 +60,7 @@ CONFIGS = [
     ("mlp-4h10g", 4, 2, "10gbit", "--model mlp"),
     ("mlp-4h10g", 4, 2, "10gbit", "--model mlp --codec bf16"),
     ("mlp-4hz", 4, 2, "1gbit", "--model mlp --optimizer adamw"),
+    ("mlp-4hz", 4, 2, "1gbit", "--model mlp --optimizer adamw --zero 1"),
     ("mlp-4hz", 4, 2, "1gbit", "--model mlp --optimizer adamw --zero 2"),
     ("mlp-4hz", 4, 2, "1gbit", "--model mlp --optimizer adamw --zero 3"),
     ("mlp28-4h", 4, 2, "1gbit", "--model mlp --hidden 4096,4096,2048"),
