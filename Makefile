@@ -5,7 +5,7 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 CTEST_FLAGS ?=
 
-.PHONY: run test build deps install sanitize-asan sanitize-tsan fuzz clean
+.PHONY: run test build deps install deb sanitize-asan sanitize-tsan fuzz clean
 
 deps:
 	@bash scripts/install-deps.sh
@@ -24,6 +24,10 @@ run: build
 PREFIX ?= /usr/local
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)
+
+# A Debian package of the install, for /usr: $(BUILD)/gradsync_<version>_<arch>.deb.
+deb: build
+	cd $(BUILD) && cpack -G DEB
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 300 $(CTEST_FLAGS)

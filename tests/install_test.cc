@@ -2,7 +2,8 @@
 // public headers, a versioned shared library (SONAME libgradsync.so.MAJOR) and the static one,
 // the tools, a CMake package and a pkg-config file; examples/downstream builds against it both
 // ways (find_package, and make with pkg-config) and its 2-rank all-reduce runs correctly under
-// the installed gradsync-run; every installed tool reports the one version.
+// the installed gradsync-run; every installed tool reports the one version; `make deb`'s
+// package holds the same under /usr with its dependencies.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -114,6 +115,34 @@ TEST_F(Install, ADownstreamMakefileLinksItThroughPkgConfig) {
   ASSERT_EQ(compile.exit_code(), 0) << compile.output;
   const std::string out = run_two_ranks(out_dir + "/allreduce_check");
   EXPECT_EQ(testing::count_of(out, "all-reduce correct"), 2) << out;
+}
+
+// make deb's package (cpack over the same install rules, for /usr): the library with its
+// SONAME link, headers, tools and the Python package where Debian's python3 looks, and the
+// dependencies dpkg-shlibdeps found.
+TEST_F(Install, TheDebianPackageHoldsTheInstallUnderUsr) {
+  const std::string out = tmp_->path() + "/deb";
+  const auto pack =
+      run_shell("cd " + testing::build_dir() + " && cpack -G DEB -B " + out + " 2>&1");
+  ASSERT_EQ(pack.exit_code(), 0) << pack.output;
+  const std::string deb = out + "/gradsync_" + std::string(version()) + "_amd64.deb";
+  const auto contents = run_shell("dpkg-deb -c " + deb + " 2>&1");
+  ASSERT_EQ(contents.exit_code(), 0) << contents.output;
+  for (const std::string& path :
+       {"./usr/lib/libgradsync.so.0 -> libgradsync.so." + std::string(version()),
+        std::string("./usr/include/gradsync/gradsync.h"),
+        std::string("./usr/include/gradsync/version.h"), std::string("./usr/bin/gradsync-run"),
+        std::string("./usr/bin/gradsync-train"),
+        std::string("./usr/lib/cmake/gradsync/gradsyncConfig.cmake"),
+        std::string("./usr/lib/pkgconfig/gradsync.pc"),
+        std::string("./usr/lib/python3.11/dist-packages/gradsync/__init__.py")}) {
+    EXPECT_TRUE(contains(contents.output, path)) << path << "\n" << contents.output;
+  }
+  const auto fields = run_shell("dpkg-deb -f " + deb + " Package Version Depends 2>&1");
+  EXPECT_TRUE(contains(fields.output, "Version: " + std::string(version()))) << fields.output;
+  for (const char* dependency : {"libc6", "libstdc++6", "python3-numpy"}) {
+    EXPECT_TRUE(contains(fields.output, dependency)) << fields.output;
+  }
 }
 
 }  // namespace
