@@ -117,6 +117,14 @@ TEST_F(TrainerCheckpointSafety, AResumeWithOtherFlagsIsRefusedNamingEach) {
   EXPECT_TRUE(contains(r.output, "written with --zero 0; this run has --zero 1")) << r.output;
   expect_refused(testing::run_shell(resume("", 3)),
                  "written with gradsync-run -n 2; this run has gradsync-run -n 3");
+  // And the other way: a flag the files record that this run does not give.
+  for (int rank : {0, 1}) {
+    rewrite(file_of(dir(), 4, rank),
+            [](train::CheckpointFile& f) { f.identity.emplace_back("--amp", "fp16"); });
+  }
+  saved_ = testing::read_file(file_of(dir(), 4, 0));
+  expect_refused(testing::run_shell(resume("")),
+                 "written with --amp fp16; this run has --amp (not given)");
 }
 
 TEST_F(TrainerCheckpointSafety, AChangedByteIsRefusedByTheChecksum) {
