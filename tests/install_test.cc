@@ -101,6 +101,9 @@ TEST_F(Install, ADownstreamCMakeProjectFindsAndLinksIt) {
   const std::string out = run_two_ranks(build + "/allreduce_check");
   EXPECT_EQ(testing::count_of(out, "all-reduce correct, gradsync " + std::string(version())), 2)
       << out;
+  const std::string c_out = run_two_ranks(build + "/allreduce_check_c");
+  EXPECT_EQ(testing::count_of(c_out, "C all-reduce correct, gradsync " + std::string(version())), 2)
+      << c_out;
 }
 
 TEST_F(Install, ADownstreamMakefileLinksItThroughPkgConfig) {
@@ -115,6 +118,8 @@ TEST_F(Install, ADownstreamMakefileLinksItThroughPkgConfig) {
   ASSERT_EQ(compile.exit_code(), 0) << compile.output;
   const std::string out = run_two_ranks(out_dir + "/allreduce_check");
   EXPECT_EQ(testing::count_of(out, "all-reduce correct"), 2) << out;
+  const std::string c_out = run_two_ranks(out_dir + "/allreduce_check_c");
+  EXPECT_EQ(testing::count_of(c_out, "C all-reduce correct"), 2) << c_out;
 }
 
 // make deb's package (cpack over the same install rules, for /usr): the library with its

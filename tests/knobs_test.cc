@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
+#include <regex>
+#include <set>
 #include <sstream>
 
 #include "core/env.h"
@@ -78,6 +80,23 @@ std::string readme_row(const knobs::Knob& k) {
 
 // The GRADSYNC_* names in `text` (no std::regex: GCC 12 warns about its own code under the
 // sanitizer builds' -O2 -Werror).
+// The C API's constants (gradsync_c.h's enumerators and macros, its include guard): names
+// with the prefix that are no variables either.
+const std::set<std::string>& c_api_names() {
+  static const std::set<std::string> names = [] {
+    std::set<std::string> found;
+    const std::regex declared(R"((?:^\s*|#define |#ifndef )(GRADSYNC_[A-Z0-9_]+))");
+    std::stringstream lines(
+        testing::read_file(testing::source_dir() + "/include/gradsync/gradsync_c.h"));
+    std::smatch m;
+    for (std::string line; std::getline(lines, line);) {
+      if (std::regex_search(line, m, declared)) found.insert(m[1]);
+    }
+    return found;
+  }();
+  return names;
+}
+
 std::vector<std::string> variables_in(const std::string& text) {
   const std::string prefix = "GRADSYNC_";
   std::vector<std::string> found;
@@ -91,7 +110,10 @@ std::vector<std::string> variables_in(const std::string& text) {
     }
     const std::string name = text.substr(at, end - at);
     // version.h's macros (GRADSYNC_VERSION_MAJOR, ...) share the prefix but are no variables.
-    if (end > at + prefix.size() && !name.starts_with("GRADSYNC_VERSION_")) found.push_back(name);
+    if (end > at + prefix.size() && !name.starts_with("GRADSYNC_VERSION_") &&
+        !c_api_names().contains(name)) {
+      found.push_back(name);
+    }
   }
   return found;
 }
