@@ -201,6 +201,12 @@ void SegmentUnlinker::add(const std::string& name) {
   names_.push_back({name, pending_names::add(name)});
 }
 
+void SegmentUnlinker::forget_last() {
+  if (names_.empty()) return;
+  pending_names::remove(names_.back().slot);
+  names_.pop_back();
+}
+
 void SegmentUnlinker::unlink_all() {
   for (const auto& n : names_) {
     ::shm_unlink(n.name.c_str());  // ENOENT: another rank was first
@@ -216,9 +222,14 @@ std::string make_segment_name(const std::string& token, const std::string& key_p
 
 MappingPtr create_segment(const std::string& name, const Layout& layout, int rank,
                           SegmentUnlinker& unlinker) {
-  int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) throw_setup_errno("cannot create shared memory", name, errno, rank);
+  // Registered first: a signal between creating and registering would leave it behind.
   unlinker.add(name);
+  int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    const int err = errno;
+    unlinker.forget_last();  // not ours (EEXIST) or never made: not ours to unlink
+    throw_setup_errno("cannot create shared memory", name, err, rank);
+  }
   FdCloser closer{fd};
   if (::ftruncate(fd, static_cast<off_t>(layout.segment_bytes)) != 0) {
     throw_setup_errno("cannot size shared memory", name, errno, rank);

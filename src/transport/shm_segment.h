@@ -99,6 +99,8 @@ class SegmentUnlinker {
   SegmentUnlinker& operator=(const SegmentUnlinker&) = delete;
   ~SegmentUnlinker() { unlink_all(); }
   void add(const std::string& name);
+  // Takes back the last name added, without unlinking it (a segment it turned out not to own).
+  void forget_last();
   void unlink_all();
 
  private:
@@ -114,8 +116,8 @@ class SegmentUnlinker {
 std::string make_segment_name(const std::string& token, const std::string& key_prefix, int rank);
 
 // Creates the segment `name` (exclusively, so a stale one is never reused), sizes it for
-// `layout`, reserves its pages and maps it. Registers it with `unlinker` first, so a failure
-// anywhere leaves nothing behind. Throws kSystem naming `name`; `rank` is this rank.
+// `layout`, reserves its pages and maps it. Registers it with `unlinker` before creating it,
+// so neither a failure nor a terminating signal at any point leaves it behind. Throws kSystem naming `name`; `rank` is this rank.
 MappingPtr create_segment(const std::string& name, const Layout& layout, int rank,
                           SegmentUnlinker& unlinker);
 
