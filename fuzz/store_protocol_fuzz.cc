@@ -28,7 +28,7 @@ void round_trips(std::span<const std::uint8_t> body) {
     check(req->key.size() <= sp::kMaxKeyBytes && req->value.size() <= sp::kMaxValueBytes);
     check(req->keys.size() <= sp::kMaxWaitKeys);
   }
-  for (auto type : {sp::RequestType::kAuth, sp::RequestType::kSet, sp::RequestType::kGet,
+  for (auto type : {sp::RequestType::kProof, sp::RequestType::kSet, sp::RequestType::kGet,
                     sp::RequestType::kWait, sp::RequestType::kAdd, sp::RequestType::kCheck,
                     sp::RequestType::kHello}) {
     if (auto resp = sp::parse_response(type, body)) same(sp::encode_response(type, *resp));

@@ -12,6 +12,7 @@ packages=(
   libtorch-dev pybind11-dev python3-numpy python3-pytest  # the Python package and torch backend
   libopenblas-dev zlib1g-dev dataset-fashion-mnist        # the trainer: BLAS, gzip, its data set
   nlohmann-json3-dev                                      # the advisor's profiles (JSON)
+  libssl-dev                                              # HMAC-SHA256 of the token handshakes
   python3-torchvision                                     # bench/advise/published.py: the layers
                                                           # of published models (ResNet, VGG, ...)
   iproute2 procps psmisc                                  # launcher/failure tests (ip, pkill, fuser),

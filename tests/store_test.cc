@@ -14,6 +14,7 @@
 
 #include "gradsync/error.h"
 #include "harness.h"
+#include "rendezvous/auth.h"
 #include "rendezvous/socket.h"
 #include "rendezvous/store_protocol.h"
 #include "rendezvous/store_util.h"
@@ -227,6 +228,78 @@ bool closed_within(int fd, std::chrono::milliseconds limit) {
   return false;
 }
 
+// One response to `answered` read from a raw connection (5 s at most).
+std::optional<sp::Response> read_response(int fd, sp::RequestType answered) {
+  sp::MessageReader reader;
+  std::uint8_t buf[4096];
+  std::span<const std::uint8_t> body;
+  auto end = std::chrono::steady_clock::now() + 5s;
+  while (reader.next(body) != sp::MessageReader::Result::kMessage) {
+    pollfd p{fd, POLLIN, 0};
+    if (std::chrono::steady_clock::now() > end) return std::nullopt;
+    if (::poll(&p, 1, 50) <= 0) continue;
+    ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) return std::nullopt;
+    reader.append(buf, static_cast<std::size_t>(n));
+  }
+  return sp::parse_response(answered, body);
+}
+
+// What a client sends to authenticate with `token` on `fd`: its hello, then (after reading the
+// server's challenge) its proof. Both messages are returned, as a thief on the wire would
+// capture them.
+std::pair<sp::Bytes, sp::Bytes> authenticate(int fd, const std::string& token) {
+  sp::Request hello;
+  hello.type = sp::RequestType::kHello;
+  hello.key = net::fresh_nonce();
+  const sp::Bytes hello_bytes = sp::encode_request(hello);
+  EXPECT_TRUE(net::write_all(fd, hello_bytes.data(), hello_bytes.size()));
+  const auto challenge = read_response(fd, sp::RequestType::kHello);
+  EXPECT_TRUE(challenge && challenge->value.size() == net::kNonceBytes + net::kProofBytes);
+  if (!challenge) return {hello_bytes, {}};
+  const std::string server_nonce(challenge->value.begin(),
+                                 challenge->value.begin() + net::kNonceBytes);
+  sp::Request proof;
+  proof.type = sp::RequestType::kProof;
+  proof.key =
+      net::prove(token, sp::kClientRole, hello.key, server_nonce, sp::proof_binding(hello.hello));
+  const sp::Bytes proof_bytes = sp::encode_request(proof);
+  EXPECT_TRUE(net::write_all(fd, proof_bytes.data(), proof_bytes.size()));
+  return {hello_bytes, proof_bytes};
+}
+
+// The token never crosses the wire, and a captured hello and proof replayed on a new
+// connection are refused: the server's nonce is new, so the old proof does not hold.
+TEST(TcpStore, ACapturedHandshakeReplayedIsRefusedAndNeverCarriesTheToken) {
+  auto server = make_tcp_store_server("127.0.0.1", 0, kToken);
+  net::Fd first = raw(server->port());
+  const auto [hello, proof] = authenticate(first.get(), kToken);
+  const auto admitted = read_response(first.get(), sp::RequestType::kProof);
+  ASSERT_TRUE(admitted && admitted->status == sp::Status::kOk);
+  std::string wire(hello.begin(), hello.end());
+  wire.append(proof.begin(), proof.end());
+  EXPECT_EQ(wire.find(kToken), std::string::npos);
+
+  net::Fd replay = raw(server->port());
+  ASSERT_TRUE(net::write_all(replay.get(), hello.data(), hello.size()));
+  ASSERT_TRUE(read_response(replay.get(), sp::RequestType::kHello));
+  ASSERT_TRUE(net::write_all(replay.get(), proof.data(), proof.size()));
+  const auto refused = read_response(replay.get(), sp::RequestType::kProof);
+  ASSERT_TRUE(refused && refused->status == sp::Status::kError);
+  EXPECT_TRUE(contains(refused->message, "wrong token: its proof does not hold"))
+      << refused->message;
+  EXPECT_TRUE(closed_within(replay.get(), 5000ms));
+}
+
+// A store that does not hold the token cannot pass itself off as the job's: the client
+// refuses its challenge before sending any proof.
+TEST(TcpStore, AStoreOfAnotherTokenIsRefusedByTheClient) {
+  auto server = make_tcp_store_server("127.0.0.1", 0, "another-job");
+  auto e = testing::expect_error(ErrorKind::kProtocol,
+                                 [&] { make_tcp_store("127.0.0.1", server->port(), kToken, 2s); });
+  EXPECT_TRUE(contains(e.what(), "did not prove the job token")) << e.what();
+}
+
 TEST(TcpStore, WrongTokenIsRefusedAndTheServerCarriesOn) {
   auto server = make_tcp_store_server("127.0.0.1", 0, kToken);
   try {
@@ -268,11 +341,8 @@ TEST(TcpStore, GarbageUnauthenticatedAndOversizedRequestsAreDropped) {
   net::write_all(unauthenticated.get(), msg.data(), msg.size());
 
   net::Fd bad_after_auth = raw(port);
-  sp::Request auth;
-  auth.type = sp::RequestType::kAuth;
-  auth.key = kToken;
-  msg = sp::encode_request(auth);
-  net::write_all(bad_after_auth.get(), msg.data(), msg.size());
+  authenticate(bad_after_auth.get(), kToken);
+  ASSERT_TRUE(read_response(bad_after_auth.get(), sp::RequestType::kProof));
   std::uint8_t bad_type[] = {1, 0, 0, 0, 99};
   net::write_all(bad_after_auth.get(), bad_type, sizeof bad_type);
 

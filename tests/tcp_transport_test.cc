@@ -13,10 +13,12 @@
 #include <thread>
 
 #include "harness.h"
+#include "rendezvous/auth.h"
 #include "rendezvous/socket.h"
 #include "rendezvous/store_util.h"
 #include "transport/frame.h"
 #include "transport/tcp.h"
+#include "transport/tcp_core.h"
 #include "transport_conformance.h"
 
 namespace gradsync::transport {
@@ -83,10 +85,45 @@ bool closed_within(int fd, std::chrono::milliseconds limit) {
   return false;
 }
 
-std::vector<std::uint8_t> hello_frame(const std::string& token, std::uint32_t rank,
-                                      std::uint32_t world) {
-  auto payload = frame::encode_hello(frame::Hello{rank, world, token, "10.9.9.9:1"});
-  return frame::encode_frame(frame::Type::kHello, Tag{}, payload);
+std::vector<std::uint8_t> hello_frame(const frame::Hello& h) {
+  return frame::encode_frame(frame::Type::kHello, Tag{}, frame::encode_hello(h));
+}
+
+frame::Hello stray_hello(std::uint32_t rank, std::uint32_t world) {
+  return frame::Hello{rank, world, net::fresh_nonce(), "10.9.9.9:1"};
+}
+
+std::vector<std::uint8_t> proof_frame(const std::string& proof) {
+  return frame::encode_frame(frame::Type::kProof, Tag{},
+                             std::vector<std::uint8_t>(proof.begin(), proof.end()));
+}
+
+// The acceptor's answer to a hello on `fd`: its challenge (5 s at most).
+frame::Challenge read_challenge(int fd) {
+  timeval limit{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
+  auto read_exactly = [&](std::uint8_t* into, std::size_t n) {
+    for (std::size_t got = 0; got < n;) {
+      const ssize_t r = ::recv(fd, into + got, n - got, 0);
+      if (r <= 0) return false;
+      got += static_cast<std::size_t>(r);
+    }
+    return true;
+  };
+  std::uint8_t hdr[frame::kHeaderBytes];
+  frame::Header h;
+  EXPECT_TRUE(read_exactly(hdr, sizeof hdr));
+  EXPECT_EQ(frame::parse_header(hdr, frame::kDefaultMaxDataBytes, h), frame::ParseStatus::kOk);
+  EXPECT_EQ(h.type, frame::Type::kChallenge);
+  std::vector<std::uint8_t> payload(h.length);
+  EXPECT_TRUE(read_exactly(payload.data(), payload.size()));
+  return frame::parse_challenge(payload).value_or(frame::Challenge{});
+}
+
+// The proof a dialer of rank `rank` with `token` gives for a challenge to its hello.
+std::string dialer_proof(const std::string& token, const frame::Hello& h, const frame::Challenge& c,
+                         int acceptor) {
+  return net::prove(token, tcp::kDialerRole, h.nonce, c.nonce, tcp::binding(h.rank, acceptor));
 }
 
 // Every rank of the 3-rank group `ts` sends each other rank 100000 bytes of its own pattern,
@@ -126,9 +163,12 @@ TEST(TcpTransport, StraysWithWrongTokenOrGarbageAreRefusedWithoutDisturbingTheJo
   std::thread stray([&] {
     Bytes addr = store->get(prefix + "/tcp/2", 10000ms);
     std::string address(addr.begin(), addr.end());
-    // 1. A valid hello with the wrong token.
+    // 1. A valid hello, then the proof of the wrong token.
     net::Fd wrong = raw_connect(address);
-    auto f = hello_frame("not-the-token", 0, 3);
+    const frame::Hello wrong_hello = stray_hello(0, 3);
+    auto f = hello_frame(wrong_hello);
+    ASSERT_TRUE(net::write_all(wrong.get(), f.data(), f.size()));
+    f = proof_frame(dialer_proof("not-the-token", wrong_hello, read_challenge(wrong.get()), 2));
     ASSERT_TRUE(net::write_all(wrong.get(), f.data(), f.size()));
     // 2. Bytes that are not a frame at all.
     net::Fd garbage = raw_connect(address);
@@ -143,9 +183,12 @@ TEST(TcpTransport, StraysWithWrongTokenOrGarbageAreRefusedWithoutDisturbingTheJo
     net::Fd data_first = raw_connect(address);
     frame::encode_header(frame::Header{frame::Type::kData, Tag{}, 4}, hdr);
     ASSERT_TRUE(net::write_all(data_first.get(), hdr, sizeof hdr));
-    // 5. The right token but a rank that should dial, not be dialed... from a higher rank.
+    // 5. The right token but a rank that is no peer.
     net::Fd bad_rank = raw_connect(address);
-    f = hello_frame(kToken, 7, 3);
+    const frame::Hello rank_seven = stray_hello(7, 3);
+    f = hello_frame(rank_seven);
+    ASSERT_TRUE(net::write_all(bad_rank.get(), f.data(), f.size()));
+    f = proof_frame(dialer_proof(kToken, rank_seven, read_challenge(bad_rank.get()), 2));
     ASSERT_TRUE(net::write_all(bad_rank.get(), f.data(), f.size()));
     // 6. A connection that never says anything: must not block the real peers.
     net::Fd silent = raw_connect(address);
@@ -234,6 +277,55 @@ TEST(TcpTransport, FloodOfJunkConnectionsNeverCostsARealPeerItsPlace) {
   EXPECT_TRUE(contains(log, "evicted without a complete hello")) << log;
 }
 
+// What crosses the network proves the token without carrying it, and a captured exchange is
+// useless on a new connection: the acceptor's nonce is new, so the old proof does not hold.
+TEST(TcpTransport, ACapturedHandshakeReplayedIsRefusedAndNeverCarriesTheToken) {
+  auto store = make_inproc_store();
+  std::string prefix = testing::unique_name("replay");
+  std::atomic<bool> replayed{false};
+  std::vector<int> group = {0, 1, 2};
+  TransportOptions options;
+  options.token = kToken;
+  std::vector<std::unique_ptr<Transport>> ts(3);
+  ::testing::internal::CaptureStderr();
+  std::thread thief([&] {
+    Bytes addr = store->get(prefix + "/tcp/2", 10000ms);
+    std::string address(addr.begin(), addr.end());
+    // What rank 0 would send: its hello, then its proof for the challenge it got.
+    const frame::Hello hello = stray_hello(0, 3);
+    const auto captured_hello = hello_frame(hello);
+    net::Fd first = raw_connect(address);
+    ASSERT_TRUE(net::write_all(first.get(), captured_hello.data(), captured_hello.size()));
+    const frame::Challenge challenge = read_challenge(first.get());
+    const auto captured_proof = proof_frame(dialer_proof(kToken, hello, challenge, 2));
+    first.reset();  // the capture is all the thief keeps
+    const std::string wire(captured_hello.begin(), captured_hello.end());
+    EXPECT_EQ(wire.find(kToken), std::string::npos);
+    EXPECT_EQ(std::string(captured_proof.begin(), captured_proof.end()).find(kToken),
+              std::string::npos);
+    // The replay: the same hello and proof on a new connection.
+    net::Fd replay = raw_connect(address);
+    ASSERT_TRUE(net::write_all(replay.get(), captured_hello.data(), captured_hello.size()));
+    const frame::Challenge fresh = read_challenge(replay.get());
+    EXPECT_NE(fresh.nonce, challenge.nonce);
+    ASSERT_TRUE(net::write_all(replay.get(), captured_proof.data(), captured_proof.size()));
+    EXPECT_TRUE(closed_within(replay.get(), 5000ms));
+    replayed = true;
+  });
+  testing::run_threads(3, [&](int r) {
+    if (r != 2) {
+      while (!replayed) std::this_thread::sleep_for(5ms);
+    }
+    ts[static_cast<std::size_t>(r)] =
+        make_tcp_transport(*store, prefix, r, 3, group, options, loopback(), 20s);
+  });
+  thief.join();
+  expect_every_pair_exchanges(ts);
+  ts.clear();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(contains(log, "wrong job token: its proof of the token does not hold")) << log;
+}
+
 TEST(TcpTransport, MismatchedTokensFailSetupNamingThePeer) {
   auto store = make_inproc_store();
   std::string prefix = testing::unique_name("tokens");
@@ -248,8 +340,10 @@ TEST(TcpTransport, MismatchedTokensFailSetupNamingThePeer) {
       errors[static_cast<std::size_t>(r)] = e.what();
     }
   });
-  // Rank 0 dialed and was refused; rank 1 waited for a rank 0 that never authenticated.
+  // Rank 0 dialed and refused rank 1's proof; rank 1 waited for a rank 0 that never proved
+  // the token.
   EXPECT_TRUE(contains(errors[0], "rank 1")) << errors[0];
+  EXPECT_TRUE(contains(errors[0], "wrong job token")) << errors[0];
   EXPECT_TRUE(contains(errors[0], "127.0.0.1:")) << errors[0];
   EXPECT_TRUE(contains(errors[1], "rank 0")) << errors[1];
 }

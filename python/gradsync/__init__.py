@@ -9,6 +9,6 @@ Every failure raises gradsync.Error (a RuntimeError) whose attributes kind, rank
 bytes and detail are the C++ error's. PyTorch users: `import gradsync.torch`, then
 `torch.distributed.init_process_group("gradsync")`.
 """
-from ._gradsync import Context, Error, Work, init, timeline_write
+from ._gradsync import Context, Error, Work, __version__, init, timeline_write
 
-__all__ = ["Context", "Error", "Work", "init", "timeline_write"]
+__all__ = ["Context", "Error", "Work", "__version__", "init", "timeline_write"]

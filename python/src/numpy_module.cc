@@ -538,6 +538,9 @@ PYBIND11_MODULE(_gradsync, m) {
       "init() reads it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, GRADSYNC_*). Blocks until "
       "every rank has joined. timeout is in seconds.");
 
+  // The linked library's version, as gradsync::version() and every tool's --version say it.
+  m.attr("__version__") = gradsync::version();
+
   m.def("now_us", &gradsync::timeline::now_us,
         "Microseconds on the clock of gradsync's timeline and call records (CLOCK_MONOTONIC).");
   m.def(

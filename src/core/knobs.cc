@@ -82,8 +82,9 @@ constexpr Knob kKnobs[] = {
      "finding the rank the job waits for.",
      kContext, true, 1, 2147483647},
     {"GRADSYNC_TOKEN", "unset: no secret", "any text", "Options::token",
-     "The job's secret every connection presents (gradsync-run sets one); never logged.", kContext,
-     false},
+     "The job's secret every connection proves by challenge-response, never sending it "
+     "(gradsync-run sets one); never logged.",
+     kContext, false},
     {"GRADSYNC_TOPOLOGY", "the ranks of each host",
      "groups like 0,2;1,3 (every rank once), or @file with a group a line", "Options::topology",
      "Groups of ranks the ring keeps together, where host detection cannot see them; the same "

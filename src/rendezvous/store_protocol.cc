@@ -115,8 +115,8 @@ std::optional<T> finish(Reader& r, T value, std::string* why) {
 
 const char* to_string(RequestType t) {
   switch (t) {
-    case RequestType::kAuth:
-      return "auth";
+    case RequestType::kProof:
+      return "proof";
     case RequestType::kSet:
       return "set";
     case RequestType::kGet:
@@ -137,7 +137,7 @@ Bytes encode_request(const Request& r) {
   Writer w;
   w.u8(static_cast<std::uint8_t>(r.type));
   switch (r.type) {
-    case RequestType::kAuth:
+    case RequestType::kProof:
     case RequestType::kCheck:
       w.str(r.key);
       break;
@@ -177,7 +177,7 @@ std::optional<Request> parse_request(std::span<const std::uint8_t> body, std::st
   if (!in.ok()) return finish(in, r, why);
   r.type = static_cast<RequestType>(type);
   switch (r.type) {
-    case RequestType::kAuth:
+    case RequestType::kProof:
     case RequestType::kCheck:
       r.key = in.str(kMaxKeyBytes, "key");
       break;
@@ -206,7 +206,7 @@ std::optional<Request> parse_request(std::span<const std::uint8_t> body, std::st
       r.delta = static_cast<std::int64_t>(in.u64("delta"));
       break;
     case RequestType::kHello:
-      r.key = in.str(kMaxKeyBytes, "token");
+      r.key = in.str(kMaxKeyBytes, "nonce");
       r.hello.rank = static_cast<std::int32_t>(in.u32("rank"));
       r.hello.world_size = static_cast<std::int32_t>(in.u32("world size"));
       r.hello.pid = in.u32("pid");
@@ -237,6 +237,7 @@ Bytes encode_response(RequestType answered, const Response& r) {
     case Status::kOk:
       switch (answered) {
         case RequestType::kGet:
+        case RequestType::kHello:  // the server's challenge: its nonce and proof
           w.bytes(r.value.data(), r.value.size());
           break;
         case RequestType::kAdd:
@@ -245,8 +246,7 @@ Bytes encode_response(RequestType answered, const Response& r) {
         case RequestType::kCheck:
           w.u8(r.exists ? 1 : 0);
           break;
-        case RequestType::kAuth:
-        case RequestType::kHello:
+        case RequestType::kProof:
         case RequestType::kSet:
         case RequestType::kWait:
           break;
@@ -271,6 +271,11 @@ std::optional<Response> parse_response(RequestType answered, std::span<const std
           r.value.assign(v.begin(), v.end());
           break;
         }
+        case RequestType::kHello: {
+          auto v = in.blob(kMaxKeyBytes, "challenge");
+          r.value.assign(v.begin(), v.end());
+          break;
+        }
         case RequestType::kAdd:
           r.number = static_cast<std::int64_t>(in.u64("number"));
           break;
@@ -280,8 +285,7 @@ std::optional<Response> parse_response(RequestType answered, std::span<const std
           r.exists = b == 1;
           break;
         }
-        case RequestType::kAuth:
-        case RequestType::kHello:
+        case RequestType::kProof:
         case RequestType::kSet:
         case RequestType::kWait:
           break;

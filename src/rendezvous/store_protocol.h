@@ -7,6 +7,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace gradsync::store_protocol {
@@ -23,20 +24,25 @@ constexpr std::size_t kMaxValueBytes = std::size_t{64} << 20;
 constexpr std::size_t kMaxWaitKeys = 65536;
 constexpr std::size_t kMaxMessageBytes = kMaxValueBytes + 2 * kMaxKeyBytes + 64;
 constexpr std::size_t kLengthPrefixBytes = 4;
-// Before a connection has authenticated, the server reads nothing but one hello of at most
-// this many body bytes: a token (up to kMaxKeyBytes), a host name and a few integers. An
-// unauthenticated peer can thus make it hold only a few KiB, not a whole message.
+// Before a connection has authenticated, the server reads nothing but a hello and a proof of
+// at most this many body bytes each: a nonce or a proof (up to kMaxKeyBytes), a host name and
+// a few integers. An unauthenticated peer can thus make it hold only a few KiB, not a whole
+// message.
 constexpr std::size_t kMaxHostBytes = 256;
 constexpr std::size_t kMaxHelloBytes = 1 + 4 + kMaxKeyBytes + 4 + 4 + 4 + 4 + kMaxHostBytes + 8;
 
+// A connection starts with the challenge-response of rendezvous/auth.h: the client's kHello
+// (key = its nonce) is answered with the server's nonce and proof of the job token (the
+// response's value), then the client's kProof (key = its proof) admits it or is refused.
+// The token never crosses the network.
 enum class RequestType : std::uint8_t {
-  kAuth = 1,   // key = token; must be the first request on a connection
+  kProof = 1,  // key = the client's proof of the token; the second request of a connection
   kSet = 2,    // key, value
   kGet = 3,    // key, timeout_ms: answered when the key exists or the timeout passes
   kWait = 4,   // keys, timeout_ms: answered when every key exists or the timeout passes
   kAdd = 5,    // key, delta: answers the new value
   kCheck = 6,  // key: answers whether it exists
-  kHello = 7,  // key = token, hello = who is asking; like kAuth, it must come first
+  kHello = 7,  // key = the client's nonce, hello = who is asking; the first request
 };
 const char* to_string(RequestType t);
 
@@ -51,9 +57,18 @@ struct Hello {
   bool operator==(const Hello&) const = default;
 };
 
+// The roles each side's proof of the token signs, and what both proofs bind: who the hello
+// says is asking (rendezvous/auth.h).
+inline constexpr std::string_view kServerRole = "gradsync store server";
+inline constexpr std::string_view kClientRole = "gradsync store client";
+inline std::string proof_binding(const Hello& h) {
+  return std::to_string(h.rank) + "/" + std::to_string(h.world_size) + "/" +
+         std::to_string(h.client_id);
+}
+
 struct Request {
   RequestType type = RequestType::kCheck;
-  std::string key;                // kAuth and kHello (the token), kSet, kGet, kAdd, kCheck
+  std::string key;                // kHello (nonce), kProof (proof), kSet, kGet, kAdd, kCheck
   Hello hello;                    // kHello
   std::vector<std::string> keys;  // kWait
   Bytes value;                    // kSet

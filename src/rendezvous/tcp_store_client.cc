@@ -11,6 +11,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -18,6 +19,7 @@
 
 #include "gradsync/error.h"
 #include "gradsync/store.h"
+#include "rendezvous/auth.h"
 #include "rendezvous/socket.h"
 #include "rendezvous/store_protocol.h"
 #include "rendezvous/store_util.h"
@@ -112,6 +114,25 @@ class TcpStoreClient final : public Store {
     }
   }
 
+  // Our proof of the token for the server's challenge (its nonce and its own proof, which
+  // must hold first: a server without the token learns nothing it could use); nullopt if the
+  // server's proof does not hold.
+  std::optional<sp::Request> proof_for(const sp::Request& hello,
+                                       const sp::Response& challenge) const {
+    const std::string value(challenge.value.begin(), challenge.value.end());
+    const std::string server_nonce = value.substr(0, net::kNonceBytes);
+    const std::string binding = sp::proof_binding(hello_);
+    if (value.size() != net::kNonceBytes + net::kProofBytes ||
+        !net::proof_holds(value.substr(net::kNonceBytes), token_, sp::kServerRole, hello.key,
+                          server_nonce, binding)) {
+      return std::nullopt;
+    }
+    sp::Request proof;
+    proof.type = sp::RequestType::kProof;
+    proof.key = net::prove(token_, sp::kClientRole, hello.key, server_nonce, binding);
+    return proof;
+  }
+
   static sp::Hello make_hello(const TcpStoreIdentity& identity) {
     sp::Hello h;
     h.rank = identity.rank;
@@ -137,11 +158,28 @@ class TcpStoreClient final : public Store {
       reader_ = sp::MessageReader();
       sp::Request hello;
       hello.type = sp::RequestType::kHello;
-      hello.key = token_;
+      hello.key = net::fresh_nonce();
       hello.hello = hello_;
       sp::Response resp;
       try {
         resp = exchange_locked(hello, deadline + kReplyGrace);
+        // Its challenge proves it holds the token; then our proof admits us (or is refused).
+        if (resp.status == sp::Status::kOk) {
+          auto proof = proof_for(hello, resp);
+          if (!proof) {
+            // An empty proof proves nothing but lets the server note who it refused, so the
+            // other ranks' timeout can name this one.
+            sp::Request nothing;
+            nothing.type = sp::RequestType::kProof;
+            exchange_locked(nothing, deadline + kReplyGrace);
+            throw Error(ErrorKind::kProtocol,
+                        "wrong token: the store at " + net::join_host_port(host_, port_) +
+                            " did not prove the job token (another job's store, or a different "
+                            "GRADSYNC_TOKEN)",
+                        hello_.rank, Error::kNoPeer, name_);
+          }
+          resp = exchange_locked(*proof, deadline + kReplyGrace);
+        }
       } catch (const Error& e) {
         fd_.reset();
         if (e.kind() != ErrorKind::kPeerLost) {

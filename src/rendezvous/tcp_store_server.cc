@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -19,6 +20,7 @@
 
 #include "gradsync/error.h"
 #include "gradsync/store.h"
+#include "rendezvous/auth.h"
 #include "rendezvous/socket.h"
 #include "rendezvous/store_protocol.h"
 #include "rendezvous/store_util.h"
@@ -82,6 +84,9 @@ class TcpStoreServerImpl final : public TcpStoreServer {
     sp::Bytes out;
     std::size_t out_pos = 0;
     bool authed = false;
+    // Its hello and the two nonces, once it sent the hello and we our challenge.
+    std::optional<sp::Request> hello;
+    std::string server_nonce;
     bool anonymous = false;  // authenticated without announcing a rank
     bool out_armed = false;
     int rank = -1;             // the rank it announced
@@ -244,12 +249,15 @@ class TcpStoreServerImpl final : public TcpStoreServer {
       std::string why;
       auto req = sp::parse_request(body, &why);
       if (!c.authed) {
-        if (!req) return reply_and_close(id, sp::Status::kError, "malformed hello: " + why);
-        if (!admit(id, c, *req)) return;
+        if (!req) {
+          return reply_and_close(id, sp::Status::kError,
+                                 (c.hello ? "malformed proof: " : "malformed hello: ") + why);
+        }
+        if (!(c.hello ? admit(id, c, *req) : challenge(id, c, std::move(*req)))) return;
         continue;
       }
       // Garbage, or a second hello: never guess where the next message starts.
-      if (!req || req->type == sp::RequestType::kAuth || req->type == sp::RequestType::kHello) {
+      if (!req || req->type == sp::RequestType::kProof || req->type == sp::RequestType::kHello) {
         return close_conn(id);
       }
       if (!failure_.empty()) {
@@ -263,8 +271,8 @@ class TcpStoreServerImpl final : public TcpStoreServer {
     }
   }
 
-  // A hello with a wrong token that claims a rank not yet seen: noted under kRefusedKey (one
-  // line per rank of the world at most, so a stranger cannot grow it).
+  // A proof of a wrong token from a hello that claims a rank not yet seen: noted under kRefusedKey
+  // (one line per rank of the world at most, so a stranger cannot grow it).
   void note_refused(const sp::Request& req) {
     if (req.type != sp::RequestType::kHello || req.hello.rank < 0 || req.hello.rank >= world_ ||
         seen_.count(req.hello.rank) || !refused_.insert(req.hello.rank).second) {
@@ -280,21 +288,59 @@ class TcpStoreServerImpl final : public TcpStoreServer {
     note.insert(note.end(), line.begin(), line.end());
   }
 
-  // The first request of a connection: a hello (or the older auth) with the job's token.
-  // Checks who it says it is against the ranks seen so far; true if it is now authenticated.
-  bool admit(std::uint64_t id, Conn& c, const sp::Request& req) {
-    if (req.type != sp::RequestType::kAuth && req.type != sp::RequestType::kHello) {
+  // The first request of a connection, a hello with the client's nonce: answered with our
+  // nonce and our proof of the job token. Nothing it claims is checked before its proof.
+  bool challenge(std::uint64_t id, Conn& c, sp::Request req) {
+    if (req.type != sp::RequestType::kHello) {
       reply_and_close(id, sp::Status::kError, "the first request must be a hello");
       return false;
     }
-    if (!net::tokens_equal(req.key, token_)) {
-      note_refused(req);
+    if (req.key.size() != net::kNonceBytes) {
       reply_and_close(id, sp::Status::kError,
-                      "wrong token (GRADSYNC_TOKEN must be the same on every rank)");
+                      "a hello's nonce is not " + std::to_string(net::kNonceBytes) + " bytes");
       return false;
     }
     if (c.reader.buffered() != 0) {
       reply_and_close(id, sp::Status::kError, "sent requests before its hello was answered");
+      return false;
+    }
+    sp::Response resp;
+    try {
+      c.server_nonce = net::fresh_nonce();
+      const std::string proof = net::prove(token_, sp::kServerRole, req.key, c.server_nonce,
+                                           sp::proof_binding(req.hello));
+      resp.value.assign(c.server_nonce.begin(), c.server_nonce.end());
+      resp.value.insert(resp.value.end(), proof.begin(), proof.end());
+    } catch (const Error& e) {  // the server thread must not throw
+      reply_and_close(id, sp::Status::kError, e.what());
+      return false;
+    }
+    c.hello = std::move(req);
+    respond(id, c, sp::RequestType::kHello, resp);
+    return true;
+  }
+
+  // The second request: the client's proof of the token over both nonces. If it holds, checks
+  // who the hello said it is against the ranks seen so far; true if it is now authenticated.
+  bool admit(std::uint64_t id, Conn& c, const sp::Request& proof) {
+    const sp::Request& req = *c.hello;
+    bool holds = false;
+    try {
+      holds = proof.type == sp::RequestType::kProof &&
+              net::proof_holds(proof.key, token_, sp::kClientRole, req.key, c.server_nonce,
+                               sp::proof_binding(req.hello));
+    } catch (const Error&) {
+      holds = false;
+    }
+    if (!holds) {
+      note_refused(req);
+      reply_and_close(id, sp::Status::kError,
+                      "wrong token: its proof does not hold (GRADSYNC_TOKEN must be the same "
+                      "on every rank)");
+      return false;
+    }
+    if (c.reader.buffered() != 0) {
+      reply_and_close(id, sp::Status::kError, "sent requests before its proof was answered");
       return false;
     }
     const bool ranked = req.type == sp::RequestType::kHello && req.hello.rank >= 0;
@@ -326,7 +372,7 @@ class TcpStoreServerImpl final : public TcpStoreServer {
     pending_.erase(id);
     erase_deadline(hello_deadlines_, c.hello_deadline, id);
     c.reader.set_max_body(sp::kMaxMessageBytes);
-    respond(id, c, req.type, sp::Response{});
+    respond(id, c, sp::RequestType::kProof, sp::Response{});
     return true;
   }
 
@@ -425,9 +471,9 @@ class TcpStoreServerImpl final : public TcpStoreServer {
         c.waiter = wid;
         return;
       }
-      case sp::RequestType::kAuth:
+      case sp::RequestType::kProof:
       case sp::RequestType::kHello:
-        break;  // handled in admit()
+        break;  // handled in challenge() and admit()
     }
     respond(id, c, req.type, resp);
   }

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "rendezvous/auth.h"
+
 namespace gradsync::transport::frame {
 
 namespace {
@@ -89,6 +91,8 @@ ParseStatus parse_header(const std::uint8_t in[kHeaderBytes], std::uint64_t max_
   std::uint64_t limit = 0;
   switch (in[6]) {
     case static_cast<std::uint8_t>(Type::kHello):
+    case static_cast<std::uint8_t>(Type::kChallenge):
+    case static_cast<std::uint8_t>(Type::kProof):
       limit = kMaxHelloBytes;
       break;
     case static_cast<std::uint8_t>(Type::kData):
@@ -117,7 +121,7 @@ std::vector<std::uint8_t> encode_hello(const Hello& h) {
   std::vector<std::uint8_t> out(8);
   put_u32(out.data(), h.rank);
   put_u32(out.data() + 4, h.world_size);
-  put_string(out, h.token);
+  put_string(out, h.nonce);
   put_string(out, h.address);
   return out;
 }
@@ -128,10 +132,33 @@ std::optional<Hello> parse_hello(std::span<const std::uint8_t> payload) {
   h.rank = get_u32(payload.data());
   h.world_size = get_u32(payload.data() + 4);
   std::size_t pos = 8;
-  if (!get_string(payload, pos, kMaxTokenBytes, h.token)) return std::nullopt;
+  if (!get_string(payload, pos, net::kNonceBytes, h.nonce)) return std::nullopt;
+  if (h.nonce.size() != net::kNonceBytes) return std::nullopt;
   if (!get_string(payload, pos, kMaxAddressBytes, h.address)) return std::nullopt;
   if (pos != payload.size()) return std::nullopt;  // trailing bytes: not what we encode
   return h;
+}
+
+std::vector<std::uint8_t> encode_challenge(const Challenge& c) {
+  std::vector<std::uint8_t> out;
+  put_string(out, c.nonce);
+  put_string(out, c.proof);
+  return out;
+}
+
+std::optional<Challenge> parse_challenge(std::span<const std::uint8_t> payload) {
+  Challenge c;
+  std::size_t pos = 0;
+  if (!get_string(payload, pos, net::kNonceBytes, c.nonce)) return std::nullopt;
+  if (!get_string(payload, pos, net::kProofBytes, c.proof)) return std::nullopt;
+  if (c.nonce.size() != net::kNonceBytes || c.proof.size() != net::kProofBytes) return std::nullopt;
+  if (pos != payload.size()) return std::nullopt;
+  return c;
+}
+
+std::optional<std::string> parse_proof(std::span<const std::uint8_t> payload) {
+  if (payload.size() != net::kProofBytes) return std::nullopt;
+  return std::string(reinterpret_cast<const char*>(payload.data()), payload.size());
 }
 
 std::vector<std::uint8_t> encode_abort(const Abort& a) {

@@ -20,16 +20,21 @@ namespace gradsync::transport::frame {
 // length before the magic and version have been checked.
 constexpr std::size_t kHeaderBytes = 48;
 constexpr std::uint32_t kMagic = 0x46545347;  // "GSTF" when read as bytes
-constexpr std::uint16_t kVersion = 1;
+constexpr std::uint16_t kVersion = 2;         // 2: the token is proven, never sent
 
 enum class Type : std::uint8_t {
-  kHello = 1,  // first frame on every connection: token, rank, world size, address
+  // The handshake (rendezvous/auth.h): the dialer's kHello (its nonce), the acceptor's
+  // kChallenge (its nonce and proof of the token), the dialer's kProof, and once that holds,
+  // the acceptor's kHello. Then data may flow.
+  kHello = 1,  // rank, world size, address and a fresh nonce; no secret
   kData = 2,   // one message of the Transport interface
   kAbort = 3,  // the sender aborted; payload names its rank and reason
   // A rank whose wait timed out asks each peer what it is doing; the peer's transport
   // thread answers at once (kProbeAnswer), which a stopped or hung process cannot.
   kProbe = 4,
   kProbeAnswer = 5,
+  kChallenge = 6,  // the acceptor's nonce and its proof of the token
+  kProof = 7,      // the dialer's proof of the token
 };
 
 // Limits on what a header may declare, so a corrupt or hostile length never turns into a
@@ -38,7 +43,6 @@ constexpr std::uint64_t kMaxHelloBytes = 4096;
 constexpr std::uint64_t kMaxAbortBytes = 64 * 1024;
 constexpr std::uint64_t kMaxProbeBytes = 4096;
 constexpr std::uint64_t kDefaultMaxDataBytes = std::uint64_t{1} << 40;  // 1 TiB
-constexpr std::size_t kMaxTokenBytes = 1024;
 constexpr std::size_t kMaxAddressBytes = 512;
 
 struct Header {
@@ -60,12 +64,23 @@ ParseStatus parse_header(const std::uint8_t in[kHeaderBytes], std::uint64_t max_
 struct Hello {
   std::uint32_t rank = 0;
   std::uint32_t world_size = 0;
-  std::string token;
+  std::string nonce;    // net::kNonceBytes
   std::string address;  // "host:port" the sender listens on, for error messages
   bool operator==(const Hello&) const = default;
 };
 std::vector<std::uint8_t> encode_hello(const Hello& h);  // payload only
 std::optional<Hello> parse_hello(std::span<const std::uint8_t> payload);
+
+struct Challenge {
+  std::string nonce;  // net::kNonceBytes
+  std::string proof;  // net::kProofBytes
+  bool operator==(const Challenge&) const = default;
+};
+std::vector<std::uint8_t> encode_challenge(const Challenge& c);  // payload only
+std::optional<Challenge> parse_challenge(std::span<const std::uint8_t> payload);
+
+// kProof's payload is the proof's bytes alone.
+std::optional<std::string> parse_proof(std::span<const std::uint8_t> payload);
 
 struct Abort {
   std::uint32_t rank = 0;

@@ -40,9 +40,11 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
+#include "rendezvous/auth.h"
 #include "rendezvous/socket.h"
 #include "transport/frame.h"
 #include "transport/tcp.h"
@@ -93,8 +95,10 @@ enum class WriteSide : std::uint8_t {
 // How far the hello exchange with a peer got. The lower rank dials the higher.
 enum class Handshake : std::uint8_t {
   kNoConnection,  // nothing yet: we wait for it to dial us (or are about to dial it)
-  kHelloSent,     // we dialed it and sent our hello; its hello has not come back
-  kDone,          // hellos exchanged: data may flow
+  kHelloSent,     // we dialed it and sent our hello (our nonce); its challenge has not come
+  kProofSent,     // its challenge proved the token and we sent our proof; its hello has not
+                  // come, which says it accepted ours
+  kDone,          // proofs and hellos exchanged: data may flow
 };
 
 // What one read_once_locked call did.
@@ -164,6 +168,7 @@ struct Peer {
   std::string address = "?";  // host:port it listens on (from the store or its hello)
   int fd = -1;                // closed only by ~Core, after the loop thread has stopped
   Handshake handshake = Handshake::kNoConnection;
+  std::string nonce;               // ours, sent in our hello when we dialed it
   std::optional<Failure> failure;  // sticky: connection lost or protocol violation
 
   std::deque<std::shared_ptr<SendOp>> sendq;
@@ -188,9 +193,20 @@ struct Peer {
 };
 
 // An accepted connection that has not yet presented a valid hello.
+// The handshake's proofs of the token (rendezvous/auth.h): what each side signs, and the
+// connection they bind it to (the dialer's rank, then the acceptor's).
+inline constexpr std::string_view kDialerRole = "gradsync tcp dialer";
+inline constexpr std::string_view kAcceptorRole = "gradsync tcp acceptor";
+inline std::string binding(std::uint32_t dialer, int acceptor) {
+  return std::to_string(dialer) + "->" + std::to_string(acceptor);
+}
+
 struct Pending {
   net::Fd fd;
   std::string from;
+  // Its hello and the nonce of our challenge, once it sent the hello; its proof comes next.
+  std::optional<frame::Hello> hello;
+  std::string nonce;
   std::uint8_t hdr[frame::kHeaderBytes];
   std::size_t hdr_got = 0;
   frame::Header h;
@@ -348,7 +364,7 @@ class Core {
   // --- connection set-up (tcp_setup.cc) -------------------------------------------------
 
   void choose_spin_locked();
-  std::vector<std::uint8_t> my_hello() const;
+  std::vector<std::uint8_t> my_hello(const std::string& nonce) const;
   void epoll_add(int fd, std::uint64_t id, std::uint32_t events);
   bool try_epoll_add(int fd, std::uint64_t id, std::uint32_t events);
   void accept_pending();
@@ -357,6 +373,7 @@ class Core {
   void close_listener();
   void on_pending(std::uint64_t id);
   std::string promote(Pending& pc, const frame::Hello& h);
+  bool send_challenge(Pending& pc, const frame::Hello& h);
   void refuse_overdue_pending();
 
   // --- failures and the errors operations report (tcp_failure.cc) -----------------------
@@ -420,6 +437,7 @@ class Core {
   void claim_locked(Peer& p);
   void finish_message_locked(Peer& p);
   bool accept_hello_locked(Peer& p, std::span<const std::uint8_t> payload);
+  bool answer_challenge_locked(Peer& p, std::span<const std::uint8_t> payload);
   void on_abort_frame_locked(Peer& p, std::span<const std::uint8_t> payload);
   void fail_recvs_locked(Peer& p, const Failure& f);
 

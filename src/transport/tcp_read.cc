@@ -185,8 +185,16 @@ void Core::on_header_locked(Peer& p) {
   in.claimed.reset();
   in.buffer.reset();
   switch (in.h.type) {
+    case frame::Type::kChallenge:
+      if (p.handshake != Handshake::kHelloSent) return protocol("an unexpected challenge");
+      break;
+    case frame::Type::kProof:
+      // Proofs go to the acceptor's pending connection, never to a peer's.
+      return protocol("an unexpected proof");
     case frame::Type::kHello:
-      if (p.ready()) return protocol("a second hello");
+      if (p.handshake != Handshake::kProofSent) {
+        return protocol(p.ready() ? "a second hello" : "a hello before its challenge");
+      }
       break;
     case frame::Type::kAbort:
       break;
@@ -274,6 +282,11 @@ void Core::finish_message_locked(Peer& p) {
       // A refused hello fails the peer; what it was reading no longer matters.
       if (!accept_hello_locked(p, payload)) return;
       break;
+    case frame::Type::kChallenge:
+      if (!answer_challenge_locked(p, payload)) return;
+      break;
+    case frame::Type::kProof:
+      break;  // refused with the header
     case frame::Type::kAbort:
       on_abort_frame_locked(p, payload);
       break;
@@ -292,15 +305,46 @@ void Core::finish_message_locked(Peer& p) {
   in.buffer.reset();
 }
 
-// The hello a peer we dialed answers with: completes the handshake, or fails the peer (and
-// returns false) if it is not the peer we dialed.
+// The challenge of a peer we dialed: if its proof of the token holds, queues ours (the loop
+// writes it); else fails the peer and returns false. A proof that does not hold is a peer
+// with another token, or an impostor; either way we send nothing it could use.
+bool Core::answer_challenge_locked(Peer& p, std::span<const std::uint8_t> payload) {
+  auto c = frame::parse_challenge(payload);
+  std::string why;
+  std::vector<std::uint8_t> proof;
+  try {
+    const std::string bound = binding(static_cast<std::uint32_t>(rank_), p.rank);
+    if (!c) {
+      why = "malformed challenge";
+    } else if (!net::proof_holds(c->proof, options_.token, kAcceptorRole, p.nonce, c->nonce,
+                                 bound)) {
+      why = "wrong job token: its proof of the token does not hold";
+    } else {
+      const std::string mine = net::prove(options_.token, kDialerRole, p.nonce, c->nonce, bound);
+      proof.assign(mine.begin(), mine.end());
+    }
+  } catch (const Error& e) {
+    why = e.what();
+  }
+  if (!why.empty()) {
+    fail_peer_locked(
+        p, Failure{ErrorKind::kProtocol, "handshake with rank " + std::to_string(p.rank) + " at " +
+                                             p.address + " failed: " + why});
+    return false;
+  }
+  queue_control_locked(p, frame::Type::kProof, std::move(proof));
+  p.handshake = Handshake::kProofSent;
+  set_write_side_locked(p, WriteSide::kLoop);
+  return true;
+}
+
+// The hello a peer we dialed answers our proof with: completes the handshake, or fails the
+// peer (and returns false) if it is not the peer we dialed.
 bool Core::accept_hello_locked(Peer& p, std::span<const std::uint8_t> payload) {
   auto h = frame::parse_hello(payload);
   std::string why;
   if (!h) {
     why = "malformed hello";
-  } else if (!net::tokens_equal(h->token, options_.token)) {
-    why = "wrong job token in its hello";
   } else if (h->rank != static_cast<std::uint32_t>(p.rank)) {
     why = "answered as rank " + std::to_string(h->rank);
   } else if (h->world_size != static_cast<std::uint32_t>(world_size_)) {

@@ -82,8 +82,8 @@ void Core::start(const TcpOptions& tcp) {
   thread_ = std::thread([this] { loop(); });
 }
 
-// Hands a connected socket to the loop and sends our hello; the peer is ready once its
-// hello comes back.
+// Hands a connected socket to the loop and sends our hello; the peer is ready once it has
+// answered with its challenge, we with our proof, and it with its hello.
 void Core::attach_dialed(int peer, net::Fd fd, const std::string& address) {
   net::set_nonblocking(fd.get());
   tune_socket(fd.get(), tcp_);
@@ -91,9 +91,10 @@ void Core::attach_dialed(int peer, net::Fd fd, const std::string& address) {
   Peer& p = *peers_[static_cast<std::size_t>(peer)];
   p.address = address;
   p.handshake = Handshake::kHelloSent;
+  p.nonce = net::fresh_nonce();
   p.fd = fd.release();
   epoll_add(p.fd, kPeerIdBase + static_cast<std::uint64_t>(peer), EPOLLIN);
-  queue_control_locked(p, frame::Type::kHello, my_hello());
+  queue_control_locked(p, frame::Type::kHello, my_hello(p.nonce));
   flush_locked(p, lk);
 }
 
@@ -123,6 +124,8 @@ void Core::wait_ready(std::chrono::steady_clock::time_point deadline,
       missing += "rank " + std::to_string(p->rank) +
                  (p->handshake == Handshake::kHelloSent
                       ? " at " + p->address + " connected but sent no handshake reply"
+                  : p->handshake == Handshake::kProofSent
+                      ? " at " + p->address + " did not answer our proof of the token"
                       : " never connected to " + address_);
     }
     throw Error(
@@ -155,10 +158,9 @@ void Core::choose_spin_locked() {
   spin_ = policy.duration;
 }
 
-std::vector<std::uint8_t> Core::my_hello() const {
-  return frame::encode_hello(frame::Hello{static_cast<std::uint32_t>(rank_),
-                                          static_cast<std::uint32_t>(world_size_), options_.token,
-                                          address_});
+std::vector<std::uint8_t> Core::my_hello(const std::string& nonce) const {
+  return frame::encode_hello(frame::Hello{
+      static_cast<std::uint32_t>(rank_), static_cast<std::uint32_t>(world_size_), nonce, address_});
 }
 
 void Core::epoll_add(int fd, std::uint64_t id, std::uint32_t events) {
@@ -238,8 +240,8 @@ void Core::close_listener() {
   }
 }
 
-// Reads a stray's hello with exact-length reads, so no byte meant for the data path is
-// ever consumed here.
+// Reads a stray's hello, answers it with our challenge, then reads its proof of the token,
+// with exact-length reads, so no byte meant for the data path is ever consumed here.
 void Core::on_pending(std::uint64_t id) {
   auto it = pending_.find(id);
   if (it == pending_.end()) return;
@@ -259,7 +261,10 @@ void Core::on_pending(std::uint64_t id) {
       want = pc.payload.size() - pc.got;
     }
     ssize_t n = want ? ::recv(pc.fd.get(), dest, want, 0) : 0;
-    if (want && n == 0) return drop("closed before completing its hello");
+    if (want && n == 0) {
+      return drop(pc.hello ? "closed without proving the token (the wrong GRADSYNC_TOKEN?)"
+                           : "closed before completing its hello");
+    }
     if (n < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       if (errno == EINTR) continue;
@@ -271,27 +276,66 @@ void Core::on_pending(std::uint64_t id) {
       auto st = frame::parse_header(pc.hdr, frame::kDefaultMaxDataBytes, pc.h);
       if (st != frame::ParseStatus::kOk)
         return drop(std::string("bad frame: ") + frame::to_string(st));
-      if (pc.h.type != frame::Type::kHello) return drop("first frame is not a hello");
+      const frame::Type expected = pc.hello ? frame::Type::kProof : frame::Type::kHello;
+      if (pc.h.type != expected) {
+        return drop(pc.hello ? "the frame after its hello is not a proof"
+                             : "first frame is not a hello");
+      }
       pc.payload.resize(pc.h.length);  // bounded by kMaxHelloBytes in parse_header
       continue;
     }
     pc.got += static_cast<std::size_t>(n);
     if (pc.got < pc.payload.size()) continue;
-    auto hello = frame::parse_hello(pc.payload);
-    if (!hello) return drop("malformed hello");
-    std::string why = promote(pc, *hello);
+    if (!pc.hello) {
+      auto hello = frame::parse_hello(pc.payload);
+      if (!hello) return drop("malformed hello");
+      if (!send_challenge(pc, *hello)) return drop("could not send it our challenge");
+      pc.hello = std::move(hello);
+      pc.hdr_got = 0;
+      pc.got = 0;
+      pc.payload.clear();
+      continue;
+    }
+    // Proof first, so a stranger learns nothing about the job's ranks.
+    auto proof = frame::parse_proof(pc.payload);
+    bool holds = false;
+    try {
+      holds = proof && net::proof_holds(*proof, options_.token, kDialerRole, pc.hello->nonce,
+                                        pc.nonce, binding(pc.hello->rank, rank_));
+    } catch (const Error& e) {
+      return drop(e.what());
+    }
+    if (!holds) return drop("wrong job token: its proof of the token does not hold");
+    std::string why = promote(pc, *pc.hello);
     if (!why.empty()) return drop(why);
     pending_.erase(it);
     return;
   }
 }
 
-// Turns a stray that presented a valid hello into the connection of that peer. Returns
+// Our challenge to a stray that sent a hello: our nonce, and our proof of the token over its
+// nonce and ours. Written straight to its socket: nothing else is queued there yet, and a
+// fresh socket's buffer takes these bytes whole.
+// Loop thread: false rather than an exception, which would end the process.
+bool Core::send_challenge(Pending& pc, const frame::Hello& h) {
+  std::vector<std::uint8_t> bytes;
+  try {
+    pc.nonce = net::fresh_nonce();
+    const auto payload = frame::encode_challenge(frame::Challenge{
+        pc.nonce,
+        net::prove(options_.token, kAcceptorRole, h.nonce, pc.nonce, binding(h.rank, rank_))});
+    bytes = frame::encode_frame(frame::Type::kChallenge, Tag{}, payload);
+  } catch (const Error&) {
+    return false;
+  }
+  const ssize_t n = ::send(pc.fd.get(), bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  return n == static_cast<ssize_t>(bytes.size());
+}
+
+// Turns a stray that proved the token into the connection of the peer its hello names. Returns
 // why it was refused, or "" on success.
 std::string Core::promote(Pending& pc, const frame::Hello& h) {
   std::unique_lock lk(mu_);
-  // Token first, so a stranger learns nothing about the job's ranks.
-  if (!net::tokens_equal(h.token, options_.token)) return "wrong job token";
   if (h.world_size != static_cast<std::uint32_t>(world_size_)) {
     return "world size " + std::to_string(h.world_size) + " != " + std::to_string(world_size_);
   }
@@ -308,7 +352,8 @@ std::string Core::promote(Pending& pc, const frame::Hello& h) {
   if (!try_epoll_add(pc.fd.get(), kPeerIdBase + h.rank, EPOLLIN)) return "epoll_ctl failed";
   p.fd = pc.fd.release();
   p.address = h.address;
-  queue_control_locked(p, frame::Type::kHello, my_hello());
+  // Our hello tells the dialer its proof held: it may send data from then on.
+  queue_control_locked(p, frame::Type::kHello, my_hello(pc.nonce));
   p.handshake = Handshake::kDone;
   flush_locked(p, lk);
   cv_.notify_all();

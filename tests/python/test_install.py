@@ -20,10 +20,14 @@ def test_an_install_imports_from_its_prefix(tmp_path):
                    check=True, capture_output=True)
     site = next((tmp_path / "prefix").glob("lib/python3*/dist-packages"))
     code = ("import gradsync, gradsync.torch, numpy as np; c = gradsync.init(rank=0, size=1); "
-            "a = np.ones(4, np.float32); c.allreduce(a); print(gradsync.__file__, a.sum())")
+            "a = np.ones(4, np.float32); c.allreduce(a); print(gradsync.__file__, a.sum(), "
+            "gradsync.__version__)")
     done = python(code, str(site), tmp_path)
     assert done.returncode == 0, done.stderr
     assert str(site) in done.stdout and "4.0" in done.stdout
+    version = subprocess.run([str(tmp_path / "prefix" / "bin" / "gradsync-run"), "--version"],
+                             check=True, capture_output=True, text=True).stdout.split()[1]
+    assert done.stdout.split()[-1] == version
 
 
 def test_another_torch_is_refused_naming_both_versions(tmp_path):
