@@ -48,6 +48,6 @@ for tool in gradsync-run gradsync-bench gradsync-advise gradsync-train gradsync-
   run "$tool" --version
 done
 run gradsync-run -n 2 -- gradsync-bench allreduce --check --min-bytes 4K --max-bytes 1M --iters 3
-run /usr/bin/python3 -c "import gradsync, gradsync.torch, torch.distributed as dist; \
+run /usr/bin/python3 -c "import gradsync, gradsync.torch, torch; \
 print('python: gradsync', gradsync.__version__, 'torch', torch.__version__)"
 echo "check-deb-fresh: the package installed on a fresh Debian 12 and ran"
