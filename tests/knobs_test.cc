@@ -16,9 +16,9 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
-#include <regex>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 #include "core/env.h"
 #include "harness.h"
@@ -78,19 +78,28 @@ std::string readme_row(const knobs::Knob& k) {
          " | " + std::string(k.accepts) + " | " + std::string(k.meaning) + " |";
 }
 
-// The GRADSYNC_* names in `text` (no std::regex: GCC 12 warns about its own code under the
-// sanitizer builds' -O2 -Werror).
 // The C API's constants (gradsync_c.h's enumerators and macros, its include guard): names
-// with the prefix that are no variables either.
+// with the prefix that are no variables either. Parsed by hand, not with std::regex: GCC 12
+// warns about its own regex code under the sanitizer builds' -O2 -Werror.
 const std::set<std::string>& c_api_names() {
   static const std::set<std::string> names = [] {
     std::set<std::string> found;
-    const std::regex declared(R"((?:^\s*|#define |#ifndef )(GRADSYNC_[A-Z0-9_]+))");
     std::stringstream lines(
         testing::read_file(testing::source_dir() + "/include/gradsync/gradsync_c.h"));
-    std::smatch m;
     for (std::string line; std::getline(lines, line);) {
-      if (std::regex_search(line, m, declared)) found.insert(m[1]);
+      std::string_view rest(line);
+      rest.remove_prefix(std::min(rest.size(), rest.find_first_not_of(" \t")));
+      for (const std::string_view directive : {"#define ", "#ifndef "}) {
+        if (rest.starts_with(directive)) rest.remove_prefix(directive.size());
+      }
+      if (!rest.starts_with("GRADSYNC_")) continue;
+      std::size_t end = 0;
+      while (end < rest.size() &&
+             (std::isupper(static_cast<unsigned char>(rest[end])) ||
+              std::isdigit(static_cast<unsigned char>(rest[end])) || rest[end] == '_')) {
+        ++end;
+      }
+      found.emplace(rest.substr(0, end));
     }
     return found;
   }();
