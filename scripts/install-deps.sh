@@ -13,6 +13,7 @@ packages=(
   libopenblas-dev zlib1g-dev dataset-fashion-mnist        # the trainer: BLAS, gzip, its data set
   nlohmann-json3-dev                                      # the advisor's profiles (JSON)
   libssl-dev                                              # HMAC-SHA256 of the token handshakes
+  libucx-dev                                              # the ucx transport (RDMA, its tcp, sm)
   python3-torchvision                                     # bench/advise/published.py: the layers
                                                           # of published models (ResNet, VGG, ...)
   iproute2 procps psmisc                                  # launcher/failure tests (ip, pkill, fuser),

@@ -107,6 +107,15 @@ up() {
     shape "$ns" eth0
     shape "$sw" "p$i"
   done
+  # A link is usable some hundreds of milliseconds after "up" (carrier on both veth ends);
+  # until then UCX does not list it as a device, so wait for every host's link to run.
+  for ((i = 0; i < hosts; i++)); do
+    ns=$(host_ns "$i")
+    for ((try = 0; try < 100; try++)); do
+      ip -n "$ns" link show eth0 | grep -q "state UP" && break
+      sleep 0.05
+    done
+  done
   trap - ERR
   echo "netns-cluster: $hosts hosts up (prefix $prefix, rate $rate): $(for ((i = 0; i < hosts; i++)); do printf '%s=%s ' "$(host_ns "$i")" "${subnet}.$((10 + i))"; done)"
 }

@@ -88,6 +88,13 @@ std::string read_file(const std::string& path);
 // Ranks 0..n-1: the group of a world that is all on one host.
 std::vector<int> all_ranks(int n);
 
+// The transports the process tests run over: shm, tcp, and ucx where this build has it.
+inline std::vector<std::string> process_transports() {
+  std::vector<std::string> names = {"shm", "tcp"};
+  if (GRADSYNC_HAVE_UCX) names.emplace_back("ucx");
+  return names;
+}
+
 inline bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }

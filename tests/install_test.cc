@@ -149,6 +149,8 @@ TEST_F(Install, TheDebianPackageHoldsTheInstallUnderUsr) {
   for (const char* dependency : {"libc6", "libstdc++6", "libssl3", "python3-numpy"}) {
     EXPECT_TRUE(contains(fields.output, dependency)) << fields.output;
   }
+  // libucx0: the ucx transport, where the build has it.
+  EXPECT_EQ(contains(fields.output, "libucx0"), GRADSYNC_HAVE_UCX == 1) << fields.output;
   // The torch backend imports torch's Python package, which no shared library names.
   if (contains(contents.output, "/gradsync/torch/_backend")) {
     EXPECT_TRUE(contains(fields.output, "python3-torch")) << fields.output;

@@ -118,8 +118,11 @@ std::vector<std::string> variables_in(const std::string& text) {
       ++end;
     }
     const std::string name = text.substr(at, end - at);
-    // version.h's macros (GRADSYNC_VERSION_MAJOR, ...) share the prefix but are no variables.
+    // version.h's macros (GRADSYNC_VERSION_MAJOR, ...), the build's options
+    // (GRADSYNC_WITH_UCX) and what they define (GRADSYNC_HAVE_UCX) share the prefix but are
+    // no variables.
     if (end > at + prefix.size() && !name.starts_with("GRADSYNC_VERSION_") &&
+        !name.starts_with("GRADSYNC_WITH_") && !name.starts_with("GRADSYNC_HAVE_") &&
         !c_api_names().contains(name)) {
       found.push_back(name);
     }

@@ -151,6 +151,32 @@ INSTANTIATE_TEST_SUITE_P(HostsByRanks, AcrossHosts,
                                   std::to_string(std::get<1>(p.param));
                          });
 
+#if GRADSYNC_HAVE_UCX
+// GRADSYNC_TRANSPORT=shm+ucx: the same collectives with UCX (over its tcp, on the hosts'
+// eth0) between hosts and shm within them.
+TEST(AcrossHostsOverUcx, EveryCollectiveMatchesReferenceWithShmWithinAndUcxAcross) {
+  const int hosts = 2, per_host = 2;
+  Cluster cluster(hosts);
+  SKIP_UNLESS_UP(cluster);
+  const std::string dir = testing::build_dir();
+  std::vector<std::string> cmds;
+  for (int h = 0; h < hosts; ++h) {
+    cmds.push_back(cluster.on(
+        h, kEnv + "GRADSYNC_TRANSPORT=shm+ucx UCX_TLS=tcp UCX_NET_DEVICES=eth0 " + dir +
+               "/tools/gradsync-run --nnodes " + std::to_string(hosts) + " --node-rank " +
+               std::to_string(h) + " -n " + std::to_string(per_host) + " --master-addr " +
+               cluster.addr(0) + " --master-port 29500 --timeout-s 240 -- " + dir +
+               "/tests/collective_worker check"));
+  }
+  auto results = run_all(cmds);
+  const std::string out = all_output(results);
+  for (const auto& r : results) EXPECT_EQ(r.status, 0) << out;
+  EXPECT_EQ(count_of(out, "all checks passed"), hosts * per_host) << out;
+  EXPECT_EQ(count_of(out, ": shm\n"), hosts * (per_host - 1)) << out;
+  EXPECT_EQ(count_of(out, ": ucx\n"), hosts) << out;
+}
+#endif
+
 // Ranks placed round-robin over the hosts, started the way mpirun and srun start them (no
 // gradsync launcher: the ranks read OMPI_COMM_WORLD_* or SLURM_* themselves). The context finds
 // which ranks share a host and keeps them together in the ring.

@@ -44,7 +44,7 @@ TEST_P(ThroughLauncher, EveryCollectiveMatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, ThroughLauncher,
-                         ::testing::Combine(::testing::Values("shm", "tcp"),
+                         ::testing::Combine(::testing::ValuesIn(testing::process_transports()),
                                             ::testing::Values(2, 4)),
                          [](const auto& p) {
                            return std::get<0>(p.param) + "_n" +
@@ -66,7 +66,7 @@ std::vector<std::string> kill_one_rank(const std::string& transport, int n, int 
     if (pid == 0) {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       std::string log = tmp.path() + "/rank" + std::to_string(r) + ".log";
-      std::freopen(log.c_str(), "w", stdout);
+      std::freopen(log.c_str(), "a", stdout);  // both streams append: neither overwrites
       std::freopen(log.c_str(), "a", stderr);
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
@@ -134,7 +134,7 @@ TEST_P(KillNine, SurvivorsNameTheLostPeer) {
       << "left in /dev/shm: " << testing::segments_left("gradsync-killtest")[0];
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, KillNine, ::testing::Values("shm", "tcp"),
+INSTANTIATE_TEST_SUITE_P(Transports, KillNine, ::testing::ValuesIn(testing::process_transports()),
                          [](const auto& p) { return p.param; });
 
 // --- Rendezvous mistakes, with ranks started by hand ---------------------------------------

@@ -48,7 +48,7 @@ constexpr const char* kUsage =
     "                    about sqrt(count) rows), each [,ef=0|1]; each call starts from the\n"
     "                    input, copied before the call and a barrier, untimed.\n"
     "                    wire(x) = sent/rank over a float32 ring's 2(n-1)/n x size\n"
-    "  --transport T     shm | tcp | \"\" for automatic (sets Options.transport)\n"
+    "  --transport T     shm | tcp | ucx | shm+ucx | \"\" for automatic (Options.transport)\n"
     "  --root R          broadcast root (default 0)\n"
     "  --iters N         timed calls per size (default 20)\n"
     "  --warmup N        untimed calls per size first (default 5)\n"

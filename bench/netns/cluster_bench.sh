@@ -16,6 +16,8 @@
 #            and time over the uncompressed call: the time saved should follow the bytes.
 #   train    4 hosts x 1 rank: gradsync-train (--train-args) with and without overlap,
 #            alternating; step time against max(compute, communication), overlap fraction.
+#   ucx      4 hosts x 1 rank: gradsync's tcp transport and its ucx transport over UCX's
+#            tcp (UCX_TLS=tcp), alternating; busbw as a fraction of the link, ucx / tcp.
 #
 # options:
 #   --build DIR      build directory (default build)
@@ -56,7 +58,7 @@ while [[ $# -gt 1 ]]; do
   esac
 done
 experiment=${1:-}
-[[ $experiment =~ ^(link|hier|scaling|codecs|train)$ ]] || { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[[ $experiment =~ ^(link|hier|scaling|codecs|train|ucx)$ ]] || { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [[ $build = /* ]] || build=$root/$build
 cluster=$root/scripts/netns-cluster.sh
 prefix=gb
@@ -74,6 +76,7 @@ to_bytes() {
 }
 
 port=29600
+job_env=()  # extra VAR=value for every rank of the next jobs
 # job NAME HOSTS PER_HOST BYTES -- program args...: one launcher per host, rank 0 writes
 # $results/NAME.json (the programs take --json).
 job() {
@@ -81,7 +84,7 @@ job() {
   port=$((port + 1))
   local pids=() h
   for ((h = 0; h < hosts; h++)); do
-    "$cluster" exec --prefix $prefix "$h" env GRADSYNC_TOKEN=cluster-bench GRADSYNC_TIMEOUT=120000 \
+    "$cluster" exec --prefix $prefix "$h" env GRADSYNC_TOKEN=cluster-bench GRADSYNC_TIMEOUT=120000 "${job_env[@]}" \
       ${timeline:+GRADSYNC_TIMELINE="$timeline/$name.json"} "$build/tools/gradsync-run" --nnodes "$hosts" --node-rank "$h" -n "$per_host" \
       --master-addr "$("$cluster" addr --prefix $prefix 0)" --master-port $port --timeout-s 300 \
       --no-prefix -- "$@" --json "$results/$name.json" >"$results/$name.h$h.log" 2>&1 &
@@ -142,6 +145,13 @@ if experiment == "link":
         g, o = med(impls["gradsync"], "busbw_gbps"), med(impls["gloo"], "busbw_gbps")
         algo = "/".join(sorted({r["algo"] for r in impls["gradsync"]}))
         print(f"| {mib(b)} | {g:.4f} GB/s ({g / link_gbps:.3f}) | {o:.4f} GB/s ({o / link_gbps:.3f}) | {g / o:.2f}x | {algo} |")
+elif experiment == "ucx":
+    print(f"| size | tcp transport busbw (fraction of {rate}) | ucx transport busbw (fraction) | ucx / tcp | algorithm |")
+    print("|---:|---:|---:|---:|:---|")
+    for (h, l, b), impls in sorted(pts.items(), key=lambda kv: kv[0][2]):
+        t, u = med(impls["tcp"], "busbw_gbps"), med(impls["ucx"], "busbw_gbps")
+        algo = "/".join(sorted({r["algo"] for r in impls["tcp"] + impls["ucx"]}))
+        print(f"| {mib(b)} | {t:.4f} GB/s ({t / link_gbps:.3f}) | {u:.4f} GB/s ({u / link_gbps:.3f}) | {u / t:.3f}x | {algo} |")
 elif experiment == "hier":
     print(f"| size | algorithm | time per call | busbw | bytes across hosts per host per call | / S |")
     print("|---:|:---|---:|---:|---:|---:|")
@@ -220,6 +230,22 @@ case "$experiment" in
         else gradsync "gradsync~4~1~$b~$rep" 4 1 "$b" auto; gloo "gloo~4~1~$b~$rep" 4 "$b"; fi
       done
     done
+    summarize ;;
+  ucx)
+    for ((rep = 0; rep < repeats; rep++)); do
+      for size in $sizes; do
+        b=$(to_bytes "$size")
+        order=(tcp ucx)
+        ((rep % 2)) && order=(ucx tcp)
+        for t in "${order[@]}"; do
+          echo "cluster_bench: ucx repeat $((rep + 1))/$repeats $size $t" >&2
+          job_env=(GRADSYNC_TRANSPORT="$t")
+          [[ $t == ucx ]] && job_env+=(UCX_TLS=tcp UCX_NET_DEVICES=eth0)
+          gradsync "$t~4~1~$b~$rep" 4 1 "$b" auto
+        done
+      done
+    done
+    job_env=()
     summarize ;;
   hier)
     for ((rep = 0; rep < repeats; rep++)); do

@@ -19,7 +19,9 @@ usage: bench/peers/run_peers.sh [options]
                      message sizes (K/M/G = powers of 1024)
   --repeats R        runs of every benchmark per point (default 3)
   --transport T      shm (default): gradsync shm, MPI vader, Gloo tcp (Gloo has no shm);
-                     tcp: gradsync tcp, MPI btl tcp, Gloo tcp, all over loopback
+                     tcp: gradsync tcp, MPI btl tcp, Gloo tcp, all over loopback;
+                     ucx: gradsync ucx and Open MPI's pml ucx, both over UCX's shared
+                     memory (UCX_TLS=sm), and gradsync's shm transport, no Gloo
   --gloo-algos "ring_chunked halving_doubling"
                      gloo_allreduce_bench --algo values to run (each is one peer)
   --iters-bytes B    timed calls per size = clamp(B / size, 3, MAX) (default 256M)
@@ -64,7 +66,7 @@ while [[ $# -gt 0 ]]; do
     *) echo "run_peers.sh: unknown option '$1'" >&2; usage >&2; exit 2 ;;
   esac
 done
-[[ $transport == shm || $transport == tcp ]] || { echo "run_peers.sh: --transport shm|tcp" >&2; exit 2; }
+[[ $transport =~ ^(shm|tcp|ucx)$ ]] || { echo "run_peers.sh: --transport shm|tcp|ucx" >&2; exit 2; }
 peers_dir=${peers_dir:-$build/bench/peers}
 
 to_bytes() {
@@ -87,12 +89,13 @@ done
 
 # Every benchmark is one name here; a missing peer binary only removes that peer.
 benches=(gradsync)
+[[ $transport == ucx ]] && benches+=(gradsync-shm)
 if [[ -x $mpi_bench ]] && command -v mpirun >/dev/null; then
-  benches+=(mpi-default mpi-ring)
+  if [[ $transport == ucx ]]; then benches+=(mpi-ucx); else benches+=(mpi-default mpi-ring); fi
 else
   echo "run_peers.sh: no $mpi_bench or mpirun; skipping MPI" >&2
 fi
-if [[ -x $gloo_bench ]]; then
+if [[ -x $gloo_bench && $transport != ucx ]]; then
   for a in $gloo_algos; do benches+=("gloo-$a"); done
 else
   echo "run_peers.sh: no $gloo_bench; skipping Gloo" >&2
@@ -110,6 +113,10 @@ mpirun_args=(--oversubscribe --bind-to none)  # gradsync-run does not pin either
 [[ $(id -u) == 0 ]] && mpirun_args+=(--allow-run-as-root)
 if [[ $transport == shm ]]; then
   mpirun_args+=(--mca btl "self,vader")
+elif [[ $transport == ucx ]]; then
+  # Both sides over UCX's shared memory, the same UCX library.
+  export UCX_TLS=sm
+  mpirun_args+=(--mca pml ucx -x UCX_TLS)
 else
   mpirun_args+=(--mca btl "self,tcp" --mca btl_tcp_if_include lo)
 fi
@@ -122,6 +129,11 @@ run_one() {
     gradsync)
       timeout "$run_timeout" "$launcher" -n "$n" --timeout-s "$run_timeout" -- \
         "$gbench" allreduce --transport "$transport" "${sweep[@]}" ;;
+    gradsync-shm)
+      timeout "$run_timeout" "$launcher" -n "$n" --timeout-s "$run_timeout" -- \
+        "$gbench" allreduce --transport shm "${sweep[@]}" ;;
+    mpi-ucx)
+      timeout "$run_timeout" mpirun "${mpirun_args[@]}" -np "$n" "$mpi_bench" --label "$bench" "${sweep[@]}" ;;
     mpi-default)
       timeout "$run_timeout" mpirun "${mpirun_args[@]}" -np "$n" "$mpi_bench" --label "$bench" "${sweep[@]}" ;;
     mpi-ring)
@@ -181,7 +193,9 @@ def human(b):
 def med(recs, key):
     return statistics.median(r[key] for r in recs)
 
-peer_note = "MPI over vader (shared memory), Gloo over tcp" if transport == "shm" else "all over loopback TCP"
+peer_note = {"shm": "MPI over vader (shared memory), Gloo over tcp",
+             "tcp": "all over loopback TCP",
+             "ucx": "UCX_TLS=sm: gradsync ucx and Open MPI pml ucx; gradsync's shm transport"}[transport]
 print(f"All-reduce float32 sum, gradsync transport {transport} ({peer_note}); {cores} cores; "
       "busbw in GB/s (1e9 B/s), median over repeats.\n")
 print("| size | ranks | gradsync busbw | best peer busbw | best peer | ratio |")

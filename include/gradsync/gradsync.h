@@ -37,7 +37,8 @@ struct Options {
   std::string master_addr{};  // MASTER_ADDR (default 127.0.0.1)
   int master_port = -1;       // MASTER_PORT (default 29500)
   std::string token{};        // GRADSYNC_TOKEN: per-job secret every connection must present
-  // GRADSYNC_TRANSPORT: "" (auto: shm on one host, tcp otherwise) | shm | tcp
+  // GRADSYNC_TRANSPORT: "" (auto: shm within a host, tcp across) | shm | tcp | ucx (every
+  // peer through UCX) | shm+ucx (shm within a host, UCX across)
   std::string transport{};
   Algorithm algorithm = Algorithm::kAuto;  // GRADSYNC_ALGO
   std::chrono::milliseconds timeout{0};    // GRADSYNC_TIMEOUT in ms (default 300000)
@@ -164,7 +165,7 @@ class Context {
   int size() const;
   int local_rank() const;
   int local_size() const;
-  std::string transport_name(int peer) const;  // "shm", "tcp", "inproc", "self"
+  std::string transport_name(int peer) const;  // "shm", "tcp", "ucx", "inproc", "self"
 
   void allreduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
                  const CallOptions& options = {});

@@ -172,10 +172,11 @@ Options resolve(const Options& in) {
   // where an error is expected, rather than in the first collective.
   kernels::isa_name();
 
-  if (!o.transport.empty() && o.transport != "shm" && o.transport != "tcp") {
+  if (!o.transport.empty() && o.transport != "shm" && o.transport != "tcp" &&
+      o.transport != "ucx" && o.transport != "shm+ucx") {
     if (transport_from_environment) throw knobs::refusal("GRADSYNC_TRANSPORT", o.transport);
     throw Error(ErrorKind::kInvalidArgument,
-                "transport '" + o.transport + "' is not one of shm, tcp", o.rank);
+                "transport '" + o.transport + "' is not one of shm, tcp, ucx, shm+ucx", o.rank);
   }
   return o;
 }

@@ -16,6 +16,9 @@
 #include "transport/router.h"
 #include "transport/shm.h"
 #include "transport/tcp.h"
+#if GRADSYNC_HAVE_UCX
+#include "transport/ucx.h"
+#endif
 
 namespace gradsync {
 
@@ -150,7 +153,11 @@ std::unique_ptr<Context> init(const Options& given) {
   std::vector<int> route(static_cast<std::size_t>(o.size), -1);
   std::vector<std::string> names(static_cast<std::size_t>(o.size), "self");
   const bool all_local = static_cast<int>(local_group.size()) == o.size;
-  const bool use_shm = o.transport == "shm" || (o.transport.empty() && local_group.size() > 1);
+  // ucx carries every peer (UCX's own shared memory within a host); shm+ucx leaves the
+  // host's peers to the shm transport, as the default does with tcp.
+  const bool use_ucx = o.transport == "ucx" || o.transport == "shm+ucx";
+  const bool use_shm = o.transport == "shm" || o.transport == "shm+ucx" ||
+                       (o.transport.empty() && local_group.size() > 1);
   if (o.transport == "shm" && !all_local) {
     throw Error(ErrorKind::kInvalidArgument,
                 "GRADSYNC_TRANSPORT=shm but not every rank is on this host", o.rank);
@@ -169,9 +176,20 @@ std::unique_ptr<Context> init(const Options& given) {
       }
     }
     if (!use_shm || !all_local) {
-      // TCP reaches every rank the shm transport does not (or every rank, if forced).
+      // TCP or UCX reaches every rank the shm transport does not (or every rank, if forced).
       std::vector<int> everyone(static_cast<std::size_t>(o.size));
       for (int r = 0; r < o.size; ++r) everyone[static_cast<std::size_t>(r)] = r;
+      if (use_ucx) {
+#if GRADSYNC_HAVE_UCX
+        transports.push_back(transport::make_ucx_transport(*store, prefix + "ucx", o.rank, o.size,
+                                                           everyone, topts, {}, timeout));
+#else
+        throw Error(ErrorKind::kInvalidArgument,
+                    "GRADSYNC_TRANSPORT=" + o.transport +
+                        ": this build has no ucx transport (cmake -DGRADSYNC_WITH_UCX=ON)",
+                    o.rank);
+#endif
+      }
       transport::TcpOptions tcp;
       if (o.tcp_liveness_s >= 0) tcp.liveness_s = o.tcp_liveness_s;
       if (o.tcp_socket_buffer_bytes >= 0) tcp.socket_buffer_bytes = o.tcp_socket_buffer_bytes;
@@ -186,13 +204,15 @@ std::unique_ptr<Context> init(const Options& given) {
         // network, or, in network namespaces, to one that does not exist there).
         tcp.advertise_addr = net::local_address_toward(o.master_addr, o.master_port);
       }
-      transports.push_back(transport::make_tcp_transport(*store, prefix + "tcp", o.rank, o.size,
-                                                         everyone, topts, tcp, timeout));
+      if (!use_ucx) {
+        transports.push_back(transport::make_tcp_transport(*store, prefix + "tcp", o.rank, o.size,
+                                                           everyone, topts, tcp, timeout));
+      }
       const int index = static_cast<int>(transports.size()) - 1;
       for (int r = 0; r < o.size; ++r) {
         if (r != o.rank && route[static_cast<std::size_t>(r)] < 0) {
           route[static_cast<std::size_t>(r)] = index;
-          names[static_cast<std::size_t>(r)] = "tcp";
+          names[static_cast<std::size_t>(r)] = use_ucx ? "ucx" : "tcp";
         }
       }
     }

@@ -90,8 +90,12 @@ constexpr Knob kKnobs[] = {
      "Groups of ranks the ring keeps together, where host detection cannot see them; the same "
      "on every rank.",
      kContext},
-    {"GRADSYNC_TRANSPORT", "shm within a host, tcp across", "one of shm, tcp", "Options::transport",
-     "The transport between every two ranks.", kContext},
+    {"GRADSYNC_TRANSPORT", "shm within a host, tcp across", "one of shm, tcp, ucx, shm+ucx",
+     "Options::transport",
+     "The transport between every two ranks: ucx carries every peer through UCX (RDMA where "
+     "UCX finds it; UCX_TLS and UCX_NET_DEVICES pick its devices), shm+ucx only those on "
+     "other hosts.",
+     kContext},
     {"LOCAL_RANK", "unset: from host discovery", "an integer in [0, LOCAL_WORLD_SIZE)",
      "Options::local_rank", "This rank's index on its host (torchrun, gradsync-run).", kLauncher,
      false, 0, kMaxRank},

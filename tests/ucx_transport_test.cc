@@ -1,0 +1,141 @@
+// UCX transport: the shared conformance suite over UCX's own TCP and its shared memory (the
+// transports this machine has; RDMA devices take the same path through UCX), then what only
+// the UCX transport has: a peer process killed mid-wait, setup that names a silent rank.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#if GRADSYNC_HAVE_UCX  // the whole file: a build without UCX has no ucx transport to test
+
+#include "gradsync/store.h"
+#include "harness.h"
+#include "transport/ucx.h"
+#include "transport_conformance.h"
+
+namespace gradsync::transport {
+namespace {
+
+using namespace std::chrono_literals;
+using conformance::contains;
+using conformance::expect_error;
+using conformance::first_pattern_error;
+using conformance::pattern;
+using conformance::tag_of;
+using testing::all_ranks;
+
+constexpr auto kSetupTimeout = 30s;
+
+// UCX over its tcp transport on the loopback device, or over its shared memory.
+UcxOptions over(const std::string& tls) {
+  UcxOptions ucx;
+  ucx.config.emplace_back("TLS", tls);
+  if (tls == "tcp") ucx.config.emplace_back("NET_DEVICES", "lo");
+  return ucx;
+}
+
+void run_ucx_group(int n, const TransportOptions& options, const RankBody& body,
+                   const UcxOptions& ucx) {
+  auto store = make_inproc_store();
+  const std::string prefix = testing::unique_name("ucx");
+  std::vector<std::unique_ptr<Transport>> transports(static_cast<std::size_t>(n));
+  testing::run_threads(n, [&](int r) {
+    transports[static_cast<std::size_t>(r)] =
+        make_ucx_transport(*store, prefix, r, n, all_ranks(n), options, ucx, kSetupTimeout);
+  });
+  testing::run_threads(n, [&](int r) { body(r, *transports[static_cast<std::size_t>(r)]); });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ucx, TransportConformance,
+    ::testing::Values(
+        TransportFactory{"ucx_tcp", [](int n, const TransportOptions& o,
+                                       const RankBody& b) { run_ucx_group(n, o, b, over("tcp")); }},
+        TransportFactory{"ucx_sm", [](int n, const TransportOptions& o,
+                                      const RankBody& b) { run_ucx_group(n, o, b, over("sm")); }}),
+    TransportFactoryName);
+
+TEST(UcxTransport, SetupNamesTheRankThatNeverCame) {
+  auto store = make_inproc_store();
+  const std::string prefix = testing::unique_name("ucx-missing");
+  // Rank 2 of 3 never starts.
+  testing::run_threads(2, [&](int r) {
+    Error e = expect_error(ErrorKind::kTimeout, [&] {
+      make_ucx_transport(*store, prefix, r, 3, all_ranks(3), {}, over("tcp"), 300ms);
+    });
+    EXPECT_TRUE(contains(e.what(), "rank 2")) << e.what();
+  });
+}
+
+// A peer process killed while this rank waits on a receive from it: kPeerLost naming it, not
+// a hang until the deadline.
+TEST(UcxTransport, AKilledPeerProcessFailsTheWaitingReceive) {
+  for (const std::string tls : {"tcp", "sm"}) {
+    SCOPED_TRACE(tls);
+    testing::TempDir dir;
+    auto store = make_file_store(dir.path());
+    const std::string prefix = "job";
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      try {
+        auto t = make_ucx_transport(*store, prefix, 1, 2, {0, 1}, {}, over(tls), kSetupTimeout);
+        pause();  // until killed
+      } catch (...) {
+      }
+      _exit(3);
+    }
+    auto t = make_ucx_transport(*store, prefix, 0, 2, {0, 1}, {}, over(tls), kSetupTimeout);
+    char buf[64];
+    auto receive = t->irecv(1, tag_of(1), buf, sizeof buf);
+    kill(child, SIGKILL);
+    int status = 0;
+    waitpid(child, &status, 0);
+    Error e = expect_error(ErrorKind::kPeerLost, [&] { receive->wait(Clock::now() + 60s); });
+    EXPECT_EQ(e.peer(), 1);
+    EXPECT_TRUE(contains(e.what(), "rank 1")) << e.what();
+  }
+}
+
+// A rank that ends right after its sends completed (the last rank out of a job) still
+// delivers them: closing its endpoints must not drop what a peer has yet to read. (Small
+// messages, which UCX sends eagerly: a large one completes only once its receive is posted.)
+TEST(UcxTransport, SendsCompletedBeforeTheSenderEndsAreStillDelivered) {
+  const std::vector<std::size_t> sizes = {1000, 4000, 0, 5};
+  for (const std::string tls : {"tcp", "sm"}) {
+    SCOPED_TRACE(tls);
+    testing::TempDir dir;
+    auto store = make_file_store(dir.path());
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      int code = 0;
+      try {
+        auto t = make_ucx_transport(*store, "job", 1, 2, {0, 1}, {}, over(tls), kSetupTimeout);
+        std::vector<std::vector<unsigned char>> payloads;
+        std::vector<RequestPtr> sends;
+        for (std::size_t i = 0; i < sizes.size(); ++i) payloads.push_back(pattern(i, sizes[i]));
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+          sends.push_back(t->isend(0, tag_of(i), payloads[i].data(), sizes[i]));
+        }
+        for (auto& s : sends) s->wait(Clock::now() + 60s);
+      } catch (...) {
+        code = 3;
+      }
+      _exit(code);
+    }
+    auto t = make_ucx_transport(*store, "job", 0, 2, {0, 1}, {}, over(tls), kSetupTimeout);
+    int status = 0;
+    ASSERT_EQ(waitpid(child, &status, 0), child);  // the sender is gone before any receive
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      std::vector<unsigned char> got(sizes[i]);
+      t->irecv(1, tag_of(i), got.data(), sizes[i])->wait(Clock::now() + 60s);
+      EXPECT_EQ(first_pattern_error(got, i), sizes[i]) << "message " << i;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace gradsync::transport
+
+#endif  // GRADSYNC_HAVE_UCX
