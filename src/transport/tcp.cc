@@ -133,15 +133,7 @@ std::unique_ptr<Transport> make_tcp_transport(Store& store, const std::string& k
                                               const TransportOptions& options,
                                               const TcpOptions& tcp,
                                               std::chrono::milliseconds timeout) {
-  if (world_size <= 0 || rank < 0 || rank >= world_size ||
-      !std::is_sorted(group.begin(), group.end()) ||
-      std::adjacent_find(group.begin(), group.end()) != group.end() ||
-      !std::binary_search(group.begin(), group.end(), rank) ||
-      (!group.empty() && (group.front() < 0 || group.back() >= world_size))) {
-    throw Error(ErrorKind::kInvalidArgument,
-                "group must be sorted distinct ranks in [0, world_size) that include this rank",
-                rank, Error::kNoPeer, "make_tcp_transport");
-  }
+  check_group(rank, world_size, group, "make_tcp_transport");
   auto deadline = std::chrono::steady_clock::now() + timeout;
   auto t = std::make_unique<TcpTransport>(rank, world_size, group, options);
   Core& core = t->core();

@@ -1,8 +1,10 @@
-// Shared pieces of the transport interface: the default consuming receive and tag printing.
+// Shared pieces of the transport interface: the default consuming receive, tag printing and the
+// group check of every factory.
 #include "transport/transport.h"
 
 #include <sched.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <thread>
 #include <vector>
@@ -53,6 +55,18 @@ std::string default_format_tag(const Tag& tag) {
       static_cast<unsigned long long>(tag.words[0]), static_cast<unsigned long long>(tag.words[1]),
       static_cast<unsigned long long>(tag.words[2]), static_cast<unsigned long long>(tag.words[3]));
   return buf;
+}
+
+void check_group(int rank, int world_size, const std::vector<int>& group, const char* what) {
+  if (world_size <= 0 || rank < 0 || rank >= world_size ||
+      !std::is_sorted(group.begin(), group.end()) ||
+      std::adjacent_find(group.begin(), group.end()) != group.end() ||
+      !std::binary_search(group.begin(), group.end(), rank) ||
+      (!group.empty() && (group.front() < 0 || group.back() >= world_size))) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "group must be sorted distinct ranks in [0, world_size) that include this rank",
+                rank, Error::kNoPeer, what);
+  }
 }
 
 unsigned usable_cores() {

@@ -112,6 +112,10 @@ struct TransportOptions {
 
 std::string default_format_tag(const Tag& tag);
 
+// Throws kInvalidArgument (naming `what`) unless `group` is sorted distinct ranks in
+// [0, world_size) that include `rank`: what every transport's factory takes.
+void check_group(int rank, int world_size, const std::vector<int>& group, const char* what);
+
 // Cores this process may run on (its affinity mask, which cpusets and taskset narrow).
 // Transports compare it with the ranks on this host: when ranks outnumber cores, a waiting
 // rank yields its core instead of spinning on it.

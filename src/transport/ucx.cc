@@ -809,14 +809,11 @@ std::unique_ptr<Transport> make_ucx_transport(Store& store, const std::string& k
                                               const TransportOptions& options,
                                               const UcxOptions& ucx,
                                               std::chrono::milliseconds timeout) {
-  if (world_size <= 0 || world_size > kMaxRanks || rank < 0 || rank >= world_size ||
-      !std::is_sorted(group.begin(), group.end()) ||
-      std::adjacent_find(group.begin(), group.end()) != group.end() ||
-      !std::binary_search(group.begin(), group.end(), rank) ||
-      (!group.empty() && (group.front() < 0 || group.back() >= world_size))) {
+  check_group(rank, world_size, group, "make_ucx_transport");
+  if (world_size > kMaxRanks) {
     throw Error(ErrorKind::kInvalidArgument,
-                "group must be sorted distinct ranks in [0, world_size) that include this rank",
-                rank, Error::kNoPeer, "make_ucx_transport");
+                "the ucx transport takes at most " + std::to_string(kMaxRanks) + " ranks", rank,
+                Error::kNoPeer, "make_ucx_transport");
   }
   const auto deadline = Clock::now() + timeout;
   auto t = std::make_unique<UcxTransport>(rank, world_size, group, options, ucx);
