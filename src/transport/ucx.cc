@@ -141,6 +141,8 @@ class UcxTransport final : public Transport {
   void quiesce_locked();
   // Progresses until every request of `requests` and of inflight_ has completed, or deadline.
   void settle_locked(const std::vector<void*>& requests, Clock::time_point deadline);
+  // Ends every receive UCX still holds (abandoned ones, the standing abort receive).
+  void cancel_receives_locked();
   // Messages that arrived for no receive (an abort cut the job short): taken off UCX's
   // queue, which would otherwise warn about each one as the worker goes.
   void discard_unexpected_locked(Clock::time_point deadline);
@@ -306,13 +308,11 @@ UcxTransport::~UcxTransport() {
   progress_thread_.join();
   ::close(stop_fd_);
   std::lock_guard lock(mu_);
-  // A clean end first flushes what this rank sent (a peer may still be reading the last
+  // Receives nobody will wait for any more (the standing abort receive, abandoned ones).
+  cancel_receives_locked();
+  // A clean end then flushes what this rank sent (a peer may still be reading the last
   // message); after an abort nothing more is owed. Then every endpoint is closed at once: a
   // graceful close would wait for each peer to progress its own worker.
-  // Receives nobody will wait for any more (the standing abort receive, abandoned ones).
-  for (auto& [op, owner] : inflight_) {
-    if (!op->send && op->request) ucp_request_cancel(worker_, op->request);
-  }
   if (!abort_) {
     std::vector<void*> flushing;
     ucp_request_param_t param{};
@@ -581,9 +581,7 @@ void UcxTransport::quiesce_locked() {
     if (UCS_PTR_IS_PTR(request)) closing.push_back(request);
     ep = nullptr;
   }
-  for (auto& [op, owner] : inflight_) {
-    if (!op->send && op->request) ucp_request_cancel(worker_, op->request);
-  }
+  cancel_receives_locked();
   settle_locked(closing, Clock::now() + 2s);
   for (void* request : closing) ucp_request_free(request);
 }
@@ -603,6 +601,12 @@ void UcxTransport::discard_unexpected_locked(Clock::time_point deadline) {
     }
     if (ucp_request_check_status(request) == UCS_INPROGRESS) return;  // a large one: left
     ucp_request_free(request);
+  }
+}
+
+void UcxTransport::cancel_receives_locked() {
+  for (auto& [op, owner] : inflight_) {
+    if (!op->send && op->request) ucp_request_cancel(worker_, op->request);
   }
 }
 
@@ -697,7 +701,6 @@ void UcxTransport::wait(Op& op, Clock::time_point deadline) {
 
 void UcxTransport::post_abort_receive_locked() {
   abort_receive_ = std::make_shared<Op>();
-  abort_receive_->iov[0] = {abort_text_.data(), abort_text_.size()};
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.user_data = this;
