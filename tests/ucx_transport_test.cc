@@ -5,6 +5,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fstream>
+#include <sstream>
+
 #if GRADSYNC_HAVE_UCX  // the whole file: a build without UCX has no ucx transport to test
 
 #include "gradsync/store.h"
@@ -43,6 +46,36 @@ void run_ucx_group(int n, const TransportOptions& options, const RankBody& body,
         make_ucx_transport(*store, prefix, r, n, all_ranks(n), options, ucx, kSetupTimeout);
   });
   testing::run_threads(n, [&](int r) { body(r, *transports[static_cast<std::size_t>(r)]); });
+}
+
+bool ucx_is_loaded() {
+  std::ifstream maps("/proc/self/maps");
+  std::stringstream text;
+  text << maps.rdbuf();
+  return contains(text.str(), "/libucs.so");
+}
+
+void on_hangup(int) {}
+
+// The library does not link UCX: the first ucx transport loads it, and loading it does not
+// take SIGHUP from the program (libucs's constructor makes it UCX's debug signal).
+TEST(UcxLibrary, OnlyTheFirstUcxTransportLoadsUcxAndSighupKeepsItsHandler) {
+  // ctest runs each case in a process of its own, where UCX must not be loaded yet.
+  if (::testing::UnitTest::GetInstance()->test_to_run_count() > 1 && ucx_is_loaded()) {
+    GTEST_SKIP() << "an earlier test of this process loaded UCX";
+  }
+  ASSERT_FALSE(ucx_is_loaded()) << "the library links UCX instead of loading it";
+  struct sigaction mine {};
+  mine.sa_handler = &on_hangup;
+  struct sigaction previous {};
+  ASSERT_EQ(::sigaction(SIGHUP, &mine, &previous), 0);
+  run_ucx_group(
+      2, {}, [](int, Transport&) {}, over("sm"));
+  EXPECT_TRUE(ucx_is_loaded());
+  struct sigaction now {};
+  ::sigaction(SIGHUP, nullptr, &now);
+  EXPECT_EQ(now.sa_handler, &on_hangup);
+  ::sigaction(SIGHUP, &previous, nullptr);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -15,7 +15,6 @@
 
 #include <poll.h>
 #include <sys/eventfd.h>
-#include <ucp/api/ucp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,6 +27,7 @@
 
 #include "transport/shm_segment.h"
 #include "transport/tcp_tuning.h"
+#include "transport/ucx_library.h"
 
 namespace gradsync::transport {
 namespace {
@@ -62,7 +62,7 @@ static_assert(sizeof(WireHeader) == 48);
 constexpr std::size_t kAbortTextMax = 4096;
 
 std::string ucx_error(const char* what, ucs_status_t status) {
-  return std::string(what) + ": " + ucs_status_string(status);
+  return std::string(what) + ": " + ucx_library().ucs_status_string(status);
 }
 
 // One posted send or receive. Owned jointly by its Request and, while UCX holds it, by the
@@ -137,10 +137,14 @@ class UcxTransport final : public Transport {
   void abort_locked(const std::string& reason);
   // After an abort: closes every endpoint at once and ends every receive, then progresses
   // until UCX holds no request of this rank's, so that no buffer a caller releases after the
-  // error is touched again. Bounded (2 s): a request UCX never ends is left to the destructor.
+  // error is touched again. Bounded (200 ms): if UCX still holds a request then (shared memory
+  // cannot cancel a rendezvous send), the transport is frozen_.
   void quiesce_locked();
-  // Progresses until every request of `requests` and of inflight_ has completed, or deadline.
-  void settle_locked(const std::vector<void*>& requests, Clock::time_point deadline);
+  // Progresses until every request of `requests` and of inflight_ has completed (true), or
+  // deadline (false).
+  bool settle_locked(const std::vector<void*>& requests, Clock::time_point deadline);
+  // ucp_worker_progress, unless the transport is frozen_.
+  unsigned progress_locked() { return frozen_ ? 0 : lib_.ucp_worker_progress(worker_); }
   // Ends every receive UCX still holds (abandoned ones, the standing abort receive).
   void cancel_receives_locked();
   // Messages that arrived for no receive (an abort cut the job short): taken off UCX's
@@ -158,6 +162,7 @@ class UcxTransport final : public Transport {
     return options_.format_tag ? options_.format_tag(tag) : default_format_tag(tag);
   }
 
+  const UcxLibrary& lib_;
   int rank_;
   int world_size_;
   TransportOptions options_;
@@ -185,6 +190,10 @@ class UcxTransport final : public Transport {
   std::vector<char> abort_text_;
   OpPtr abort_receive_;
   bool quiesced_ = false;
+  // An abort left requests in UCX that it could not end (a rendezvous send to a live peer over
+  // shared memory, which has no forced cancel): their buffers may be released by the caller,
+  // so nothing progresses the worker again and UCX never reads or fills them.
+  bool frozen_ = false;
 
   // Background progress: a rank that waits on another transport (the shm ring of a
   // hierarchical job) still answers UCX's rendezvous for its large sends, as the tcp
@@ -210,7 +219,7 @@ struct Callbacks {
     op->status = status;
     op->received = length;
     op->request = nullptr;
-    ucp_request_free(request);
+    ucx_library().ucp_request_free(request);
   }
   static void peer_failed(void* arg, ucp_ep_h, ucs_status_t status) {
     auto* ctx = static_cast<EndpointContext*>(arg);
@@ -220,7 +229,8 @@ struct Callbacks {
 
 UcxTransport::UcxTransport(int rank, int world_size, const std::vector<int>& group,
                            TransportOptions options, const UcxOptions& ucx)
-    : rank_(rank),
+    : lib_(ucx_library(rank)),
+      rank_(rank),
       world_size_(world_size),
       options_(std::move(options)),
       member_(static_cast<std::size_t>(world_size), false),
@@ -235,12 +245,13 @@ UcxTransport::UcxTransport(int rank, int world_size, const std::vector<int>& gro
     throw Error(ErrorKind::kSystem, ucx_error(what, status), rank_, Error::kNoPeer, "ucx setup");
   };
   ucp_config_t* config = nullptr;
-  if (auto s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) fail("ucp_config_read", s);
+  if (auto s = lib_.ucp_config_read(nullptr, nullptr, &config); s != UCS_OK)
+    fail("ucp_config_read", s);
   for (const auto& [name, value] : ucx.config) {
-    if (auto s = ucp_config_modify(config, name.c_str(), value.c_str()); s != UCS_OK) {
-      ucp_config_release(config);
+    if (auto s = lib_.ucp_config_modify(config, name.c_str(), value.c_str()); s != UCS_OK) {
+      lib_.ucp_config_release(config);
       throw Error(ErrorKind::kInvalidArgument,
-                  "UCX setting " + name + "=" + value + ": " + ucs_status_string(s), rank_,
+                  "UCX setting " + name + "=" + value + ": " + lib_.ucs_status_string(s), rank_,
                   Error::kNoPeer, "ucx setup");
     }
   }
@@ -248,28 +259,29 @@ UcxTransport::UcxTransport(int rank, int world_size, const std::vector<int>& gro
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
   params.mt_workers_shared = 0;
-  const ucs_status_t init = ucp_init(&params, config, &context_);
-  ucp_config_release(config);
+  const ucs_status_t init =
+      lib_.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &context_);
+  lib_.ucp_config_release(config);
   if (init != UCS_OK) fail("ucp_init", init);
 
   ucp_worker_params_t worker{};
   worker.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   worker.thread_mode = UCS_THREAD_MODE_SERIALIZED;
-  if (auto s = ucp_worker_create(context_, &worker, &worker_); s != UCS_OK) {
-    ucp_cleanup(context_);
+  if (auto s = lib_.ucp_worker_create(context_, &worker, &worker_); s != UCS_OK) {
+    lib_.ucp_cleanup(context_);
     fail("ucp_worker_create", s);
   }
-  if (ucp_worker_get_efd(worker_, &event_fd_) != UCS_OK) event_fd_ = -1;
+  if (lib_.ucp_worker_get_efd(worker_, &event_fd_) != UCS_OK) event_fd_ = -1;
   ucp_worker_attr_t attr{};
   attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
-  if (auto s = ucp_worker_query(worker_, &attr); s != UCS_OK) {
-    ucp_worker_destroy(worker_);
-    ucp_cleanup(context_);
+  if (auto s = lib_.ucp_worker_query(worker_, &attr); s != UCS_OK) {
+    lib_.ucp_worker_destroy(worker_);
+    lib_.ucp_cleanup(context_);
     fail("ucp_worker_query", s);
   }
   const auto* bytes = reinterpret_cast<const std::uint8_t*>(attr.address);
   address_.assign(bytes, bytes + attr.address_length);
-  ucp_worker_release_address(worker_, attr.address);
+  lib_.ucp_worker_release_address(worker_, attr.address);
   {
     std::lock_guard lock(mu_);
     post_abort_receive_locked();
@@ -282,16 +294,16 @@ void UcxTransport::progress_loop() {
   std::unique_lock lock(mu_);
   while (!stopping_) {
     bool progressed = false;
-    while (ucp_worker_progress(worker_) != 0) progressed = true;
-    if (progressed && sleeping_waiters_ > 0) ucp_worker_signal(worker_);
-    if (event_fd_ >= 0 && ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    while (progress_locked() != 0) progressed = true;
+    if (progressed && sleeping_waiters_ > 0) lib_.ucp_worker_signal(worker_);
+    // Armed, the thread sleeps until UCX has something. UCX can refuse to arm while progress
+    // finds nothing to do (seen with a lost peer's shared-memory endpoint): the thread then
+    // naps a millisecond without the lock, which it would otherwise hold against every caller.
+    const bool armed = !frozen_ && event_fd_ >= 0 && lib_.ucp_worker_arm(worker_) != UCS_ERR_BUSY;
+    if (!armed && progressed) continue;
     lock.unlock();
-    pollfd fds[2] = {{event_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
-    if (event_fd_ >= 0) {
-      ::poll(fds, 2, 100);
-    } else {
-      ::poll(&fds[1], 1, 1);  // no event fd: poll UCX every millisecond
-    }
+    pollfd fds[2] = {{stop_fd_, POLLIN, 0}, {event_fd_, POLLIN, 0}};
+    ::poll(fds, armed ? 2 : 1, armed || frozen_ ? 100 : 1);
     lock.lock();
   }
 }
@@ -316,15 +328,15 @@ UcxTransport::~UcxTransport() {
   if (!abort_) {
     std::vector<void*> flushing;
     ucp_request_param_t param{};
-    void* flush = ucp_worker_flush_nbx(worker_, &param);
+    void* flush = lib_.ucp_worker_flush_nbx(worker_, &param);
     if (UCS_PTR_IS_PTR(flush)) flushing.push_back(flush);
     settle_locked(flushing, Clock::now() + 2s);
-    for (void* request : flushing) ucp_request_free(request);
+    for (void* request : flushing) lib_.ucp_request_free(request);
   }
   quiesce_locked();
-  discard_unexpected_locked(Clock::now() + 200ms);
-  ucp_worker_destroy(worker_);
-  ucp_cleanup(context_);
+  if (!frozen_) discard_unexpected_locked(Clock::now() + 200ms);
+  lib_.ucp_worker_destroy(worker_);
+  lib_.ucp_cleanup(context_);
   for (const auto& w : watched_) {
     if (w.pidfd >= 0) ::close(w.pidfd);
   }
@@ -384,7 +396,7 @@ void UcxTransport::connect(int peer, const Bytes& card) {
     if (pid != ::getpid()) watched_.push_back({peer, pid, shm::open_pidfd(pid)});
   }
   const ucs_status_t status =
-      ucp_ep_create(worker_, &params, &endpoints_[static_cast<std::size_t>(peer)]);
+      lib_.ucp_ep_create(worker_, &params, &endpoints_[static_cast<std::size_t>(peer)]);
   if (status != UCS_OK) {
     throw Error(ErrorKind::kSystem, ucx_error("ucp_ep_create", status), rank_, peer, "ucx connect");
   }
@@ -449,12 +461,12 @@ OpPtr UcxTransport::post(int peer, bool send, const Tag& tag, void* data, std::s
   ucs_status_ptr_t request;
   if (send) {
     param.cb.send = &Callbacks::sent;
-    request = ucp_tag_send_nbx(endpoints_[static_cast<std::size_t>(peer)], op->iov, pieces,
-                               ucx_tag(kind, rank_, seq), &param);
+    request = lib_.ucp_tag_send_nbx(endpoints_[static_cast<std::size_t>(peer)], op->iov, pieces,
+                                    ucx_tag(kind, rank_, seq), &param);
   } else {
     param.cb.recv = &Callbacks::received;
-    request =
-        ucp_tag_recv_nbx(worker_, op->iov, pieces, ucx_tag(kind, peer, seq), kFullMask, &param);
+    request = lib_.ucp_tag_recv_nbx(worker_, op->iov, pieces, ucx_tag(kind, peer, seq), kFullMask,
+                                    &param);
   }
   if (!UCS_PTR_IS_PTR(request)) {
     op->done = true;
@@ -555,7 +567,7 @@ void UcxTransport::throw_failure_locked(Op& op) {
   }
   const auto& lost = lost_[static_cast<std::size_t>(op.peer)];
   fail_locked(Error(ErrorKind::kPeerLost,
-                    call + " failed: " + (lost ? *lost : ucs_status_string(op.status)), rank_,
+                    call + " failed: " + (lost ? *lost : lib_.ucs_status_string(op.status)), rank_,
                     op.peer, what, op.bytes));
 }
 
@@ -577,44 +589,45 @@ void UcxTransport::quiesce_locked() {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-    void* request = ucp_ep_close_nbx(ep, &param);
+    void* request = lib_.ucp_ep_close_nbx(ep, &param);
     if (UCS_PTR_IS_PTR(request)) closing.push_back(request);
     ep = nullptr;
   }
   cancel_receives_locked();
-  settle_locked(closing, Clock::now() + 2s);
-  for (void* request : closing) ucp_request_free(request);
+  frozen_ = !settle_locked(closing, Clock::now() + 200ms);
+  for (void* request : closing) lib_.ucp_request_free(request);
 }
 
 void UcxTransport::discard_unexpected_locked(Clock::time_point deadline) {
   std::vector<char> scratch;
   while (Clock::now() < deadline) {
     ucp_tag_recv_info_t info{};
-    ucp_tag_message_h message = ucp_tag_probe_nb(worker_, 0, 0, 1, &info);
+    ucp_tag_message_h message = lib_.ucp_tag_probe_nb(worker_, 0, 0, 1, &info);
     if (!message) return;
     scratch.resize(std::max<std::size_t>(info.length, 1));
     ucp_request_param_t param{};
-    void* request = ucp_tag_msg_recv_nbx(worker_, scratch.data(), info.length, message, &param);
+    void* request =
+        lib_.ucp_tag_msg_recv_nbx(worker_, scratch.data(), info.length, message, &param);
     if (!UCS_PTR_IS_PTR(request)) continue;
-    while (ucp_request_check_status(request) == UCS_INPROGRESS && Clock::now() < deadline) {
-      ucp_worker_progress(worker_);
+    while (lib_.ucp_request_check_status(request) == UCS_INPROGRESS && Clock::now() < deadline) {
+      progress_locked();
     }
-    if (ucp_request_check_status(request) == UCS_INPROGRESS) return;  // a large one: left
-    ucp_request_free(request);
+    if (lib_.ucp_request_check_status(request) == UCS_INPROGRESS) return;  // a large one: left
+    lib_.ucp_request_free(request);
   }
 }
 
 void UcxTransport::cancel_receives_locked() {
   for (auto& [op, owner] : inflight_) {
-    if (!op->send && op->request) ucp_request_cancel(worker_, op->request);
+    if (!op->send && op->request) lib_.ucp_request_cancel(worker_, op->request);
   }
 }
 
-void UcxTransport::settle_locked(const std::vector<void*>& requests, Clock::time_point deadline) {
+bool UcxTransport::settle_locked(const std::vector<void*>& requests, Clock::time_point deadline) {
   while (Clock::now() < deadline) {
-    ucp_worker_progress(worker_);
-    const bool pending = std::any_of(requests.begin(), requests.end(), [](void* r) {
-      return ucp_request_check_status(r) == UCS_INPROGRESS;
+    progress_locked();
+    const bool pending = std::any_of(requests.begin(), requests.end(), [this](void* r) {
+      return lib_.ucp_request_check_status(r) == UCS_INPROGRESS;
     });
     // A request with a lost peer never ends, and UCX never touches its buffer again: a
     // receive waits for data that cannot come, a send for a peer that cannot fetch it.
@@ -622,13 +635,14 @@ void UcxTransport::settle_locked(const std::vector<void*>& requests, Clock::time
       const Op& op = *entry.first;
       return op.request && (op.peer < 0 || !lost_[static_cast<std::size_t>(op.peer)]);
     });
-    if (!pending && !held) return;
+    if (!pending && !held) return true;
   }
+  return false;
 }
 
 bool UcxTransport::test(Op& op) {
   std::lock_guard lock(mu_);
-  if (!op.done) ucp_worker_progress(worker_);
+  if (!op.done) progress_locked();
   if (op.done) return finish_locked(op);
   if (abort_) throw_failure_locked(op);
   return false;
@@ -636,7 +650,7 @@ bool UcxTransport::test(Op& op) {
 
 void UcxTransport::abandon(Op& op) {
   std::lock_guard lock(mu_);
-  if (!op.done && !op.send && op.request) ucp_request_cancel(worker_, op.request);
+  if (!op.done && !op.send && op.request) lib_.ucp_request_cancel(worker_, op.request);
 }
 
 void UcxTransport::wait(Op& op, Clock::time_point deadline) {
@@ -655,7 +669,7 @@ void UcxTransport::wait(Op& op, Clock::time_point deadline) {
       op.status = UCS_ERR_CONNECTION_RESET;
       throw_failure_locked(op);
     }
-    if (ucp_worker_progress(worker_) != 0) {
+    if (progress_locked() != 0) {
       spin_until = Clock::now() + spin_.duration;
       continue;
     }
@@ -670,9 +684,9 @@ void UcxTransport::wait(Op& op, Clock::time_point deadline) {
     // Sleep until UCX has something, abort() signals, a watched peer exits, or the deadline
     // (at most 100 ms, so a transport UCX cannot wake for is still driven).
     const auto nap = std::min<Clock::duration>(deadline - now, 100ms);
-    if (event_fd_ >= 0) {
-      const ucs_status_t armed = ucp_worker_arm(worker_);
-      if (armed == UCS_ERR_BUSY) continue;
+    // Not armed (no event fd, or UCX reports events that progress did not consume): back off
+    // without the lock rather than spin holding it.
+    if (event_fd_ >= 0 && lib_.ucp_worker_arm(worker_) != UCS_ERR_BUSY) {
       std::vector<pollfd> fds{{event_fd_, POLLIN, 0}};
       for (const auto& w : watched_) {
         if (w.pidfd >= 0) fds.push_back({w.pidfd, POLLIN, 0});
@@ -711,10 +725,10 @@ void UcxTransport::post_abort_receive_locked() {
       self->on_abort_message_locked(info->sender_tag, std::min(info->length, kAbortTextMax));
     }
     self->abort_receive_->request = nullptr;
-    ucp_request_free(request);
+    self->lib_.ucp_request_free(request);
   };
-  void* request = ucp_tag_recv_nbx(worker_, abort_text_.data(), abort_text_.size(),
-                                   ucx_tag(Kind::kAbort, 0, 0), kKindMask, &param);
+  void* request = lib_.ucp_tag_recv_nbx(worker_, abort_text_.data(), abort_text_.size(),
+                                        ucx_tag(Kind::kAbort, 0, 0), kKindMask, &param);
   if (UCS_PTR_IS_PTR(request)) {
     abort_receive_->request = request;
     inflight_.emplace(abort_receive_.get(), abort_receive_);
@@ -731,7 +745,7 @@ void UcxTransport::on_abort_message_locked(std::uint64_t sender_tag, std::size_t
 void UcxTransport::on_peer_failure_locked(int peer, ucs_status_t status) {
   auto& lost = lost_[static_cast<std::size_t>(peer)];
   if (!lost) {
-    lost = "rank " + std::to_string(peer) + " was lost (" + ucs_status_string(status) + ")";
+    lost = "rank " + std::to_string(peer) + " was lost (" + lib_.ucs_status_string(status) + ")";
   }
 }
 
@@ -757,7 +771,7 @@ bool UcxTransport::drain_locked(const std::vector<OpPtr>& ops, Clock::time_point
   for (;;) {
     if (std::all_of(ops.begin(), ops.end(), [](const OpPtr& op) { return op->done; })) return true;
     if (Clock::now() >= deadline) return false;
-    if (ucp_worker_progress(worker_) == 0) std::this_thread::yield();
+    if (progress_locked() == 0) std::this_thread::yield();
   }
 }
 
@@ -784,8 +798,8 @@ void UcxTransport::abort_locked(const std::string& reason) {
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.user_data = op.get();
     param.cb.send = &Callbacks::sent;
-    void* request = ucp_tag_send_nbx(endpoints_[p], op->text.data(), op->text.size(),
-                                     ucx_tag(Kind::kAbort, rank_, 0), &param);
+    void* request = lib_.ucp_tag_send_nbx(endpoints_[p], op->text.data(), op->text.size(),
+                                          ucx_tag(Kind::kAbort, rank_, 0), &param);
     if (UCS_PTR_IS_PTR(request)) {
       op->request = request;
       inflight_.emplace(op.get(), op);
@@ -796,7 +810,7 @@ void UcxTransport::abort_locked(const std::string& reason) {
   drain_locked(notices, Clock::now() + 500ms);
   abort_ = reason;
   quiesce_locked();
-  ucp_worker_signal(worker_);
+  lib_.ucp_worker_signal(worker_);
 }
 
 PeerTraffic UcxTransport::traffic(int peer) const {

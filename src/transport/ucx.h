@@ -28,8 +28,8 @@ struct UcxOptions {
 // to every peer and returns once every peer has answered a hello. A lost peer is noticed by
 // UCX's peer-failure handling (kPeerLost); an abort reaches every peer as a message.
 // traffic() counts payload bytes and messages (not the 48-byte header each carries).
-// Throws kTimeout naming the missing peers if setup exceeds `timeout`, kSystem if UCX cannot
-// start.
+// Throws kTimeout naming the missing peers if setup exceeds `timeout`, kSystem if UCX is not
+// installed (the first call loads it: ucx_library.h) or cannot start.
 std::unique_ptr<Transport> make_ucx_transport(Store& store, const std::string& key_prefix, int rank,
                                               int world_size, const std::vector<int>& group,
                                               const TransportOptions& options,

@@ -1,0 +1,55 @@
+#include "transport/ucx_library.h"
+
+#include <dlfcn.h>
+
+#include <csignal>
+#include <mutex>
+#include <string>
+
+namespace gradsync::transport {
+namespace {
+
+constexpr const char* kLibraryName = "libucp.so.0";
+
+[[noreturn]] void fail(int rank, const std::string& what) {
+  throw Error(ErrorKind::kSystem,
+              "the ucx transport needs UCX (" + std::string(kLibraryName) +
+                  ", Debian package libucx0): " + what,
+              rank, Error::kNoPeer, "ucx setup");
+}
+
+}  // namespace
+
+const UcxLibrary& ucx_library(int rank) {
+  // Loaded once and never unloaded: UCX keeps threads and handlers for the process's life.
+  static std::mutex mu;
+  static UcxLibrary library;
+  static bool loaded = false;
+  std::lock_guard lock(mu);
+  if (loaded) return library;
+  // RTLD_LOCAL: libucs's own signal() and sigaction(), which refuse to replace its handlers,
+  // stay out of the process's symbol scope.
+  struct sigaction hangup_before {};
+  ::sigaction(SIGHUP, nullptr, &hangup_before);
+  void* handle = ::dlopen(kLibraryName, RTLD_NOW | RTLD_LOCAL);
+  if (!handle) fail(rank, ::dlerror());
+  UcxLibrary table;
+  // dlsym through libucp's handle also finds libucs's functions (its dependency).
+#define UCX_LIBRARY_LOAD(name)                                                 \
+  table.name = reinterpret_cast<decltype(table.name)>(::dlsym(handle, #name)); \
+  if (!table.name) fail(rank, "no " #name " in it");
+  UCX_LIBRARY_FUNCTIONS(UCX_LIBRARY_LOAD)
+#undef UCX_LIBRARY_LOAD
+  // libucs's constructor took SIGHUP as its "dump debug state" signal (UCX_DEBUG_SIGNO's
+  // default): give it back, since gradsync-run forwards SIGHUP to end the ranks.
+  struct sigaction hangup_after {};
+  ::sigaction(SIGHUP, nullptr, &hangup_after);
+  if (hangup_after.sa_handler != hangup_before.sa_handler) {
+    table.ucs_debug_disable_signal(SIGHUP);
+  }
+  library = table;
+  loaded = true;
+  return library;
+}
+
+}  // namespace gradsync::transport
