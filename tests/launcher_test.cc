@@ -286,6 +286,32 @@ TEST(Launcher, FailingRankIsNamedAndOthersAreStopped) {
   for (pid_t p : pids) EXPECT_TRUE(process_gone(p)) << "orphan " << p << " still running";
 }
 
+// --min-ranks: each failure costs the job the failed rank's slot. Three ranks; in the first
+// attempt rank 1 fails, so the second runs with two (WORLD_SIZE 2), which succeed. A job that
+// would drop below --min-ranks is not restarted and ends with the failure.
+TEST(Launcher, MinRanksRestartsWithoutTheFailedRanksSlot) {
+  Result r = run_launcher({"-n", "3", "--max-restarts", "2", "--min-ranks", "2", "--", "sh", "-c",
+                           "echo \"world $WORLD_SIZE rank $RANK\"; "
+                           "[ $WORLD_SIZE = 3 ] && [ $RANK = 1 ] && exit 5; exit 0"});
+  EXPECT_EQ(r.exit_code(), 0) << r.err;
+  EXPECT_TRUE(gradsync::testing::contains(r.err, "restarting every rank (restart 1 of 2, 2 ranks)"))
+      << r.err;
+  EXPECT_EQ(count_of(r.out, "world 2 rank "), 2) << r.out;
+  EXPECT_GE(count_of(r.out, "world 3 rank "), 1) << r.out;  // the others may be stopped first
+
+  r = run_launcher({"-n", "2", "--max-restarts", "3", "--min-ranks", "2", "--", "sh", "-c",
+                    "[ $RANK = 0 ] && exit 3; sleep 60"});
+  EXPECT_EQ(r.exit_code(), 3) << r.err;
+  EXPECT_TRUE(gradsync::testing::contains(
+      r.err, "not restarting: 1 rank(s) would be fewer than --min-ranks 2"))
+      << r.err;
+  EXPECT_FALSE(gradsync::testing::contains(r.err, "restarting every rank")) << r.err;
+  // Shrinking needs restarts, and cannot start below its floor.
+  EXPECT_EQ(run_launcher({"-n", "3", "--min-ranks", "2", "true"}).exit_code(), 2);
+  EXPECT_EQ(
+      run_launcher({"-n", "2", "--max-restarts", "1", "--min-ranks", "3", "true"}).exit_code(), 2);
+}
+
 TEST(Launcher, RankIgnoringSigtermIsKilledAfterGrace) {
   // Rank 0 fails only once rank 1 has armed its SIGTERM trap (it touches `armed`), so the
   // SIGTERM is surely ignored and only the SIGKILL after the grace period can end rank 1.

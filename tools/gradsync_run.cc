@@ -58,6 +58,10 @@ constexpr const char* kUsage =
     "                          up to N times (default 0; one host only); each attempt's ranks\n"
     "                          see GRADSYNC_RESTART_COUNT (0, 1, ...), so a program can resume\n"
     "                          from its checkpoint (gradsync-train --checkpoint does)\n"
+    "  --min-ranks M           with --max-restarts: take a failed rank's slot as lost (its\n"
+    "                          device or host) and restart with one rank fewer, as long as\n"
+    "                          at least M remain (elastic shrink: WORLD_SIZE drops, and\n"
+    "                          gradsync-train resumes its checkpoint at the smaller size)\n"
     "  --no-prefix             do not prefix output lines with \"[rank R] \"\n"
     "  --cleanup               remove from /dev/shm the segments of any gradsync job of this\n"
     "                          user whose creating process is gone (a rank killed by SIGKILL\n"
@@ -86,6 +90,7 @@ struct Config {
   double timeout_s = 0;  // 0: no job timeout
   double grace_s = 3;    // long enough for a rank to flush logs and unlink shm on SIGTERM
   int max_restarts = 0;
+  int min_ranks = 0;  // 0: restarts keep the size
   bool prefix = true;
   std::vector<std::string> command;
 };
@@ -162,6 +167,8 @@ Config parse_args(int argc, char** argv) {
       cfg.grace_s = parse_seconds("--grace-s", v);
     } else if (take_value(arg, "--max-restarts", &v)) {
       cfg.max_restarts = static_cast<int>(parse_int("--max-restarts", v, 0, 1000));
+    } else if (take_value(arg, "--min-ranks", &v)) {
+      cfg.min_ranks = static_cast<int>(parse_int("--min-ranks", v, 1, 4096));
     } else if (arg == "--no-prefix") {
       cfg.prefix = false;
     } else if (!arg.empty() && arg[0] == '-') {
@@ -182,6 +189,13 @@ Config parse_args(int argc, char** argv) {
     usage_error(
         "--max-restarts with --nnodes > 1: every host's launcher would have to restart its "
         "ranks together, which gradsync-run cannot coordinate yet; use it on one host");
+  }
+  if (cfg.min_ranks > 0 && cfg.max_restarts == 0) {
+    usage_error("--min-ranks shrinks the job when it restarts: give --max-restarts too");
+  }
+  if (cfg.min_ranks > cfg.nproc_per_node) {
+    usage_error("--min-ranks " + std::to_string(cfg.min_ranks) + " is more than the " +
+                std::to_string(cfg.nproc_per_node) + " ranks the job starts with");
   }
   if (cfg.node_rank >= cfg.nnodes) {
     usage_error("--node-rank " + std::to_string(cfg.node_rank) + " must be below --nnodes " +
@@ -694,10 +708,20 @@ int main(int argc, char** argv) {
   const auto start = Clock::now();
   for (int restart = 0;; ++restart) {
     const Outcome outcome = run_ranks(cfg, token, restart, start);
-    if (outcome.first_failure && !outcome.launcher_signal && !outcome.timed_out &&
-        restart < cfg.max_restarts) {
-      std::fprintf(stderr, "gradsync-run: %s; restarting every rank (restart %d of %d)\n",
-                   describe_exit(*outcome.first_failure).c_str(), restart + 1, cfg.max_restarts);
+    const bool restartable = outcome.first_failure && !outcome.launcher_signal &&
+                             !outcome.timed_out && restart < cfg.max_restarts;
+    if (restartable && cfg.min_ranks > 0 && cfg.nproc_per_node - 1 < cfg.min_ranks) {
+      std::fprintf(stderr,
+                   "gradsync-run: %s; not restarting: %d rank(s) would be fewer than --min-ranks "
+                   "%d\n",
+                   describe_exit(*outcome.first_failure).c_str(), cfg.nproc_per_node - 1,
+                   cfg.min_ranks);
+    } else if (restartable) {
+      // The failed rank's slot is lost; the survivors' slots are renumbered 0..N-2.
+      if (cfg.min_ranks > 0) --cfg.nproc_per_node;
+      std::fprintf(stderr, "gradsync-run: %s; restarting every rank (restart %d of %d, %d ranks)\n",
+                   describe_exit(*outcome.first_failure).c_str(), restart + 1, cfg.max_restarts,
+                   cfg.nproc_per_node);
       // The ranks' store starts afresh: on one host, on a port nobody holds.
       if (cfg.nnodes == 1 && !port_given) cfg.master_port = pick_free_port();
       continue;

@@ -88,7 +88,8 @@ struct Report {
   std::uint64_t failed = 0;
   std::int64_t steps_done = 0, epoch = 0, step = 0;
   std::uint64_t identity = 0, values = 0;
-  char error[976] = {};
+  std::int64_t written_by = 0;  // the ranks of the set a resume read
+  char error[968] = {};
 };
 static_assert(sizeof(Report) == 1024);
 
@@ -282,16 +283,21 @@ void name_latest(const std::string& dir, gradsync::Context& ctx, long steps_done
 }
 
 // This rank's files of older sets, which LATEST no longer names, and their temporary files
-// that a crash left.
-void remove_older_files(const std::string& dir, int rank, long steps_done) {
-  const std::string mine = ".rank-" + std::to_string(rank) + ".ckpt";
-  const std::string keep = rank_file(dir, steps_done, rank);
+// that a crash left; rank 0 also every file of a rank a shrunk job no longer has (>= world),
+// none of which LATEST names any more.
+void remove_older_files(const std::string& dir, int rank, int world, long steps_done) {
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
-    const auto at = name.rfind(mine);
-    const bool ours = name.rfind("step-", 0) == 0 && at != name.npos &&
-                      (at + mine.size() == name.size() || name.substr(at + mine.size()) == ".tmp");
-    if (ours && entry.path().string() != keep) std::filesystem::remove(entry.path());
+    // step-<S>.rank-<R>.ckpt or .ckpt.tmp
+    const auto at = name.find(".rank-");
+    if (name.rfind("step-", 0) != 0 || at == name.npos) continue;
+    int owner = -1;
+    const char* first = name.data() + at + 6;
+    const auto [end, ec] = std::from_chars(first, name.data() + name.size(), owner);
+    const std::string rest(end, name.data() + name.size());
+    if (ec != std::errc() || (rest != ".ckpt" && rest != ".ckpt.tmp")) continue;
+    const bool older = owner == rank && entry.path().string() != rank_file(dir, steps_done, rank);
+    if (older || (rank == 0 && owner >= world)) std::filesystem::remove(entry.path());
   }
 }
 
@@ -310,18 +316,77 @@ long latest_step(const std::string& dir) {
   return step;
 }
 
+// Before a set of `steps_done` is written by `world` ranks: files of that step from ranks >= world
+// (a larger run's, before a shrink), which would make the set look written by more ranks. Not
+// where LATEST names that very set.
+void remove_files_beyond(const std::string& dir, int world, long steps_done) {
+  long latest = -1;
+  try {
+    latest = latest_step(dir);
+  } catch (const std::exception&) {
+    // No LATEST yet (or none readable): no set is named.
+  }
+  if (latest == steps_done) return;
+  for (int k = world; std::filesystem::exists(rank_file(dir, steps_done, k)); ++k) {
+    std::filesystem::remove(rank_file(dir, steps_done, k));
+  }
+}
+
+// The ranks of the run that wrote `f` (its "gradsync-run -n"), or `otherwise` if unrecorded.
+int writers_of(const CheckpointFile& f, int otherwise) {
+  for (const auto& [what, value] : f.identity) {
+    int ranks = 0;
+    const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), ranks);
+    if (what == "gradsync-run -n" && ec == std::errc() && end == value.data() + value.size() &&
+        ranks > 0) {
+      return ranks;
+    }
+  }
+  return otherwise;
+}
+
+// Where a run of `ours` steps per epoch goes on from `at` of a run whose ranks took
+// `written`/`world` times as many samples per step: the same epoch, at the step where those
+// samples end (the next epoch if none is left).
+Position rescale(const Position& at, int written, int world, const Bounds& ours) {
+  Position out{0, at.epoch,
+               at.step * static_cast<std::size_t>(written) / static_cast<std::size_t>(world)};
+  if (out.step >= ours.steps_per_epoch) {
+    ++out.epoch;
+    out.step = 0;
+  }
+  out.steps_done =
+      static_cast<long>(static_cast<std::size_t>(out.epoch) * ours.steps_per_epoch + out.step);
+  return out;
+}
+
 // This rank's part of a resume, alone: its file read and checked, then loaded into `state`.
-Position load_own(const std::string& dir, const RankState& state, const Identity& identity,
-                  const Bounds& bounds, Report& report) {
+Position load_own(const std::string& dir, const RankState& state, const RunShape& shape,
+                  Report& report) {
   const long latest = latest_step(dir);
-  const std::string path = rank_file(dir, latest, state.ctx.rank());
+  const int world = state.ctx.size(), rank = state.ctx.rank();
+  const std::string path = rank_file(dir, latest, rank);
   const std::string what = "checkpoint " + path;
   CheckpointFile f = decode_checkpoint(read_file(path), what);
+  const int written = writers_of(f, world);
   try {
-    if (const std::string why = identity_mismatches(f.identity, identity); !why.empty()) {
+    if (written < world) {
+      throw std::runtime_error("written by " + std::to_string(written) + " ranks; this run has " +
+                               std::to_string(world) +
+                               ": a checkpoint resumes on as many ranks or fewer");
+    }
+    if (written > world && state.sharded) {
+      throw std::runtime_error("written by " + std::to_string(written) + " ranks; this run has " +
+                               std::to_string(world) +
+                               ", and ZeRO's sharded optimizer state is not redistributed "
+                               "across another number of ranks (resume with gradsync-run -n " +
+                               std::to_string(written) + ")");
+    }
+    if (const std::string why = identity_mismatches(f.identity, shape.identity(written));
+        !why.empty()) {
       throw std::runtime_error(why);
     }
-    check_position(f, latest, bounds);
+    check_position(f, latest, shape.bounds(written));
     std::size_t count = 0;
     for (const Parameter& p : state.model.parameters()) count += p.count;
     if (f.values.size() != count) {
@@ -336,17 +401,22 @@ Position load_own(const std::string& dir, const RankState& state, const Identity
       std::copy(f.values.begin(), f.values.end(), state.model.values().begin());
       state.optimizer->load_state(f.optimizer);
     }
+    // A codec's residuals are what this rank held back: a rank of the smaller run keeps its
+    // own, and the lost ranks' are dropped.
     if (state.reducer) state.reducer->load_state(f.reducer);
     if (state.scaler) state.scaler->load_state(f.scaler);
   } catch (const std::exception& e) {
     throw std::runtime_error(what + ": " + message_of(e));
   }
-  report.steps_done = f.steps_done;
-  report.epoch = f.epoch;
-  report.step = f.step;
+  Position at{static_cast<long>(f.steps_done), static_cast<int>(f.epoch),
+              static_cast<std::size_t>(f.step)};
+  if (written != world) at = rescale(at, written, world, shape.bounds(world));
+  report.steps_done = at.steps_done;
+  report.epoch = at.epoch;
+  report.step = static_cast<std::int64_t>(at.step);
+  report.written_by = written;
   report.values = fnv1a(bytes_of(std::span<const float>(f.values)));
-  return {static_cast<long>(f.steps_done), static_cast<int>(f.epoch),
-          static_cast<std::size_t>(f.step)};
+  return at;
 }
 
 }  // namespace
@@ -464,6 +534,7 @@ void save_checkpoint(const std::string& dir, const RankState& state, const Ident
     std::filesystem::create_directories(dir);
     // A run that diverged must not replace the last good set with weights no resume takes.
     check_finite(values, state.model);
+    if (rank == 0) remove_files_beyond(dir, state.ctx.size(), at.steps_done);
     const char* crash = std::getenv("GRADSYNC_TRAIN_CRASH_AT_SAVE");  // tests only
     const bool crash_now = crash && rank == 0 && std::atoi(crash) == saves;
     write_atomically(rank_file(dir, at.steps_done, rank),
@@ -485,16 +556,16 @@ void save_checkpoint(const std::string& dir, const RankState& state, const Ident
   }
   // Every rank knows LATEST names the new set before any removes its older files.
   throw_if_any_failed(gather(state.ctx, named), what + " (LATEST not updated)");
-  remove_older_files(dir, rank, at.steps_done);
+  remove_older_files(dir, rank, state.ctx.size(), at.steps_done);
 }
 
-Position load_checkpoint(const std::string& dir, const RankState& state, const Identity& identity,
-                         const Bounds& bounds, bool announce) {
+Position load_checkpoint(const std::string& dir, const RankState& state, const RunShape& shape,
+                         bool announce) {
   Report mine;
-  mine.identity = identity_hash(identity);
+  mine.identity = identity_hash(shape.identity(state.ctx.size()));
   Position at;
   try {
-    at = load_own(dir, state, identity, bounds, mine);
+    at = load_own(dir, state, shape, mine);
   } catch (const std::exception& e) {
     fail(mine, message_of(e));
   }
@@ -514,8 +585,13 @@ Position load_checkpoint(const std::string& dir, const RankState& state, const I
                              " loaded differ from those of rank(s) " + agreeing);
   }
   if (announce) {
-    std::fprintf(stderr, "gradsync-train: resumed from %s at step %ld (epoch %d, step %zu)\n",
-                 rank_file(dir, at.steps_done, 0).c_str(), at.steps_done, at.epoch + 1, at.step);
+    std::fprintf(stderr, "gradsync-train: resumed from %s at step %ld (epoch %d, step %zu)",
+                 rank_file(dir, latest_step(dir), 0).c_str(), at.steps_done, at.epoch + 1, at.step);
+    if (mine.written_by != state.ctx.size()) {
+      std::fprintf(stderr, ", written by %d ranks, now %d", static_cast<int>(mine.written_by),
+                   state.ctx.size());
+    }
+    std::fprintf(stderr, "\n");
   }
   return at;
 }

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <utility>
@@ -43,6 +44,15 @@ using Identity = std::vector<std::pair<std::string, std::string>>;
 struct Bounds {
   int epochs = 0;
   std::size_t steps_per_epoch = 0;
+};
+
+// This run's identity and bounds as they would read at `world` ranks: a checkpoint written by
+// another number of ranks (gradsync-run --min-ranks shrank the job) is checked against the
+// flags this run would have had at that size, since the schedule's length in steps and the
+// scaled learning rate follow the ranks.
+struct RunShape {
+  std::function<Identity(int world)> identity;
+  std::function<Bounds(int world)> bounds;
 };
 
 // What a checkpoint holds of one rank besides the position: the model's values, whole (with
@@ -91,11 +101,17 @@ void save_checkpoint(const std::string& dir, const RankState& state, const Ident
 
 // Restores `state` from the set dir/LATEST names and returns where that run stood; with
 // `announce`, says so on stderr. Every rank calls it together. Each rank checks its file
-// (LATEST, format, checksum, identity, position within `bounds`, finite weights), then all
+// (LATEST, format, checksum, identity, position within its bounds, finite weights), then all
 // compare what they loaded (the same position, identity and weights, bit for bit); if anything
 // fails on any rank, every rank throws the same std::runtime_error naming each cause.
-Position load_checkpoint(const std::string& dir, const RankState& state, const Identity& identity,
-                         const Bounds& bounds, bool announce);
+//
+// A set written by W ranks where this run has N < W (gradsync-run --min-ranks): rank r reads
+// its own file (data parallelism keeps every replica's weights and optimizer state equal, and
+// its codec's residuals are its own; the lost ranks' are dropped) and starts at the same
+// epoch, at the step where the samples the W ranks had taken end. Refused: N > W, and ZeRO's
+// sharded optimizer state at N != W (not redistributed yet).
+Position load_checkpoint(const std::string& dir, const RankState& state, const RunShape& shape,
+                         bool announce);
 
 // The cost model a checkpoint's run chose its algorithms with (see save_checkpoint): a
 // resumed run that measured the machine again could choose others, whose float32 sums round

@@ -207,8 +207,11 @@ class Trainer {
  public:
   Trainer(const Config& c, const gradsync::Options& options);
   Position resume() {
-    return load_checkpoint(c_.checkpoint, state(), identity(), {c_.epochs, steps_per_epoch_},
-                           talk_);
+    const RunShape shape{[this](int world) { return identity(world); },
+                         [this](int world) {
+                           return Bounds{c_.epochs, steps_per_epoch_at(world)};
+                         }};
+    return load_checkpoint(c_.checkpoint, state(), shape, talk_);
   }
   // A new run (no --resume) starts only where it would delete no other run's checkpoints,
   // unless --overwrite.
@@ -235,7 +238,13 @@ class Trainer {
 
  private:
   RankState state();
-  Identity identity() const;
+  // The checkpoint identity of this run's flags at `world` ranks (see RunShape).
+  Identity identity(int world) const;
+  // The optimizer steps of an epoch at `world` ranks (this run's: steps_per_epoch_).
+  std::size_t steps_per_epoch_at(int world) const {
+    return ShardedSampler(train_set_.count, 0, world, c_.batch, c_.seed).steps_per_epoch() /
+           static_cast<std::size_t>(c_.accumulate);
+  }
   bool reached_max_steps() const { return c_.max_steps >= 0 && steps_done_ >= c_.max_steps; }
   std::size_t samples_per_step() const {
     return c_.batch * static_cast<std::size_t>(c_.accumulate * world_);
@@ -253,7 +262,7 @@ class Trainer {
   bool checkpoint_due() const;
   Position position_after(int epoch, std::size_t step) const;
   void save(const Position& at) {
-    save_checkpoint(c_.checkpoint, state(), identity(), at, ++saves_);
+    save_checkpoint(c_.checkpoint, state(), identity(world_), at, ++saves_);
   }
   RunReport summarize() const;
 
@@ -349,7 +358,7 @@ RankState Trainer::state() {
 
 // The flags a checkpoint's state depends on, as the user gives them: a resumed run must give
 // the same (--hidden's parameters per tensor too, should the model's code change).
-Identity Trainer::identity() const {
+Identity Trainer::identity(int world) const {
   std::string hidden, tensors;
   for (const std::size_t w : c_.hidden) hidden += (hidden.empty() ? "" : ",") + std::to_string(w);
   for (const Parameter& p : model_->parameters()) {
@@ -360,21 +369,22 @@ Identity Trainer::identity() const {
     std::snprintf(buf, sizeof buf, "%.17g", x);
     return std::string(buf);
   };
-  Identity identity{{"gradsync-run -n", std::to_string(world_)},
-                    {"--model", c_.model},
-                    {"--hidden", hidden.empty() ? "(the default)" : hidden},
-                    {"parameters", tensors},
-                    {"--codec", reducer_ ? reducer_->codec_spec() : c_.codec},
-                    {"--bucket-mb", text(c_.bucket_mb)},
-                    {"--first-bucket-mb", text(c_.first_bucket_mb)},
-                    {"--step-ahead", c_.step_ahead ? "1" : "0"},
-                    {"--optimizer", c_.optimizer},
-                    {"--lr", text(c_.lr)},
-                    {"--lr-schedule", lr_.describe()},
-                    {"--batch", std::to_string(c_.batch)},
-                    {"--accumulate", std::to_string(c_.accumulate)},
-                    {"--zero", std::to_string(c_.zero)},
-                    {"--seed", std::to_string(c_.seed)}};
+  Identity identity{
+      {"gradsync-run -n", std::to_string(world)},
+      {"--model", c_.model},
+      {"--hidden", hidden.empty() ? "(the default)" : hidden},
+      {"parameters", tensors},
+      {"--codec", reducer_ ? reducer_->codec_spec() : c_.codec},
+      {"--bucket-mb", text(c_.bucket_mb)},
+      {"--first-bucket-mb", text(c_.first_bucket_mb)},
+      {"--step-ahead", c_.step_ahead ? "1" : "0"},
+      {"--optimizer", c_.optimizer},
+      {"--lr", text(c_.lr)},
+      {"--lr-schedule", LearningRate(c_, steps_per_epoch_at(world), world).describe()},
+      {"--batch", std::to_string(c_.batch)},
+      {"--accumulate", std::to_string(c_.accumulate)},
+      {"--zero", std::to_string(c_.zero)},
+      {"--seed", std::to_string(c_.seed)}};
   // Only where used or set away from the optimizer's default, so that the checkpoints from
   // before these flags (format 3 before --amp) still read as the defaults.
   if (c_.amp != "none") identity.emplace_back("--amp", c_.amp);
