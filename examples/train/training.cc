@@ -9,10 +9,12 @@
 #include <gradsync/sharded.h>
 #include <gradsync/timeline.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -283,6 +285,9 @@ class Trainer {
   std::size_t steps_per_epoch_;
   LearningRate lr_;
   bool step_ahead_ = false;
+  // GRADSYNC_TRAIN_KILL_AT_STEP=RANK:STEP (scripts/chaos_train.py): this rank dies of SIGKILL
+  // as step STEP begins, as from kill -9, at a step a seed chose. -1: never.
+  long kill_at_step_ = -1;
   std::vector<float> saved_;  // the values before look_ahead
   std::vector<float> images_;
   std::vector<std::uint8_t> labels_;
@@ -345,6 +350,11 @@ Trainer::Trainer(const Config& c, const gradsync::Options& options)
   // lr * residual is how far plain SGD (with or without momentum) will still move; AdamW
   // scales each element by its own statistics, so the move is unknown.
   step_ahead_ = reducer_ && c.step_ahead && c.optimizer == "sgd";
+  if (const char* kill = std::getenv("GRADSYNC_TRAIN_KILL_AT_STEP")) {
+    int rank = -1;
+    long step = -1;
+    if (std::sscanf(kill, "%d:%ld", &rank, &step) == 2 && rank == rank_) kill_at_step_ = step;
+  }
 }
 
 RankState Trainer::state() {
@@ -423,6 +433,7 @@ std::size_t Trainer::run_epoch(int epoch, std::size_t first_step) {
   const auto epoch_start = Clock::now();
   std::size_t epoch_samples = 0, step = first_step;
   for (; step < steps_per_epoch_ && !reached_max_steps(); ++step) {
+    if (steps_done_ == kill_at_step_) ::kill(::getpid(), SIGKILL);
     const StepResult result = train_step(epoch, step);
     record(result);
     epoch_samples += samples_per_step();

@@ -1,0 +1,179 @@
+#!/usr/bin/python3
+"""Training runs that lose a rank: each run kills one rank (SIGKILL, as kill -9) at a step
+chosen by the seed, and gradsync-run either restarts every rank (--max-restarts) or goes on
+with one rank fewer (--min-ranks); gradsync-train resumes from its latest checkpoint.
+
+Checked for every run: the job completes (exit 0); a restarted run ends with the model of the
+uninterrupted run, bit for bit (its final checkpoint file is byte for byte the same); a shrunk
+run ends within --tolerance points of test accuracy of an uninterrupted run at the smaller
+size; nothing of the job is left in /dev/shm; no process of the job outlives it. Reported:
+the time each failure cost (the run's wall time minus the uninterrupted run's).
+
+  /usr/bin/python3 scripts/chaos_train.py --build build --runs 20 --seed 1
+
+Exit status 0 if every run passed every check, 1 otherwise.
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+# Algorithms chosen by a fixed cost model, so that a resumed run (which takes it from the
+# checkpoint) and the uninterrupted one sum in the same order.
+PINNED = "alpha_us=500,bandwidth_gbps=0.5,reduce_gbps=1,shm_call_us=100000"
+
+
+def shm_entries():
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("gradsync-", "ucx_"))}
+
+
+def processes_naming(text):
+    """Pids of processes whose command line contains `text` (this run's unique directory)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+class Job:
+    def __init__(self, args, work):
+        self.args, self.work = args, work
+
+    def run(self, name, ranks, extra_launcher=(), kill=None):
+        """Runs gradsync-train under gradsync-run; returns (exit code, seconds, report, dir)."""
+        a = self.args
+        out = os.path.join(self.work, name)
+        env = dict(os.environ, GRADSYNC_COST_MODEL=PINNED, GRADSYNC_QUIET="1")
+        train = [os.path.join(a.build, "examples/gradsync-train"), "--hidden", str(a.hidden),
+                 "--max-steps", str(a.steps), "--checkpoint-every", str(a.checkpoint_every),
+                 "--lr-scaling", "linear", "--codec", a.codec, "--quiet",
+                 "--checkpoint", out + "/ckpt", "--json", out + "/report.json"]
+        command = [os.path.join(a.build, "tools/gradsync-run"), "-n", str(ranks), "--no-prefix",
+                   *extra_launcher, "--"]
+        if kill:
+            # Only the first attempt loses the rank; the restarted one runs through.
+            rank, step = kill
+            command += ["sh", "-c",
+                        'if [ "$GRADSYNC_RESTART_COUNT" = 0 ]; then '
+                        f'export GRADSYNC_TRAIN_KILL_AT_STEP={rank}:{step}; fi; exec "$@"', "sh"]
+        os.makedirs(out)
+        start = time.monotonic()
+        done = subprocess.run(command + train, env=env, capture_output=True, text=True)
+        seconds = time.monotonic() - start
+        report = None
+        if done.returncode == 0:
+            with open(out + "/report.json") as f:
+                report = json.load(f)
+        return done, seconds, report, out
+
+
+def final_checkpoint(directory, rank=0):
+    with open(os.path.join(directory, "ckpt/LATEST")) as f:
+        step = f.read().strip()
+    with open(os.path.join(directory, f"ckpt/step-{step}.rank-{rank}.ckpt"), "rb") as f:
+        return step, f.read()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--build", default="build")
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=60, help="--max-steps of every run")
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--codec", default="none")
+    p.add_argument("--mode", choices=["restart", "shrink", "mixed"], default="mixed")
+    p.add_argument("--tolerance", type=float, default=2.0,
+                   help="test accuracy points a shrunk run may differ from the smaller run's")
+    p.add_argument("--json", help="write every run's result here")
+    a = p.parse_args()
+    rng = random.Random(a.seed)
+    work = tempfile.mkdtemp(prefix="gradsync-chaos-train-")
+    job = Job(a, work)
+    shm_before = shm_entries()
+    failures = []
+
+    def check(ok, what):
+        if not ok:
+            failures.append(what)
+            print("  FAIL:", what, flush=True)
+        return ok
+
+    # The references: uninterrupted runs at the full size and one rank fewer.
+    done, full_s, full_report, full_dir = job.run("reference-full", a.ranks)
+    check(done.returncode == 0, f"reference run at {a.ranks} ranks: {done.stderr[-2000:]}")
+    done, small_s, small_report, _ = job.run("reference-small", a.ranks - 1)
+    check(done.returncode == 0, f"reference run at {a.ranks - 1} ranks: {done.stderr[-2000:]}")
+    if failures:
+        return 1
+    full_step, full_model = final_checkpoint(full_dir)
+    full_acc = 100 * full_report["test_accuracy"]
+    small_acc = 100 * small_report["test_accuracy"]
+    print(f"reference: {a.ranks} ranks {full_s:.1f} s, accuracy {full_acc:.2f}%; "
+          f"{a.ranks - 1} ranks {small_s:.1f} s, accuracy {small_acc:.2f}%", flush=True)
+
+    results = []
+    for run in range(a.runs):
+        mode = a.mode if a.mode != "mixed" else ("restart" if run % 2 == 0 else "shrink")
+        victim, step = rng.randrange(a.ranks), rng.randrange(1, a.steps)
+        launcher = ["--max-restarts", "1"] + (["--min-ranks", str(a.ranks - 1)]
+                                              if mode == "shrink" else [])
+        name = f"run-{run:02d}-{mode}"
+        done, seconds, report, out = job.run(name, a.ranks, launcher, (victim, step))
+        result = {"run": run, "mode": mode, "victim": victim, "step": step,
+                  "seconds": seconds, "exit": done.returncode}
+        print(f"{name}: kill rank {victim} at step {step}: exit {done.returncode}, "
+              f"{seconds:.1f} s", flush=True)
+        if check(done.returncode == 0, f"{name} exited {done.returncode}: {done.stderr[-2000:]}"):
+            check("restarting every rank" in done.stderr, f"{name}: no restart in the log")
+            acc = 100 * report["test_accuracy"]
+            result["accuracy"] = acc
+            if mode == "restart":
+                result["cost_s"] = seconds - full_s
+                got_step, model = final_checkpoint(out)
+                check(got_step == full_step and model == full_model,
+                      f"{name}: final checkpoint differs from the uninterrupted run's")
+            else:
+                result["cost_s"] = seconds - small_s
+                check(abs(acc - small_acc) <= a.tolerance,
+                      f"{name}: accuracy {acc:.2f}% vs {small_acc:.2f}% at {a.ranks - 1} ranks")
+        # Every process of the job is gone once the launcher returned.
+        strays = processes_naming(out)
+        check(not strays, f"{name}: processes left: {strays}")
+        left = shm_entries() - shm_before
+        check(not left, f"{name}: left in /dev/shm: {sorted(left)}")
+        results.append(result)
+        shutil.rmtree(out, ignore_errors=True)
+
+    for mode in ("restart", "shrink"):
+        costs = [r["cost_s"] for r in results if r["mode"] == mode and "cost_s" in r]
+        if costs:
+            print(f"{mode}: {len(costs)} runs, time a failure cost: median {statistics.median(costs):.1f} s "
+                  f"(min {min(costs):.1f}, max {max(costs):.1f})")
+    print(f"{a.runs} runs, {len(failures)} failed check(s)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"reference": {"ranks": a.ranks, "seconds": full_s, "accuracy": full_acc,
+                                     "smaller_seconds": small_s, "smaller_accuracy": small_acc},
+                       "runs": results, "failures": failures}, f, indent=1)
+    shutil.rmtree(work, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
