@@ -22,6 +22,13 @@ std::string fresh_nonce();
 std::string prove(const std::string& token, std::string_view role, std::string_view dialer_nonce,
                   std::string_view acceptor_nonce, std::string_view binding);
 
+// Runs OpenSSL's one-time set-up of HMAC-SHA256 (its library context and method caches, which
+// it fills under write locks) on the calling thread, once per process. A store server calls it
+// before its thread serves anyone: a process that forks while that thread signs its first
+// proof would leave the child those locks held, and the child's first proof would wait
+// forever.
+void prepare_proofs();
+
 // Whether `proof` is the one prove() gives for these inputs, compared in constant time.
 bool proof_holds(std::string_view proof, const std::string& token, std::string_view role,
                  std::string_view dialer_nonce, std::string_view acceptor_nonce,

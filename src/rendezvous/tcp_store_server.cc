@@ -656,6 +656,7 @@ class TcpStoreServerImpl final : public TcpStoreServer {
 std::unique_ptr<TcpStoreServer> make_tcp_store_server(const std::string& bind_addr, int port,
                                                       const std::string& token,
                                                       const TcpStoreServerOptions& options) {
+  net::prepare_proofs();  // before the server's thread exists (see auth.h)
   return std::make_unique<TcpStoreServerImpl>(bind_addr, port, token, options);
 }
 
