@@ -425,6 +425,11 @@ void Trainer::train_from(const Position& start) {
     const std::size_t next_step = run_epoch(epoch, epoch == start.epoch ? start.step : 0);
     finish_epoch(epoch, next_step);
   }
+  // Resumed with nothing left to train (a smaller job resuming a checkpoint past its
+  // --max-steps): the report still gives the model's accuracy.
+  if (curves_.test_accuracies.empty()) {
+    curves_.test_accuracies.push_back(evaluate(*ctx_, *model_, test_set_, 256, c_.zero == 3));
+  }
   wall_s_ = seconds_since(started_);
 }
 
