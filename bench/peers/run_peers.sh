@@ -114,9 +114,10 @@ mpirun_args=(--oversubscribe --bind-to none)  # gradsync-run does not pin either
 if [[ $transport == shm ]]; then
   mpirun_args+=(--mca btl "self,vader")
 elif [[ $transport == ucx ]]; then
-  # Both sides over UCX's shared memory, the same UCX library.
+  # Both sides over UCX's shared memory, the same UCX library. Open MPI 4.1's pml ucx takes
+  # only InfiniBand/RoCE devices unless told any will do ("PML ucx cannot be selected").
   export UCX_TLS=sm
-  mpirun_args+=(--mca pml ucx -x UCX_TLS)
+  mpirun_args+=(--mca pml ucx --mca pml_ucx_tls any --mca pml_ucx_devices any -x UCX_TLS)
 else
   mpirun_args+=(--mca btl "self,tcp" --mca btl_tcp_if_include lo)
 fi
