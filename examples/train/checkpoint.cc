@@ -316,22 +316,6 @@ long latest_step(const std::string& dir) {
   return step;
 }
 
-// Before a set of `steps_done` is written by `world` ranks: files of that step from ranks >= world
-// (a larger run's, before a shrink), which would make the set look written by more ranks. Not
-// where LATEST names that very set.
-void remove_files_beyond(const std::string& dir, int world, long steps_done) {
-  long latest = -1;
-  try {
-    latest = latest_step(dir);
-  } catch (const std::exception&) {
-    // No LATEST yet (or none readable): no set is named.
-  }
-  if (latest == steps_done) return;
-  for (int k = world; std::filesystem::exists(rank_file(dir, steps_done, k)); ++k) {
-    std::filesystem::remove(rank_file(dir, steps_done, k));
-  }
-}
-
 // The ranks of the run that wrote `f` (its "gradsync-run -n"), or `otherwise` if unrecorded.
 int writers_of(const CheckpointFile& f, int otherwise) {
   for (const auto& [what, value] : f.identity) {
@@ -534,7 +518,6 @@ void save_checkpoint(const std::string& dir, const RankState& state, const Ident
     std::filesystem::create_directories(dir);
     // A run that diverged must not replace the last good set with weights no resume takes.
     check_finite(values, state.model);
-    if (rank == 0) remove_files_beyond(dir, state.ctx.size(), at.steps_done);
     const char* crash = std::getenv("GRADSYNC_TRAIN_CRASH_AT_SAVE");  // tests only
     const bool crash_now = crash && rank == 0 && std::atoi(crash) == saves;
     write_atomically(rank_file(dir, at.steps_done, rank),
