@@ -311,7 +311,7 @@ Trainer::Trainer(const Config& c, const gradsync::Options& options)
       test_set_(load_fashion_mnist(c.data, false)),
       model_(make_model(c.model, c.seed, c.hidden)),
       sampler_(train_set_.count, rank_, world_, c.batch, c.seed),
-      steps_per_epoch_(sampler_.steps_per_epoch() / static_cast<std::size_t>(c.accumulate)),
+      steps_per_epoch_(steps_per_epoch_at(world_)),
       lr_(c, steps_per_epoch_, world_),
       images_(c.batch * train_set_.rows * train_set_.cols),
       labels_(c.batch) {
