@@ -3,7 +3,6 @@
 #include <dlfcn.h>
 
 #include <csignal>
-#include <mutex>
 #include <string>
 
 namespace gradsync::transport {
@@ -18,15 +17,7 @@ constexpr const char* kLibraryName = "libucp.so.0";
               rank, Error::kNoPeer, "ucx setup");
 }
 
-}  // namespace
-
-const UcxLibrary& ucx_library(int rank) {
-  // Loaded once and never unloaded: UCX keeps threads and handlers for the process's life.
-  static std::mutex mu;
-  static UcxLibrary library;
-  static bool loaded = false;
-  std::lock_guard lock(mu);
-  if (loaded) return library;
+UcxLibrary load(int rank) {
   // RTLD_LOCAL: libucs's own signal() and sigaction(), which refuse to replace its handlers,
   // stay out of the process's symbol scope.
   struct sigaction hangup_before {};
@@ -47,8 +38,16 @@ const UcxLibrary& ucx_library(int rank) {
   if (hangup_after.sa_handler != hangup_before.sa_handler) {
     table.ucs_debug_disable_signal(SIGHUP);
   }
-  library = table;
-  loaded = true;
+  return table;
+}
+
+}  // namespace
+
+const UcxLibrary& ucx_library(int rank) {
+  // Loaded once and never unloaded (UCX keeps threads and handlers for the process's life). A
+  // static's initialisation runs once, and again on the next call if it threw; afterwards a
+  // call costs a check, not a lock: every completed request's callback comes here.
+  static const UcxLibrary library = load(rank);
   return library;
 }
 
