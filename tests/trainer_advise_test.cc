@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -22,19 +24,30 @@ std::string tool(const std::string& path) {
 
 class TrainerAdvise : public ::testing::Test {
  protected:
+  // Under CTest every case reads the one profile its fixture TrainerAdvise.ProbeTheProfile
+  // probed (tests/CMakeLists.txt): each case is a process of its own, and a probe takes longer
+  // than most cases. Run by hand, the suite probes into a file of its own and removes it.
   static void SetUpTestSuite() {
-    // CTest runs each case as a process of its own, in parallel: each probes into a file of
-    // its own, which its teardown removes.
+    if (const char* shared = std::getenv("GRADSYNC_TEST_ADVISE_PROFILE")) {
+      profile_ = shared;
+      ASSERT_TRUE(std::filesystem::exists(profile_)) << profile_ << ": run its CTest fixture";
+      return;
+    }
     profile_ = ::testing::TempDir() + testing::unique_name("trainer_advise_profile") + ".json";
+    owned_ = true;
     const auto r = testing::run_shell(tool("/tools/gradsync-run") + " -n 2 -- " +
                                       tool("/examples/gradsync-probe") +
                                       " --model cnn --repeats 3 --json " + profile_ + " 2>&1");
     ASSERT_EQ(r.exit_code(), 0) << r.output;
   }
-  static void TearDownTestSuite() { std::remove(profile_.c_str()); }
+  static void TearDownTestSuite() {
+    if (owned_) std::remove(profile_.c_str());
+  }
   static std::string profile_;
+  static bool owned_;
 };
 std::string TrainerAdvise::profile_;
+bool TrainerAdvise::owned_ = false;
 
 TEST_F(TrainerAdvise, ProbedProfileDescribesTheRanks) {
   const advise::Profile p = advise::load_profile(profile_);

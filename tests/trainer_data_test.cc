@@ -138,14 +138,14 @@ TEST(FashionMnist, LoadsTheTrainingSplit) {
   ASSERT_EQ(d.count, 60000u);
   EXPECT_EQ(d.rows, 28u);
   EXPECT_EQ(d.cols, 28u);
-  ASSERT_EQ(d.images.size(), 60000u * 28 * 28);
+  ASSERT_EQ(d.pixels.size(), 60000u * 28 * 28);
   ASSERT_EQ(d.labels.size(), 60000u);
   std::array<int, 10> histogram{};
   for (std::uint8_t l : d.labels) ++histogram.at(l);
   for (int c = 0; c < 10; ++c) EXPECT_EQ(histogram[c], 6000) << "class " << c;
-  const auto [lo, hi] = std::minmax_element(d.images.begin(), d.images.end());
-  EXPECT_EQ(*lo, 0.0f);
-  EXPECT_EQ(*hi, 1.0f);
+  const auto [lo, hi] = std::minmax_element(d.pixels.begin(), d.pixels.end());
+  EXPECT_EQ(*lo, 0);
+  EXPECT_EQ(*hi, 255);
 
   // Against the file itself rather than a remembered value: the labels header, then the
   // first labels and the first image byte for byte.
@@ -154,26 +154,24 @@ TEST(FashionMnist, LoadsTheTrainingSplit) {
   for (std::size_t i = 0; i < 16; ++i) EXPECT_EQ(d.labels[i], labels[8 + i]) << "label " << i;
   EXPECT_EQ(d.labels[0], 9);  // ankle boot, as the file says
   const Bytes pixels = gzread_prefix(dir + "/train-images-idx3-ubyte.gz", 16 + 2 * 784);
-  const auto second = d.image(1);
-  ASSERT_EQ(second.size(), 784u);
+  std::vector<float> two(2 * 784);
+  d.image_into(0, two.data());
+  d.image_into(1, two.data() + 784);
   for (std::size_t i = 0; i < 2 * 784; ++i) {
-    ASSERT_EQ(d.images[i], static_cast<float>(pixels[16 + i]) / 255.0f) << "pixel " << i;
+    ASSERT_EQ(d.pixels[i], pixels[16 + i]) << "pixel " << i;
+    ASSERT_EQ(two[i], static_cast<float>(pixels[16 + i]) / 255.0f) << "pixel " << i;
   }
-  EXPECT_EQ(second[0], d.images[784]);
 }
 
 TEST(FashionMnist, LoadsTheTestSplit) {
   SKIP_WITHOUT_REAL_DATA();
   const Dataset d = load_fashion_mnist(kFashionMnistDir, false);
   ASSERT_EQ(d.count, 10000u);
-  ASSERT_EQ(d.images.size(), 10000u * 28 * 28);
+  ASSERT_EQ(d.pixels.size(), 10000u * 28 * 28);
   ASSERT_EQ(d.labels.size(), 10000u);
   std::array<int, 10> histogram{};
   for (std::uint8_t l : d.labels) ++histogram.at(l);
   for (int c = 0; c < 10; ++c) EXPECT_EQ(histogram[c], 1000) << "class " << c;
-  const auto [lo, hi] = std::minmax_element(d.images.begin(), d.images.end());
-  EXPECT_GE(*lo, 0.0f);
-  EXPECT_LE(*hi, 1.0f);
   const Bytes labels =
       gzread_prefix(std::string(kFashionMnistDir) + "/t10k-labels-idx1-ubyte.gz", 9);
   EXPECT_EQ(d.labels[0], labels[8]);
@@ -185,11 +183,15 @@ TEST(FashionMnist, LoadsAHandWrittenSetExactly) {
   const Dataset d = load_fashion_mnist(set.dir + "/", true);  // a trailing slash is fine
   ASSERT_EQ(d.count, 3u);
   EXPECT_EQ(d.labels, kThreeLabels);
-  ASSERT_EQ(d.images.size(), 3u * 784);
-  for (std::size_t k = 0; k < d.images.size(); ++k) {
-    ASSERT_EQ(d.images[k], static_cast<float>(k % 251) / 255.0f) << k;
+  ASSERT_EQ(d.pixels.size(), 3u * 784);
+  std::vector<float> image(784);
+  for (std::size_t i = 0; i < 3; ++i) {
+    d.image_into(i, image.data());
+    for (std::size_t k = 0; k < 784; ++k) {
+      ASSERT_EQ(d.pixels[i * 784 + k], (i * 784 + k) % 251) << i << " " << k;
+      ASSERT_EQ(image[k], static_cast<float>((i * 784 + k) % 251) / 255.0f) << i << " " << k;
+    }
   }
-  EXPECT_EQ(d.image(2)[0], d.images[2 * 784]);
 }
 
 TEST(FashionMnist, AcceptsAFileOfSeveralGzipMembers) {

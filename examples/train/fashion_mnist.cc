@@ -20,8 +20,8 @@
 namespace train {
 namespace {
 
-// Decompressed data is handled in chunks of this size: large enough that zlib and the
-// float conversion run at full speed, small enough to stay in cache between the two.
+// Decompressed data is read in chunks of this size (zlib's avail_out is 32 bits wide; a file
+// that cannot hold what its header promises is only counted, a chunk at a time).
 constexpr std::size_t kChunk = std::size_t{1} << 20;
 
 // Deflate cannot expand data by more than about 1032:1, so a header promising more than
@@ -261,6 +261,29 @@ std::uint64_t max_inflated(const GzipStream& in) {
   return static_cast<std::uint64_t>(in.compressed_size()) * kMaxInflateRatio + 4096;
 }
 
+// The `promised` bytes after the header, and then the end of the file. The vector is sized
+// once (no regrowth) unless the file cannot possibly hold that much, in which case we only
+// count what it does hold, for the message.
+std::vector<std::uint8_t> read_payload(GzipStream& in, const std::string& path,
+                                       std::uint64_t promised, const char* what) {
+  std::vector<std::uint8_t> payload(promised <= max_inflated(in) ? promised : 0);
+  std::vector<std::uint8_t> chunk(payload.empty() ? kChunk : 0);
+  std::uint64_t have = 0;
+  while (have < promised) {
+    const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(kChunk, promised - have));
+    std::uint8_t* dst = payload.empty() ? chunk.data() : payload.data() + have;
+    const std::size_t got = in.read(dst, want);
+    have += got;
+    if (got < want) break;
+  }
+  if (have < promised) {
+    fail(path, "truncated: header promises " + std::to_string(promised) + " " + what +
+                   ", file holds " + std::to_string(have));
+  }
+  expect_end(in, path, promised, what);
+  return payload;
+}
+
 void load_images(const std::string& path, Dataset& out) {
   GzipStream in(path);
   const auto dims = read_idx_header(in, path, 0x00000803, 3, "images");
@@ -269,51 +292,16 @@ void load_images(const std::string& path, Dataset& out) {
                    std::to_string(dims[2]) + ", expected count x 28 x 28");
   }
   const std::uint64_t promised = std::uint64_t{dims[0]} * dims[1] * dims[2];
-  // Sized once for the whole set (no regrowth) unless the file cannot possibly hold it, in
-  // which case we only count what it does hold, for the message.
-  std::vector<float> images(promised <= max_inflated(in) ? promised : 0);
-  std::vector<std::uint8_t> chunk(kChunk);
-  std::uint64_t have = 0;
-  while (have < promised) {
-    const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(kChunk, promised - have));
-    const std::size_t got = in.read(chunk.data(), want);
-    if (!images.empty()) {
-      float* dst = images.data() + have;
-      // A division rather than a multiply by 1/255: exactly x / 255 for every byte.
-      for (std::size_t i = 0; i < got; ++i) dst[i] = static_cast<float>(chunk[i]) / 255.0f;
-    }
-    have += got;
-    if (got < want) break;
-  }
-  if (have < promised) {
-    fail(path, "truncated: header promises " + std::to_string(promised) +
-                   " bytes of pixels, file holds " + std::to_string(have));
-  }
-  expect_end(in, path, promised, "bytes of pixels");
+  out.pixels = read_payload(in, path, promised, "bytes of pixels");
   out.count = dims[0];
   out.rows = dims[1];
   out.cols = dims[2];
-  out.images = std::move(images);
 }
 
 void load_labels(const std::string& path, Dataset& out) {
   GzipStream in(path);
   const std::uint64_t promised = read_idx_header(in, path, 0x00000801, 1, "labels")[0];
-  std::vector<std::uint8_t> labels(promised <= max_inflated(in) ? promised : 0);
-  std::vector<std::uint8_t> chunk(labels.empty() ? kChunk : 0);  // only counting (see load_images)
-  std::uint64_t have = 0;
-  while (have < promised) {
-    const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(kChunk, promised - have));
-    std::uint8_t* dst = labels.empty() ? chunk.data() : labels.data() + have;
-    const std::size_t got = in.read(dst, want);
-    have += got;
-    if (got < want) break;
-  }
-  if (have < promised) {
-    fail(path, "truncated: header promises " + std::to_string(promised) + " labels, file holds " +
-                   std::to_string(have));
-  }
-  expect_end(in, path, promised, "labels");
+  std::vector<std::uint8_t> labels = read_payload(in, path, promised, "labels");
   const auto bad = std::find_if(labels.begin(), labels.end(), [](std::uint8_t l) { return l > 9; });
   if (bad != labels.end()) {
     fail(path, "label " + std::to_string(*bad) + " at index " +
@@ -321,6 +309,16 @@ void load_labels(const std::string& path, Dataset& out) {
   }
   out.labels = std::move(labels);
 }
+
+}  // namespace
+
+void Dataset::image_into(std::size_t i, float* dst) const {
+  const std::uint8_t* src = pixels.data() + i * pixels_per_image();
+  // A division rather than a multiply by 1/255: exactly x / 255 for every byte.
+  for (std::size_t k = 0; k < pixels_per_image(); ++k) dst[k] = static_cast<float>(src[k]) / 255.0f;
+}
+
+namespace {
 
 std::vector<std::size_t> permutation(std::size_t count, std::uint64_t seed, std::size_t epoch) {
   // Seed and epoch hashed together, so neighbouring seeds or epochs give unrelated streams.

@@ -5,7 +5,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <span>
 #include <string>
 #include <vector>
 
@@ -13,14 +12,16 @@ namespace train {
 
 inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
 
+// The pixels stay bytes, as in the files (a quarter of the memory of floats, and nothing to
+// convert at load); a batch converts its images as it is assembled.
 struct Dataset {
   std::size_t count = 0;  // images
   std::size_t rows = 28, cols = 28;
-  std::vector<float> images;         // count x rows*cols, pixels scaled to [0, 1]
+  std::vector<std::uint8_t> pixels;  // count x rows*cols, 0..255
   std::vector<std::uint8_t> labels;  // count, each 0..9
-  std::span<const float> image(std::size_t i) const {
-    return {images.data() + i * rows * cols, rows * cols};
-  }
+  std::size_t pixels_per_image() const { return rows * cols; }
+  // Writes image i into dst[0 .. rows*cols), each pixel scaled to [0, 1] (exactly x / 255).
+  void image_into(std::size_t i, float* dst) const;
 };
 
 // Loads the training (60,000) or test (10,000) split from `dir`

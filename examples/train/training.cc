@@ -77,18 +77,21 @@ double evaluate(gradsync::Context& ctx, Model& model, const Dataset& test, std::
   const auto n = static_cast<std::size_t>(ctx.size()), r = static_cast<std::size_t>(ctx.rank());
   const std::size_t first = test.count * r / n, last = test.count * (r + 1) / n;
   std::int64_t counts[2] = {0, static_cast<std::int64_t>(last - first)};
-  const std::size_t pixels = test.rows * test.cols;
+  const std::size_t pixels = test.pixels_per_image();
   const std::size_t largest_share = (test.count + n - 1) / n;
   const std::size_t forwards = sharded ? (largest_share + batch - 1) / batch : 0;
+  std::vector<float> images(batch * pixels);
   std::size_t done = 0;
   for (std::size_t at = first; at < last; at += batch, ++done) {
     const std::size_t b = std::min(batch, last - at);
-    model.forward({test.images.data() + at * pixels, b * pixels}, b);
+    for (std::size_t i = 0; i < b; ++i) test.image_into(at + i, images.data() + i * pixels);
+    model.forward({images.data(), b * pixels}, b);
     std::size_t correct = 0;
     model.loss({test.labels.data() + at, b}, &correct);
     counts[0] += static_cast<std::int64_t>(correct);
   }
-  for (; done < forwards; ++done) model.forward({test.images.data(), pixels}, 1);
+  test.image_into(0, images.data());
+  for (; done < forwards; ++done) model.forward({images.data(), pixels}, 1);
   ctx.allreduce(counts, counts, 2, gradsync::DataType::kInt64, gradsync::ReduceOp::kSum);
   return counts[1] ? static_cast<double>(counts[0]) / static_cast<double>(counts[1]) : 0.0;
 }
@@ -497,10 +500,9 @@ void Trainer::run_micro_batch(int epoch, std::size_t step, int micro, StepResult
 }
 
 void Trainer::load_batch(const std::vector<std::size_t>& samples) {
-  const std::size_t pixels = train_set_.rows * train_set_.cols;
+  const std::size_t pixels = train_set_.pixels_per_image();
   for (std::size_t i = 0; i < samples.size(); ++i) {
-    std::memcpy(images_.data() + i * pixels, train_set_.image(samples[i]).data(),
-                pixels * sizeof(float));
+    train_set_.image_into(samples[i], images_.data() + i * pixels);
     labels_[i] = train_set_.labels[samples[i]];
   }
 }
