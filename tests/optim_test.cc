@@ -5,6 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
 
 #include "gradsync/error.h"
 #include "harness.h"
@@ -104,6 +109,53 @@ struct ReferenceLarsLamb {
 
 // LARS and LAMB against their formulas: two tensors whose norms differ by 100x get steps
 // scaled by their own trust ratios, and a tensor at zero steps as plain SGD or Adam (ratio 1).
+// Planes: SGD's momentum (none without), AdamW's and LAMB's two moments, LARS's momentum,
+// each as long as the parameters; loaded into another optimizer of the kind, the steps that
+// follow are the same bit for bit; planes of another count or length are refused.
+TEST(Optimizers, PlanesCarryTheStateOfEveryElement) {
+  using Make = std::function<std::unique_ptr<optim::Optimizer>()>;
+  const std::pair<Make, std::size_t> kinds[] = {
+      {[] { return optim::make_sgd(3, {.lr = 0.1f}); }, 0},
+      {[] { return optim::make_sgd(3, {.lr = 0.1f, .momentum = 0.9f}); }, 1},
+      {[] { return optim::make_adamw(3, {.lr = 0.01f}); }, 2},
+      {[] {
+         return optim::make_lars({2, 1}, {.lr = 0.1f});
+       },
+       1},
+      {[] {
+         return optim::make_lamb({2, 1}, {.lr = 0.01f});
+       },
+       2},
+  };
+  for (const auto& [make, count] : kinds) {
+    std::vector<float> p = {1.0f, -2.0f, 0.5f}, g = {0.5f, 0.25f, -0.75f};
+    auto a = make(), b = make();
+    a->step(p, g);
+    a->step(p, g);
+    const std::optional<optim::Optimizer::Planes> planes = a->planes();
+    ASSERT_TRUE(planes.has_value());
+    EXPECT_EQ(planes->steps, 2u);
+    ASSERT_EQ(planes->planes.size(), count);
+    for (const auto& plane : planes->planes) EXPECT_EQ(plane.size(), 3u);
+    b->load_planes(*planes);
+    std::vector<float> q = p;
+    a->step(p, g);
+    b->step(q, g);
+    EXPECT_EQ(p, q) << count << " planes";
+
+    optim::Optimizer::Planes wrong = *planes;
+    wrong.planes.emplace_back(3, 0.0f);
+    testing::expect_error(ErrorKind::kInvalidArgument, [&] { b->load_planes(wrong); });
+    if (count > 0) {
+      wrong = *planes;
+      wrong.planes[0].pop_back();
+      const Error e =
+          testing::expect_error(ErrorKind::kInvalidArgument, [&] { b->load_planes(wrong); });
+      EXPECT_TRUE(testing::contains(e.detail(), "a plane of 2 floats")) << e.what();
+    }
+  }
+}
+
 TEST(Optimizers, LarsAndLambScaleEachTensorByItsTrustRatio) {
   const std::vector<std::size_t> sizes = {3, 2, 2};
   const std::vector<float> w0 = {10.0f, -20.0f, 5.0f, 0.1f, -0.2f, 0.0f, 0.0f};

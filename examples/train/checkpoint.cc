@@ -344,6 +344,23 @@ Position rescale(const Position& at, int written, int world, const Bounds& ours)
   return out;
 }
 
+// ZeRO at another number of ranks: the sharded optimizer state of every rank of the set
+// (each file checked as this rank's own was, and of the same run), to be re-sharded. The
+// other ranks' files must be readable here: one host, or a shared file system.
+std::vector<std::vector<std::uint8_t>> sharded_states_of(const std::string& dir, long latest,
+                                                         int written, const CheckpointFile& own) {
+  std::vector<std::vector<std::uint8_t>> states;
+  for (int j = 0; j < written; ++j) {
+    const std::string path = rank_file(dir, latest, j);
+    CheckpointFile f = decode_checkpoint(read_file(path), "checkpoint " + path);
+    if (f.identity != own.identity || f.steps_done != own.steps_done) {
+      throw std::runtime_error(path + " is not of the same run and step as this rank's file");
+    }
+    states.push_back(std::move(f.optimizer));
+  }
+  return states;
+}
+
 // This rank's part of a resume, alone: its file read and checked, then loaded into `state`.
 Position load_own(const std::string& dir, const RankState& state, const RunShape& shape,
                   Report& report) {
@@ -359,13 +376,6 @@ Position load_own(const std::string& dir, const RankState& state, const RunShape
                                std::to_string(world) +
                                ": a checkpoint resumes on as many ranks or fewer");
     }
-    if (written > world && state.sharded) {
-      throw std::runtime_error("written by " + std::to_string(written) + " ranks; this run has " +
-                               std::to_string(world) +
-                               ", and ZeRO's sharded optimizer state is not redistributed "
-                               "across another number of ranks (resume with gradsync-run -n " +
-                               std::to_string(written) + ")");
-    }
     if (const std::string why = identity_mismatches(f.identity, shape.identity(written));
         !why.empty()) {
       throw std::runtime_error(why);
@@ -378,7 +388,10 @@ Position load_own(const std::string& dir, const RankState& state, const RunShape
                                std::to_string(count));
     }
     check_finite(f.values, state.model);
-    if (state.sharded) {
+    if (state.sharded && written != world) {
+      state.sharded->load_values(f.values);
+      state.sharded->load_state_of_ranks(sharded_states_of(dir, latest, written, f));
+    } else if (state.sharded) {
       state.sharded->load_values(f.values);
       state.sharded->load_state(f.optimizer);
     } else {

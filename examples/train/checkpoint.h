@@ -108,8 +108,9 @@ void save_checkpoint(const std::string& dir, const RankState& state, const Ident
 // A set written by W ranks where this run has N < W (gradsync-run --min-ranks): rank r reads
 // its own file (data parallelism keeps every replica's weights and optimizer state equal, and
 // its codec's residuals are its own; the lost ranks' are dropped) and starts at the same
-// epoch, at the step where the samples the W ranks had taken end. Refused: N > W, and ZeRO's
-// sharded optimizer state at N != W (not redistributed yet).
+// epoch, at the step where the samples the W ranks had taken end. ZeRO's sharded optimizer
+// state is re-sharded from every rank's file (ShardedDataParallel::load_state_of_ranks), which
+// must then be readable by every rank. Refused: N > W.
 Position load_checkpoint(const std::string& dir, const RankState& state, const RunShape& shape,
                          bool announce);
 

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -82,6 +83,18 @@ class Optimizer {
   // (Error kProtocol).
   virtual std::vector<std::uint8_t> save_state() const = 0;
   virtual void load_state(std::span<const std::uint8_t> state) = 0;
+
+  // The state as planes of per-element floats, each as long as the parameters (SGD's
+  // momentum; AdamW's m, then v), and the steps taken: what ZeRO moves when a checkpoint is
+  // re-sharded at another number of ranks (ShardedDataParallel::load_state_of_ranks). An
+  // optimizer whose state has another form returns nullopt, and refuses load_planes (Error
+  // kInvalidArgument); so does one given planes of another count or length.
+  struct Planes {
+    std::uint64_t steps = 0;
+    std::vector<std::vector<float>> planes;
+  };
+  virtual std::optional<Planes> planes() const { return std::nullopt; }
+  virtual void load_planes(const Planes& planes);
 };
 
 std::unique_ptr<Optimizer> make_sgd(std::size_t count, SgdOptions options = {});

@@ -139,6 +139,14 @@ class ShardedDataParallel {
   // held back; load_state refuses bytes it did not write (kProtocol).
   std::vector<std::uint8_t> save_state() const;
   void load_state(std::span<const std::uint8_t> state);
+  // Re-sharding, for a job that goes on at another number of ranks (an elastic job that lost
+  // one): `states` are save_state() of every rank of a run with the same units, in rank order;
+  // this rank takes its part of their optimizer state at this run's number of ranks, and of
+  // its own old rank's int8 error feedback where it had one (the others' is dropped, as a lost
+  // rank's codec residuals are). Local: every rank needs every state, no collective runs.
+  // Needs an optimizer whose state is per-element planes (SGD, AdamW: Optimizer::planes),
+  // else kInvalidArgument; states of other units are refused (kProtocol).
+  void load_state_of_ranks(std::span<const std::vector<std::uint8_t>> states);
 
   struct Memory {
     // This rank's float32 shard (the master copy), and with stages 1 and 2 the whole copy of

@@ -48,24 +48,61 @@ void unpack(const char magic[4], std::span<const std::uint8_t> s, std::uint64_t&
   floats = std::move(loaded);
 }
 
-// An optimizer whose state is one float buffer and a step count, saved as `magic`.
+[[noreturn]] void refuse_planes(const std::string& why) {
+  throw Error(ErrorKind::kInvalidArgument, "load_planes: " + why, Error::kUnknownRank,
+              Error::kNoPeer, "load_planes");
+}
+
+// An optimizer whose state is a step count and `planes` buffers of `count` floats back to
+// back, saved as `magic`.
 class BufferedOptimizer : public Optimizer {
  public:
   std::size_t state_bytes() const override { return state_.size() * sizeof(float); }
   std::vector<std::uint8_t> save_state() const override { return pack(magic_, steps_, state_); }
   void load_state(std::span<const std::uint8_t> s) override { unpack(magic_, s, steps_, state_); }
+  std::optional<Planes> planes() const override {
+    Planes out{steps_, {}};
+    for (std::size_t k = 0; k < planes_; ++k) {
+      const auto first = state_.begin() + static_cast<std::ptrdiff_t>(k * count_);
+      out.planes.emplace_back(first, first + static_cast<std::ptrdiff_t>(count_));
+    }
+    return out;
+  }
+  void load_planes(const Planes& in) override {
+    if (in.planes.size() != planes_) {
+      refuse_planes(std::to_string(in.planes.size()) + " planes for an optimizer of " +
+                    std::to_string(planes_));
+    }
+    for (std::size_t k = 0; k < planes_; ++k) {
+      if (in.planes[k].size() != count_) {
+        refuse_planes("a plane of " + std::to_string(in.planes[k].size()) +
+                      " floats for an optimizer of " + std::to_string(count_) + " parameters");
+      }
+      std::copy(in.planes[k].begin(), in.planes[k].end(),
+                state_.begin() + static_cast<std::ptrdiff_t>(k * count_));
+    }
+    steps_ = in.steps;
+  }
 
  protected:
-  BufferedOptimizer(const char* magic, std::size_t floats) : magic_(magic), state_(floats) {}
+  BufferedOptimizer(const char* magic, std::size_t count, std::size_t planes)
+      : magic_(magic), count_(count), planes_(planes), state_(count * planes) {}
   const char* magic_;
+  std::size_t count_, planes_;
   std::vector<float> state_;
   std::uint64_t steps_ = 0;
 };
 
+std::size_t total_of(const std::vector<std::size_t>& sizes) {
+  std::size_t total = 0;
+  for (std::size_t n : sizes) total += n;
+  return total;
+}
+
 class Sgd final : public BufferedOptimizer {
  public:
   Sgd(std::size_t count, SgdOptions o)
-      : BufferedOptimizer("GSSG", o.momentum != 0 ? count : 0), count_(count), o_(o) {}
+      : BufferedOptimizer("GSSG", count, o.momentum != 0 ? 1 : 0), o_(o) {}
   void step(std::span<float> p, std::span<const float> g) override {
     check_sizes(count_, p, g);
     for (std::size_t i = 0; i < count_; ++i) {
@@ -82,14 +119,12 @@ class Sgd final : public BufferedOptimizer {
   void set_lr(float lr) override { o_.lr = lr; }
 
  private:
-  std::size_t count_;
   SgdOptions o_;
 };
 
 class AdamW final : public BufferedOptimizer {
  public:
-  AdamW(std::size_t count, AdamWOptions o)
-      : BufferedOptimizer("GSAW", 2 * count), count_(count), o_(o) {}
+  AdamW(std::size_t count, AdamWOptions o) : BufferedOptimizer("GSAW", count, 2), o_(o) {}
   void step(std::span<float> p, std::span<const float> g) override {
     check_sizes(count_, p, g);
     ++steps_;
@@ -108,7 +143,6 @@ class AdamW final : public BufferedOptimizer {
   void set_lr(float lr) override { o_.lr = lr; }
 
  private:
-  std::size_t count_;
   AdamWOptions o_;
 };
 
@@ -157,9 +191,9 @@ double trust_ratio(double numerator, double denominator) {
 class Lars final : public BufferedOptimizer {
  public:
   Lars(std::vector<std::size_t> tensors, LarsOptions o)
-      : BufferedOptimizer("GSLR", 0), tensors_(std::move(tensors), o.excluded, "LARS"), o_(o) {
-    state_.resize(tensors_.count());
-  }
+      : BufferedOptimizer("GSLR", total_of(tensors), 1),
+        tensors_(std::move(tensors), o.excluded, "LARS"),
+        o_(o) {}
   bool needs_whole_tensors() const override { return true; }
   void step(std::span<float> p, std::span<const float> g) override {
     check_sizes(tensors_.count(), p, g);
@@ -189,9 +223,9 @@ class Lars final : public BufferedOptimizer {
 class Lamb final : public BufferedOptimizer {
  public:
   Lamb(std::vector<std::size_t> tensors, LambOptions o)
-      : BufferedOptimizer("GSLB", 0), tensors_(std::move(tensors), o.excluded, "LAMB"), o_(o) {
-    state_.resize(2 * tensors_.count());
-  }
+      : BufferedOptimizer("GSLB", total_of(tensors), 2),
+        tensors_(std::move(tensors), o.excluded, "LAMB"),
+        o_(o) {}
   bool needs_whole_tensors() const override { return true; }
   void step(std::span<float> p, std::span<const float> g) override {
     const std::size_t count = tensors_.count();
@@ -227,6 +261,10 @@ class Lamb final : public BufferedOptimizer {
 };
 
 }  // namespace
+
+void Optimizer::load_planes(const Planes&) {
+  refuse_planes("this optimizer's state is not per-element planes");
+}
 
 std::unique_ptr<Optimizer> make_lars(std::vector<std::size_t> tensors, LarsOptions options) {
   return std::make_unique<Lars>(std::move(tensors), options);

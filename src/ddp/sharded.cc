@@ -426,6 +426,7 @@ struct ShardedDataParallel::State {
   std::vector<float> gradients;  // and of the gradient, summed over ranks and micro-batches
   std::vector<float> residuals;  // int8 gradients: what rounding held back, whole per unit
   std::unique_ptr<optim::Optimizer> optimizer;
+  OptimizerFactory make_optimizer;  // for load_state_of_ranks: the old ranks' optimizers
   BufferPool pool;
   std::deque<std::size_t> reducing;  // units whose reduce-scatter is queued, oldest first
   int micro_batches = 0;             // finish() calls since the last step
@@ -475,6 +476,7 @@ void ShardedDataParallel::set_optimizer(const OptimizerFactory& make) {
            "set_optimizer");
   }
   s.optimizer = std::move(optimizer);
+  s.make_optimizer = make;
   s.gradients.assign(s.shard_floats, 0.0f);
   if (s.int8_gradients()) s.residuals.assign(s.shard_floats * s.ranks, 0.0f);
   if (s.options.accumulate_steps > 1) {
@@ -698,6 +700,77 @@ void ShardedDataParallel::load_state(std::span<const std::uint8_t> state) {
   }
   s.optimizer->load_state(optimizer);
   s.residuals = std::move(residuals);
+}
+
+void ShardedDataParallel::load_state_of_ranks(std::span<const std::vector<std::uint8_t>> states) {
+  State& s = *s_;
+  const char* op = "load_state_of_ranks";
+  if (!s.optimizer) s.fail("load_state_of_ranks before set_optimizer", op);
+  if (states.empty()) s.fail("no states to load", op);
+  const std::size_t old_ranks = states.size();
+  // The old layout: each unit cut into old_ranks shards of old_shard[u], back to back at
+  // old_first[u] of every old rank's arrays.
+  std::vector<std::size_t> old_shard, old_first;
+  std::size_t old_floats = 0;
+  for (const State::Unit& u : s.units) {
+    old_shard.push_back((u.count + old_ranks - 1) / old_ranks);
+    old_first.push_back(old_floats);
+    old_floats += old_shard.back();
+  }
+  std::optional<optim::Optimizer::Planes> mine = s.optimizer->planes();
+  if (!mine)
+    s.fail("this optimizer's state is not per-element planes, so it cannot be re-sharded", op);
+  for (auto& plane : mine->planes) std::fill(plane.begin(), plane.end(), 0.0f);  // the padding
+  std::vector<float> own_residuals;
+  for (std::size_t j = 0; j < old_ranks; ++j) {
+    ByteReader r(states[j], "GSSD", 1, "sharded state of rank " + std::to_string(j));
+    const std::span<const std::uint8_t> bytes = r.bytes();
+    std::vector<float> residuals = r.floats();
+    r.finish();
+    auto old = s.make_optimizer(old_floats);
+    try {
+      old->load_state(bytes);  // refuses state of another size: other units or ranks
+    } catch (const Error& e) {
+      throw Error(e.kind(), "sharded state of rank " + std::to_string(j) + ": " + e.detail(),
+                  s.ctx.rank(), Error::kNoPeer, op);
+    }
+    const std::optional<optim::Optimizer::Planes> theirs = old->planes();
+    if (!theirs || theirs->planes.size() != mine->planes.size()) {
+      s.fail("rank " + std::to_string(j) + "'s optimizer state has other planes than this one's",
+             op);
+    }
+    if (j > 0 && theirs->steps != mine->steps) {
+      r.fail("took " + std::to_string(theirs->steps) + " steps where rank 0's took " +
+             std::to_string(mine->steps));
+    }
+    mine->steps = theirs->steps;
+    // Element e of a unit was at old rank e / old_shard, and is ours if it falls in our shard.
+    const std::size_t rank = static_cast<std::size_t>(s.ctx.rank());
+    for (std::size_t id = 0; id < s.units.size(); ++id) {
+      const State::Unit& u = s.units[id];
+      const std::size_t begin = std::max(j * old_shard[id], rank * u.shard);
+      const std::size_t end = std::min({(j + 1) * old_shard[id], (rank + 1) * u.shard, u.count});
+      for (std::size_t k = 0; k < mine->planes.size(); ++k) {
+        for (std::size_t e = begin; e < end; ++e) {
+          mine->planes[k][u.first + e - rank * u.shard] =
+              theirs->planes[k][old_first[id] + e - j * old_shard[id]];
+        }
+      }
+    }
+    if (j == rank && residuals.size() == old_floats * old_ranks)
+      own_residuals = std::move(residuals);
+  }
+  s.optimizer->load_planes(*mine);
+  // Int8 error feedback is whole per unit (unit u's at first * ranks): this rank's own, moved
+  // to the new padding.
+  std::fill(s.residuals.begin(), s.residuals.end(), 0.0f);
+  if (!s.residuals.empty() && !own_residuals.empty()) {
+    for (std::size_t id = 0; id < s.units.size(); ++id) {
+      const State::Unit& u = s.units[id];
+      std::copy_n(own_residuals.begin() + static_cast<std::ptrdiff_t>(old_first[id] * old_ranks),
+                  u.count, s.residuals.begin() + static_cast<std::ptrdiff_t>(u.first * s.ranks));
+    }
+  }
 }
 
 ShardedDataParallel::Memory ShardedDataParallel::memory() const {
