@@ -301,9 +301,10 @@ void UcxTransport::progress_loop() {
     // naps a millisecond without the lock, which it would otherwise hold against every caller.
     const bool armed = !frozen_ && event_fd_ >= 0 && lib_.ucp_worker_arm(worker_) != UCS_ERR_BUSY;
     if (!armed && progressed) continue;
+    const int timeout_ms = armed || frozen_ ? 100 : 1;  // read under the lock
     lock.unlock();
     pollfd fds[2] = {{stop_fd_, POLLIN, 0}, {event_fd_, POLLIN, 0}};
-    ::poll(fds, armed ? 2 : 1, armed || frozen_ ? 100 : 1);
+    ::poll(fds, armed ? 2 : 1, timeout_ms);
     lock.lock();
   }
 }
