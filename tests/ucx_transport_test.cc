@@ -2,6 +2,7 @@
 // transports this machine has; RDMA devices take the same path through UCX), then what only
 // the UCX transport has: a peer process killed mid-wait, setup that names a silent rank.
 #include <signal.h>
+#include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -76,6 +77,23 @@ TEST(UcxLibrary, OnlyTheFirstUcxTransportLoadsUcxAndSighupKeepsItsHandler) {
   ::sigaction(SIGHUP, nullptr, &now);
   EXPECT_EQ(now.sa_handler, &on_hangup);
   ::sigaction(SIGHUP, &previous, nullptr);
+}
+
+// Where UCX cannot be loaded (not installed; here GRADSYNC_UCX_LIBRARY names a library that
+// does not exist), the ucx transport fails at setup naming the library and the package.
+TEST(UcxLibrary, AMissingUcxIsNamedWithItsPackage) {
+  if (ucx_is_loaded()) GTEST_SKIP() << "an earlier test of this process loaded UCX";
+  ::setenv("GRADSYNC_UCX_LIBRARY", "libgradsync-no-such-ucp.so.0", 1);
+  const Error e = testing::expect_error(ErrorKind::kSystem, [] {
+    run_ucx_group(
+        2, {}, [](int, Transport&) {}, over("sm"));
+  });
+  ::unsetenv("GRADSYNC_UCX_LIBRARY");
+  EXPECT_TRUE(contains(e.detail(),
+                       "the ucx transport needs UCX (libgradsync-no-such-ucp.so.0, "
+                       "Debian package libucx0)"))
+      << e.what();
+  EXPECT_FALSE(ucx_is_loaded());
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -96,6 +96,11 @@ constexpr Knob kKnobs[] = {
      "UCX finds it; UCX_TLS and UCX_NET_DEVICES pick its devices), shm+ucx only those on "
      "other hosts.",
      kContext},
+    {"GRADSYNC_UCX_LIBRARY", "libucp.so.0", "a shared library name or path",
+     "none: process-wide (UCX is loaded once)",
+     "The UCX library the ucx transport loads, where it is not the system's libucp.so.0 (a UCX "
+     "built elsewhere).",
+     kProcess},
     {"LOCAL_RANK", "unset: from host discovery", "an integer in [0, LOCAL_WORLD_SIZE)",
      "Options::local_rank", "This rank's index on its host (torchrun, gradsync-run).", kLauncher,
      false, 0, kMaxRank},

@@ -5,30 +5,30 @@
 #include <csignal>
 #include <string>
 
+#include "core/knobs.h"
+
 namespace gradsync::transport {
 namespace {
 
-constexpr const char* kLibraryName = "libucp.so.0";
-
-[[noreturn]] void fail(int rank, const std::string& what) {
+[[noreturn]] void fail(int rank, const std::string& library, const std::string& what) {
   throw Error(ErrorKind::kSystem,
-              "the ucx transport needs UCX (" + std::string(kLibraryName) +
-                  ", Debian package libucx0): " + what,
+              "the ucx transport needs UCX (" + library + ", Debian package libucx0): " + what,
               rank, Error::kNoPeer, "ucx setup");
 }
 
 UcxLibrary load(int rank) {
+  const std::string library = knobs::text("GRADSYNC_UCX_LIBRARY").value_or("libucp.so.0");
   // RTLD_LOCAL: libucs's own signal() and sigaction(), which refuse to replace its handlers,
   // stay out of the process's symbol scope.
   struct sigaction hangup_before {};
   ::sigaction(SIGHUP, nullptr, &hangup_before);
-  void* handle = ::dlopen(kLibraryName, RTLD_NOW | RTLD_LOCAL);
-  if (!handle) fail(rank, ::dlerror());
+  void* handle = ::dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!handle) fail(rank, library, ::dlerror());
   UcxLibrary table;
   // dlsym through libucp's handle also finds libucs's functions (its dependency).
 #define UCX_LIBRARY_LOAD(name)                                                 \
   table.name = reinterpret_cast<decltype(table.name)>(::dlsym(handle, #name)); \
-  if (!table.name) fail(rank, "no " #name " in it");
+  if (!table.name) fail(rank, library, "no " #name " in it");
   UCX_LIBRARY_FUNCTIONS(UCX_LIBRARY_LOAD)
 #undef UCX_LIBRARY_LOAD
   // libucs's constructor took SIGHUP as its "dump debug state" signal (UCX_DEBUG_SIGNO's
