@@ -388,12 +388,13 @@ Position load_own(const std::string& dir, const RankState& state, const RunShape
                                std::to_string(count));
     }
     check_finite(f.values, state.model);
-    if (state.sharded && written != world) {
+    if (state.sharded) {
       state.sharded->load_values(f.values);
-      state.sharded->load_state_of_ranks(sharded_states_of(dir, latest, written, f));
-    } else if (state.sharded) {
-      state.sharded->load_values(f.values);
-      state.sharded->load_state(f.optimizer);
+      if (written != world) {
+        state.sharded->load_state_of_ranks(sharded_states_of(dir, latest, written, f));
+      } else {
+        state.sharded->load_state(f.optimizer);
+      }
     } else {
       std::copy(f.values.begin(), f.values.end(), state.model.values().begin());
       state.optimizer->load_state(f.optimizer);

@@ -722,6 +722,7 @@ void ShardedDataParallel::load_state_of_ranks(std::span<const std::vector<std::u
     s.fail("this optimizer's state is not per-element planes, so it cannot be re-sharded", op);
   for (auto& plane : mine->planes) std::fill(plane.begin(), plane.end(), 0.0f);  // the padding
   std::vector<float> own_residuals;
+  const auto rank = static_cast<std::size_t>(s.ctx.rank());
   for (std::size_t j = 0; j < old_ranks; ++j) {
     ByteReader r(states[j], "GSSD", 1, "sharded state of rank " + std::to_string(j));
     const std::span<const std::uint8_t> bytes = r.bytes();
@@ -745,7 +746,6 @@ void ShardedDataParallel::load_state_of_ranks(std::span<const std::vector<std::u
     }
     mine->steps = theirs->steps;
     // Element e of a unit was at old rank e / old_shard, and is ours if it falls in our shard.
-    const std::size_t rank = static_cast<std::size_t>(s.ctx.rank());
     for (std::size_t id = 0; id < s.units.size(); ++id) {
       const State::Unit& u = s.units[id];
       const std::size_t begin = std::max(j * old_shard[id], rank * u.shard);
