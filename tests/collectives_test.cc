@@ -236,6 +236,11 @@ TEST_P(CollectivesByWorld, BroadcastFromEveryRoot) {
         // Small sizes take the binomial tree, large ones the pipelined chain.
         for (std::size_t count :
              {std::size_t{0}, std::size_t{1}, std::size_t{1031}, std::size_t{300007}}) {
+#ifdef GRADSYNC_TEST_SANITIZED
+          // A broadcast copies bytes, and a sanitizer checks each one: the large count meets
+          // each element size once there.
+          if (count > 100000 && !testing::first_of_its_element_size(t)) continue;
+#endif
           Buffer want = testing::make_input(t, ReduceOp::kSum, root, count);
           Buffer buf = ctx.rank() == root ? want : Buffer(want.size(), 0x5A);
           ctx.broadcast(buf.data(), count, t, root);

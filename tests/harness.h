@@ -13,6 +13,8 @@
 
 #include "gradsync/error.h"
 #include "gradsync/gradsync.h"
+#include "transport/shm_layout.h"
+#include "transport/tcp_buffer_pool.h"
 #include "transport/transport.h"
 
 namespace gradsync::testing {
@@ -87,6 +89,22 @@ std::string read_file(const std::string& path);
 
 // Ranks 0..n-1: the group of a world that is all on one host.
 std::vector<int> all_ranks(int n);
+
+// A message larger than any buffer a transport keeps (shm's inbox, tcp's pooled buffers), and
+// not a whole number of pages: one that cannot complete before the receiver takes it.
+inline constexpr std::size_t kBeyondEveryTransportBuffer =
+    std::max(transport::shm::kInboxBudgetBytes, transport::tcp::BufferPool::kMaxCachedBytes) +
+    (std::size_t{1} << 20) + 12;
+
+// ThreadSanitizer runs the threaded parts (Makefile, sanitize-tsan). A test whose threads are all
+// those of another test, differing from it only in single-threaded code (parsing, the trainer's
+// arithmetic), skips itself there, naming the test that runs its threads.
+#if defined(__SANITIZE_THREAD__)
+#define GRADSYNC_SKIP_UNDER_TSAN(threads_tested_by) \
+  GTEST_SKIP() << "under ThreadSanitizer its threads are " << (threads_tested_by) << "'s"
+#else
+#define GRADSYNC_SKIP_UNDER_TSAN(threads_tested_by) static_cast<void>(threads_tested_by)
+#endif
 
 // The transports the process tests run over: shm, tcp, and ucx where this build has it.
 inline std::vector<std::string> process_transports() {

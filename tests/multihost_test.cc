@@ -193,6 +193,7 @@ TEST(AcrossHostsOverUcx, EveryCollectiveMatchesReferenceWithShmWithinAndUcxAcros
 // gradsync launcher: the ranks read OMPI_COMM_WORLD_* or SLURM_* themselves). The context finds
 // which ranks share a host and keeps them together in the ring.
 TEST(AcrossHostsLaunchedByOthers, MpirunAndSrunEnvironmentsWithRoundRobinPlacement) {
+  GRADSYNC_SKIP_UNDER_TSAN("HostsByRanks/AcrossHosts (the same ranks, started by a launcher)");
   const int hosts = 2, n = 4;
   Cluster cluster(hosts);
   SKIP_UNLESS_UP(cluster);
@@ -353,6 +354,7 @@ TEST(AcrossHostsFailures, SocketInterfaceIsChosenByName) {
 // gradsync-advise --confirm across hosts: one gradsync-run per host through the launcher,
 // every candidate measured (its trace gathered on host 0) beside its prediction.
 TEST(AdviseAcrossHosts, ConfirmRunsEveryCandidateOnEveryHost) {
+  GRADSYNC_SKIP_UNDER_TSAN("HostsByRanks/AcrossHosts (gradsync-run per host) and the reducer's");
   Cluster cluster(2);
   SKIP_UNLESS_UP(cluster);
   const std::string profile = ::testing::TempDir() + "advise_hosts_profile.json";

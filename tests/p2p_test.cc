@@ -122,7 +122,7 @@ class P2p : public ::testing::TestWithParam<std::string> {
 };
 
 // Rank 0 sends to 1 and receives from 1 while 1 does the same towards 0, both posting both
-// before waiting, for a message that fits any transport buffer and one (64 MiB) that does not;
+// before waiting, for a message that fits any transport buffer and one that does not;
 // also with a pause between the two, so the worker has started the first before the second
 // is issued (a worker that waited for it would wait forever). The context's timeout only
 // bounds a regression; it is not what the test measures.
@@ -131,7 +131,7 @@ TEST_P(P2p, PairExchangeCompletesForSmallAndLargeMessages) {
                [&](Context& ctx) {
                  const int r = ctx.rank(), peer = 1 - r;
                  int k = 0;
-                 for (std::size_t bytes : {std::size_t{4}, std::size_t{64} << 20}) {
+                 for (std::size_t bytes : {std::size_t{4}, testing::kBeyondEveryTransportBuffer}) {
                    const Buffer out = pattern(r, peer, bytes, k);
                    for (int order = 0; order < 4; ++order, ++k) {
                      const bool send_first = order % 2 == 0, pause = order >= 2;
@@ -428,7 +428,7 @@ std::unique_ptr<Context> process_context(const testing::TempDir& dir, int rank, 
   o.token = "p2p" + std::to_string(::getppid());  // this test's process: its own segments
   o.cost_model = "alpha_us=5,bandwidth_gbps=5,reduce_gbps=5";  // no calibration
   // A bound on a hang, not a timing claim: under ThreadSanitizer on a loaded 2-core machine
-  // the 64 MiB exchanges alone took over a minute.
+  // the large exchanges take tens of seconds.
   o.timeout = 200s;
   return init(o);
 }
@@ -453,7 +453,7 @@ TEST_P(P2pProcesses, PairAndRingExchangesComplete) {
         auto ctx = process_context(dir, rank, 3, transport);
         require(ctx->transport_name((rank + 1) % 3) == transport, "runs over " + transport);
         int k = 0;
-        for (std::size_t bytes : {std::size_t{4}, std::size_t{64} << 20}) {
+        for (std::size_t bytes : {std::size_t{4}, testing::kBeyondEveryTransportBuffer}) {
           for (int order = 0; order < 4; ++order) {
             const bool send_first = order % 2 == 0, pause = order >= 2;
             if (rank < 2) {
@@ -510,7 +510,7 @@ TEST_P(P2pProcesses, ACallToADeadPeerFailsNamingIt) {
         2,
         [&](int rank) {
           auto ctx = process_context(dir, rank, 2, transport);
-          Buffer buf(std::size_t{64} << 20, 1);
+          Buffer buf(testing::kBeyondEveryTransportBuffer, 1);
           auto store = make_file_store(dir.path());
           if (rank == 1) {
             const std::string pid = std::to_string(::getpid());

@@ -43,9 +43,18 @@ TEST_P(ThroughLauncher, EveryCollectiveMatchesReference) {
   EXPECT_EQ(count_of(r.output, ": " + transport + "\n"), n) << r.output;
 }
 
+#ifdef GRADSYNC_TEST_SANITIZED
+// Each worker runs every collective at sizes up to 12 MiB, several times slower under a
+// sanitizer: one world size there, odd (a ring and a halving that do not pair up evenly); the
+// Release suite runs 2 and 4.
+constexpr int kLauncherWorlds[] = {3};
+#else
+constexpr int kLauncherWorlds[] = {2, 4};
+#endif
+
 INSTANTIATE_TEST_SUITE_P(Transports, ThroughLauncher,
                          ::testing::Combine(::testing::ValuesIn(testing::process_transports()),
-                                            ::testing::Values(2, 4)),
+                                            ::testing::ValuesIn(kLauncherWorlds)),
                          [](const auto& p) {
                            return std::get<0>(p.param) + "_n" +
                                   std::to_string(std::get<1>(p.param));

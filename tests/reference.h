@@ -228,6 +228,13 @@ constexpr DataType kAllDtypes[] = {DataType::kFloat32,  DataType::kFloat64, Data
                                    DataType::kBFloat16, DataType::kInt32,   DataType::kInt64,
                                    DataType::kUInt8,    DataType::kInt8,    DataType::kInt16,
                                    DataType::kBool};
+// Whether `t` is the first of kAllDtypes with its element size (one dtype per size).
+inline bool first_of_its_element_size(DataType t) {
+  for (DataType u : kAllDtypes) {
+    if (dtype_size(u) == dtype_size(t)) return u == t;
+  }
+  return false;
+}
 // Not every pair is valid: loops over both skip !dtype_op_valid(t, op) (bitwise on floats).
 constexpr ReduceOp kAllOps[] = {ReduceOp::kSum,  ReduceOp::kAvg,  ReduceOp::kMin, ReduceOp::kMax,
                                 ReduceOp::kProd, ReduceOp::kBand, ReduceOp::kBor, ReduceOp::kBxor};

@@ -36,14 +36,14 @@ class BufferPool {
   // Any thread.
   Buffer get(std::size_t bytes);
 
- private:
-  // Below this, malloc serves from its own caches without touching fresh pages.
-  static constexpr std::size_t kMinPooledBytes = 32 * 1024;
-  static constexpr std::size_t kRoundBytes = 4096;
   // Cached memory per transport: a few dozen ring pieces in flight at the default 256 KiB
   // chunk, or one 32 MiB message; beyond that the oldest cached buffers are freed.
   static constexpr std::size_t kMaxCachedBytes = 32 * 1024 * 1024;
 
+ private:
+  // Below this, malloc serves from its own caches without touching fresh pages.
+  static constexpr std::size_t kMinPooledBytes = 32 * 1024;
+  static constexpr std::size_t kRoundBytes = 4096;
   struct Cached {
     std::unique_ptr<std::uint8_t[]> data;
     std::size_t capacity = 0;
