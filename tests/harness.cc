@@ -188,6 +188,19 @@ std::string read_file(const std::string& path) {
   return s.str();
 }
 
+std::vector<std::string> losses_of(const std::string& json_path) {
+  const std::string text = read_file(json_path);
+  const auto open = text.find("\"losses\": [");
+  if (open == std::string::npos) return {};
+  const auto close = text.find(']', open);
+  std::vector<std::string> out;
+  std::stringstream in(text.substr(open + 11, close - open - 11));
+  for (std::string item; std::getline(in, item, ',');) {
+    out.push_back(item.substr(item.find_first_not_of(' ')));
+  }
+  return out;
+}
+
 std::vector<int> all_ranks(int n) {
   std::vector<int> group(static_cast<std::size_t>(n));
   std::iota(group.begin(), group.end(), 0);

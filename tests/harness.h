@@ -87,6 +87,10 @@ int count_of(const std::string& s, const std::string& part);
 // A file's whole contents ("" if it cannot be read, e.g. not written yet).
 std::string read_file(const std::string& path);
 
+// The "losses" array of a gradsync-train --json file, as printed: each the shortest text that
+// reads back as the same float, so equal text means equal bits.
+std::vector<std::string> losses_of(const std::string& json_path);
+
 // Ranks 0..n-1: the group of a world that is all on one host.
 std::vector<int> all_ranks(int n);
 

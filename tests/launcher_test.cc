@@ -24,6 +24,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "harness.h"
@@ -310,6 +311,92 @@ TEST(Launcher, MinRanksRestartsWithoutTheFailedRanksSlot) {
   EXPECT_EQ(run_launcher({"-n", "3", "--min-ranks", "2", "true"}).exit_code(), 2);
   EXPECT_EQ(
       run_launcher({"-n", "2", "--max-restarts", "1", "--min-ranks", "3", "true"}).exit_code(), 2);
+}
+
+// --max-restarts on several hosts: each host's launcher (here two on this host, as hosts 0 and
+// 1) runs the attempt's ranks; host 0's holds the rendezvous on --master-port.
+class TwoHosts {
+ public:
+  // Runs both launchers at once with `flags`, host 1's with `host1_token`.
+  std::vector<Result> run(const std::vector<std::string>& flags, const std::string& script,
+                          const std::string& host1_token = "two-hosts") {
+    std::vector<Result> results(2);
+    std::vector<std::thread> hosts;
+    for (int h = 0; h < 2; ++h) {
+      hosts.emplace_back([&, h] {
+        RunSpec spec;
+        spec.args = {"--nnodes", "2", "--node-rank",   std::to_string(h),
+                     "-n",       "2", "--master-port", port_};
+        spec.args.insert(spec.args.end(), flags.begin(), flags.end());
+        spec.args.insert(spec.args.end(), {"--", "sh", "-c", script});
+        spec.env["GRADSYNC_TOKEN"] = h == 1 ? host1_token : "two-hosts";
+        results[static_cast<std::size_t>(h)] = run_launcher(spec);
+      });
+    }
+    for (auto& t : hosts) t.join();
+    return results;
+  }
+  // The port the ranks of attempt `round` are given: the rendezvous's + 1 + round.
+  std::string store_port(int round) const { return std::to_string(std::stoi(port_) + 1 + round); }
+
+ private:
+  std::string port_ = std::to_string(gradsync::testing::free_port());
+};
+
+// Host 1's rank 3 fails in the first attempt: both launchers stop their ranks (the others
+// would sleep a minute) and start them again together, the second attempt's ranks meeting at
+// the next port. When every attempt fails, both end with the failed rank's code once the
+// restarts are spent.
+TEST(Launcher, RestartsAcrossHostsTogether) {
+  using gradsync::testing::contains;
+  TwoHosts hosts;
+  auto r = hosts.run({"--max-restarts", "2", "--timeout-s", "120"},
+                     "echo attempt $GRADSYNC_RESTART_COUNT rank $RANK of $WORLD_SIZE at "
+                     "$MASTER_PORT; [ $GRADSYNC_RESTART_COUNT = 1 ] && exit 0; [ $RANK = 3 ] && "
+                     "exit 5; sleep 60");
+  for (const Result& x : r) {
+    EXPECT_EQ(x.exit_code(), 0) << x.err;
+    EXPECT_TRUE(contains(x.err, "exited with code 5 on host 1 (127.0.0.1); restarting every rank"))
+        << x.err;
+    EXPECT_TRUE(contains(x.err, "restart 1 of 2: 2 host(s), 4 ranks")) << x.err;
+  }
+  EXPECT_TRUE(contains(r[0].out, "[rank 1] attempt 1 rank 1 of 4 at " + hosts.store_port(1)))
+      << r[0].out;
+  EXPECT_TRUE(contains(r[1].out, "[rank 3] attempt 1 rank 3 of 4 at " + hosts.store_port(1)))
+      << r[1].out;
+  EXPECT_TRUE(contains(r[1].out, "[rank 2] attempt 0 rank 2 of 4 at " + hosts.store_port(0)))
+      << r[1].out;
+
+  r = hosts.run({"--max-restarts", "1", "--timeout-s", "120"}, "[ $RANK = 0 ] && exit 7; sleep 60");
+  for (const Result& x : r) {
+    EXPECT_EQ(x.exit_code(), 7) << x.err;
+    EXPECT_TRUE(contains(x.err,
+                         "exited with code 7 on host 0 (127.0.0.1); no restarts left "
+                         "(--max-restarts 1)"))
+        << x.err;
+  }
+}
+
+// The rendezvous proves the token as the library's connections do: a launcher with another
+// token is refused by name, and host 0's launcher, missing a host, ends at its --timeout-s.
+TEST(Launcher, ALauncherOfAnotherJobIsRefusedByTheRendezvous) {
+  using gradsync::testing::contains;
+  auto r = TwoHosts().run({"--max-restarts", "1", "--timeout-s", "2"}, "true", "another-job");
+  EXPECT_EQ(r[1].exit_code(), 1) << r[1].err;
+  EXPECT_TRUE(contains(r[1].err, "refused this launcher: its GRADSYNC_TOKEN is not this job's"))
+      << r[1].err;
+  EXPECT_EQ(r[0].exit_code(), 1) << r[0].err;
+  EXPECT_TRUE(contains(r[0].err, "refused a launcher at 127.0.0.1: wrong token")) << r[0].err;
+  EXPECT_TRUE(contains(r[0].err, "host(s) 1 did not join within 2 s")) << r[0].err;
+  // Shrinking across hosts needs restarts and cannot ask for more hosts than the job has;
+  // --min-ranks is one host's.
+  EXPECT_EQ(run_launcher({"--nnodes", "2", "--min-nodes", "1", "true"}).exit_code(), 2);
+  EXPECT_EQ(run_launcher({"--nnodes", "2", "--max-restarts", "1", "--min-nodes", "3", "true"})
+                .exit_code(),
+            2);
+  EXPECT_EQ(run_launcher({"--nnodes", "2", "--max-restarts", "1", "--min-ranks", "1", "true"})
+                .exit_code(),
+            2);
 }
 
 TEST(Launcher, RankIgnoringSigtermIsKilledAfterGrace) {

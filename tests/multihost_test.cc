@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <thread>
 #include <tuple>
@@ -349,6 +351,117 @@ TEST(AcrossHostsFailures, SocketInterfaceIsChosenByName) {
                 contains(r.output, "eth0="))
         << r.output;
   }
+}
+
+// gradsync-train on three hosts, one rank each, under --max-restarts: the launchers restart
+// together through host 0's rendezvous.
+class TrainingAcrossHosts {
+ public:
+  explicit TrainingAcrossHosts(const Cluster& cluster)
+      : cluster_(cluster),
+        dir_(testing::build_dir() + "/train_hosts_" + std::to_string(::getpid())) {
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  ~TrainingAcrossHosts() { std::filesystem::remove_all(dir_); }
+  const std::string& dir() const { return dir_; }
+
+  // One command per host: `launcher_flags` to gradsync-run, `train_flags` to gradsync-train
+  // (checkpoints and --json under dir()/name), `wrap` before the trainer on `wrapped_host`.
+  std::vector<std::string> commands(const std::string& name, const std::string& launcher_flags,
+                                    const std::string& train_flags, int wrapped_host = -1,
+                                    const std::string& wrap = "") const {
+    const std::string build = testing::build_dir();
+    std::vector<std::string> cmds;
+    for (int h = 0; h < cluster_.hosts(); ++h) {
+      cmds.push_back(cluster_.on(
+          h, kEnv + kPinned + "GRADSYNC_TCP_LIVENESS_S=3 " + build +
+                 "/tools/gradsync-run --no-prefix --nnodes " + std::to_string(cluster_.hosts()) +
+                 " --node-rank " + std::to_string(h) + " -n 1 --master-addr " + cluster_.addr(0) +
+                 " --master-port 29570 --timeout-s 240 " + launcher_flags + " -- " +
+                 (h == wrapped_host ? wrap : "") + build +
+                 "/examples/gradsync-train --hidden 32 --quiet " + train_flags + " --checkpoint " +
+                 dir_ + "/" + name + " --json " + dir_ + "/" + name + ".json 2>&1"));
+    }
+    return cmds;
+  }
+
+ private:
+  // The attempts after a failure choose their algorithms as the first did (the checkpoint's
+  // cost model), whose float32 sums then round alike.
+  static constexpr const char* kPinned =
+      "GRADSYNC_COST_MODEL=alpha_us=500,bandwidth_gbps=0.5,reduce_gbps=1,shm_call_us=100000 ";
+  const Cluster& cluster_;
+  std::string dir_;
+};
+
+// A rank killed (SIGKILL) on host 2 at step 12: every host's launcher stops its rank and
+// starts it again, and the trainers resume from the checkpoint of step 8; the steps after it
+// repeat an uninterrupted run's losses bit for bit.
+TEST(RestartAcrossHosts, AKilledRankRestartsEveryHostFromTheCheckpoint) {
+  GRADSYNC_SKIP_UNDER_TSAN("Launcher.RestartsAcrossHostsTogether (the rendezvous's thread)");
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no data";
+  Cluster cluster(3);
+  SKIP_UNLESS_UP(cluster);
+  TrainingAcrossHosts job(cluster);
+  const std::string train = "--max-steps 24 --checkpoint-every 8";
+  auto results = run_all(job.commands("full", "", train));
+  for (const auto& r : results) ASSERT_EQ(r.status, 0) << all_output(results);
+  // Inside the single quotes of Cluster::on: '\'' is a quote.
+  const std::string kill_once = R"(sh -c '\''if [ "$GRADSYNC_RESTART_COUNT" = 0 ]; then export )"
+                                R"(GRADSYNC_TRAIN_KILL_AT_STEP=2:12; fi; exec "$@"'\'' sh )";
+  results = run_all(job.commands("restarted", "--max-restarts 1", train, 2, kill_once));
+  const std::string out = all_output(results);
+  for (const auto& r : results) EXPECT_EQ(r.status, 0) << out;
+  EXPECT_EQ(count_of(out, "rank 2 (pid "), 3) << out;  // each launcher names it
+  EXPECT_TRUE(contains(out, "was killed by signal 9 (Killed) on host 2 (" + cluster.addr(2) +
+                                "); restarting every rank"))
+      << out;
+  EXPECT_EQ(count_of(out, "restart 1 of 1: 3 host(s), 3 ranks"), 3) << out;
+  const auto full = testing::losses_of(job.dir() + "/full.json");
+  const auto resumed = testing::losses_of(job.dir() + "/restarted.json");
+  ASSERT_EQ(full.size(), 24u) << out;
+  ASSERT_EQ(resumed.size(), 16u) << out;
+  for (std::size_t i = 0; i < resumed.size(); ++i) {
+    EXPECT_EQ(resumed[i], full[8 + i]) << "step " << 8 + i;
+  }
+}
+
+// Host 2 goes quiet (its link down: nothing more arrives from it, not even a reset). The other
+// ranks lose it within GRADSYNC_TCP_LIVENESS_S, the rendezvous loses its launcher as fast, and
+// with --min-nodes 2 the two hosts left resume the checkpoint at two ranks and finish; host 2's
+// launcher, cut off from the rendezvous, ends with an error naming it.
+TEST(RestartAcrossHosts, AQuietHostIsLostAndTheOthersGoOnWithoutIt) {
+  GRADSYNC_SKIP_UNDER_TSAN("Launcher.RestartsAcrossHostsTogether (the rendezvous's thread)");
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no data";
+  Cluster cluster(3);
+  SKIP_UNLESS_UP(cluster);
+  TrainingAcrossHosts job(cluster);
+  const auto cmds = job.commands("shrunk", "--max-restarts 1 --min-nodes 2",
+                                 "--epochs 4 --max-steps 900 --checkpoint-every 20");
+  std::vector<ShellResult> results(3);
+  std::vector<std::thread> hosts;
+  for (std::size_t h = 0; h < 3; ++h) {
+    hosts.emplace_back([&results, &cmds, h] { results[h] = run_shell(cmds[h]); });
+  }
+  // Cut once the first checkpoint is there, so that there is one to resume.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!std::filesystem::exists(job.dir() + "/shrunk/LATEST") &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ShellResult cut = run_shell("ip -n " + cluster.ns(2) + " link set eth0 down");
+  EXPECT_EQ(cut.status, 0) << cut.output;
+  for (auto& t : hosts) t.join();
+  const std::string out = all_output(results);
+  EXPECT_EQ(results[0].status, 0) << out;
+  EXPECT_EQ(results[1].status, 0) << out;
+  EXPECT_NE(results[2].status, 0) << out;
+  EXPECT_TRUE(contains(results[0].output, "host 2 (" + cluster.addr(2) + ") lost")) << out;
+  EXPECT_TRUE(contains(results[0].output, "restart 1 of 1: 2 host(s), 2 ranks")) << out;
+  EXPECT_TRUE(contains(results[2].output, "lost the rendezvous at " + cluster.addr(0) + ":29570"))
+      << out;
+  EXPECT_EQ(testing::read_file(job.dir() + "/shrunk/LATEST"), "900\n") << out;
 }
 
 // gradsync-advise --confirm across hosts: one gradsync-run per host through the launcher,

@@ -18,20 +18,7 @@ namespace gradsync {
 namespace {
 
 using testing::contains;
-
-// The "losses" array of a gradsync-train --json file, as printed: each the shortest text that
-// reads back as the same float, so equal text means equal bits.
-std::vector<std::string> losses(const std::string& json_path) {
-  const std::string text = testing::read_file(json_path);
-  const auto open = text.find("\"losses\": [");
-  const auto close = text.find(']', open);
-  std::vector<std::string> out;
-  std::stringstream in(text.substr(open + 11, close - open - 11));
-  for (std::string item; std::getline(in, item, ',');) {
-    out.push_back(item.substr(item.find_first_not_of(' ')));
-  }
-  return out;
-}
+using testing::losses_of;
 
 TEST(TrainerCheckpoint, ResumeAfterACrashInTheMiddleOfASaveRepeatsTheLossesBitForBit) {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no data";
@@ -67,7 +54,7 @@ TEST(TrainerCheckpoint, ResumeAfterACrashInTheMiddleOfASaveRepeatsTheLossesBitFo
     r = testing::run_shell(run + "--codec " + codec + " --checkpoint " + base +
                            "-crash --resume --json " + base + "-resumed.json 2>&1");
     ASSERT_EQ(r.status, 0) << r.output;
-    const auto full = losses(base + "-full.json"), resumed = losses(base + "-resumed.json");
+    const auto full = losses_of(base + "-full.json"), resumed = losses_of(base + "-resumed.json");
     ASSERT_EQ(full.size(), 24u) << codec;
     ASSERT_EQ(resumed.size(), 16u) << codec;
     for (std::size_t i = 0; i < resumed.size(); ++i) {
@@ -116,7 +103,7 @@ TEST(TrainerRestart, MaxRestartsResumesFromTheLatestCheckpointBitForBit) {
                          "/restarted.json 2>&1");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "restarting every rank (restart 1 of 1, 3 ranks)")) << r.output;
-  const auto full = losses(dir + "/full.json"), resumed = losses(dir + "/restarted.json");
+  const auto full = losses_of(dir + "/full.json"), resumed = losses_of(dir + "/restarted.json");
   ASSERT_EQ(full.size(), 24u);
   ASSERT_EQ(resumed.size(), 16u) << r.output;
   for (std::size_t i = 0; i < resumed.size(); ++i) {
@@ -163,7 +150,7 @@ TEST(TrainerRestart, MinRanksResumesTheCheckpointAtTheSmallerSize) {
                          "/shrunk.json 2>&1");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "restarting every rank (restart 1 of 1, 2 ranks)")) << r.output;
-  const auto by_hand = losses(dir + "/by-hand.json"), shrunk = losses(dir + "/shrunk.json");
+  const auto by_hand = losses_of(dir + "/by-hand.json"), shrunk = losses_of(dir + "/shrunk.json");
   ASSERT_EQ(by_hand.size(), 12u);  // steps 12..23: 8 steps of 3 ranks are 12 of 2
   ASSERT_EQ(shrunk.size(), 12u) << r.output;
   EXPECT_EQ(shrunk, by_hand);
@@ -185,7 +172,7 @@ TEST(TrainerRestart, MinRanksResumesTheCheckpointAtTheSmallerSize) {
     r = testing::run_shell(launcher + "-n 2 -- " + train + flags + " --resume --json " + json +
                            " 2>&1");
     ASSERT_EQ(r.status, 0) << r.output;
-    resumed[zero / 3] = losses(json);
+    resumed[zero / 3] = losses_of(json);
   }
   ASSERT_EQ(resumed[0].size(), 12u);
   ASSERT_EQ(resumed[1].size(), 12u);
@@ -213,7 +200,7 @@ TEST(TrainerStepAhead, MovesTheGradientOnlyByWhatTheCodecHoldsBack) {
       const auto r = testing::run_shell(run + "--codec " + codec + " --step-ahead " +
                                         std::to_string(ahead) + " --json " + json + " 2>&1");
       ASSERT_EQ(r.status, 0) << r.output;
-      trajectory[ahead] = losses(json);
+      trajectory[ahead] = losses_of(json);
       EXPECT_TRUE(contains(testing::read_file(json),
                            std::string("\"step_ahead\": ") + (ahead ? "true" : "false")))
           << codec << " --step-ahead " << ahead;
@@ -232,7 +219,7 @@ TEST(TrainerStepAhead, MovesTheGradientOnlyByWhatTheCodecHoldsBack) {
 // The loss as a number, from its text in the --json file.
 std::vector<double> loss_values(const std::string& json_path) {
   std::vector<double> out;
-  for (const std::string& text : losses(json_path)) out.push_back(std::stod(text));
+  for (const std::string& text : losses_of(json_path)) out.push_back(std::stod(text));
   return out;
 }
 

@@ -21,6 +21,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -31,6 +33,7 @@
 #include "flag_numbers.h"
 #include "gradsync/shm_segments.h"
 #include "gradsync/version.h"
+#include "launcher_rendezvous.h"
 
 extern char** environ;
 
@@ -55,13 +58,20 @@ constexpr const char* kUsage =
     "  --timeout-s S           stop the job (exit 124) if it runs longer than S seconds\n"
     "  --grace-s S             seconds between SIGTERM and SIGKILL when stopping (default 3)\n"
     "  --max-restarts N        when a rank fails, stop the others and start every rank again,\n"
-    "                          up to N times (default 0; one host only); each attempt's ranks\n"
-    "                          see GRADSYNC_RESTART_COUNT (0, 1, ...), so a program can resume\n"
-    "                          from its checkpoint (gradsync-train --checkpoint does)\n"
-    "  --min-ranks M           with --max-restarts: take a failed rank's slot as lost (its\n"
-    "                          device or host) and restart with one rank fewer, as long as\n"
+    "                          up to N times (default 0); each attempt's ranks see\n"
+    "                          GRADSYNC_RESTART_COUNT (0, 1, ...), so a program can resume\n"
+    "                          from its checkpoint (gradsync-train --checkpoint does). On\n"
+    "                          several hosts the launchers restart together through a\n"
+    "                          rendezvous that host 0's launcher holds on --master-port (the\n"
+    "                          ranks' store then takes the next ports, one per attempt); a\n"
+    "                          host whose launcher stops answering for GRADSYNC_TCP_LIVENESS_S\n"
+    "                          seconds (default 15) is lost, which fails the attempt too\n"
+    "  --min-ranks M           with --max-restarts on one host: take a failed rank's slot as\n"
+    "                          lost (its device) and restart with one rank fewer, as long as\n"
     "                          at least M remain (elastic shrink: WORLD_SIZE drops, and\n"
     "                          gradsync-train resumes its checkpoint at the smaller size)\n"
+    "  --min-nodes M           with --max-restarts on several hosts: go on without lost hosts\n"
+    "                          as long as at least M remain (default: every host is needed)\n"
     "  --no-prefix             do not prefix output lines with \"[rank R] \"\n"
     "  --cleanup               remove from /dev/shm the segments of any gradsync job of this\n"
     "                          user whose creating process is gone (a rank killed by SIGKILL\n"
@@ -91,6 +101,7 @@ struct Config {
   double grace_s = 3;    // long enough for a rank to flush logs and unlink shm on SIGTERM
   int max_restarts = 0;
   int min_ranks = 0;  // 0: restarts keep the size
+  int min_nodes = 0;  // 0: every host is needed
   bool prefix = true;
   std::vector<std::string> command;
 };
@@ -169,6 +180,8 @@ Config parse_args(int argc, char** argv) {
       cfg.max_restarts = static_cast<int>(parse_int("--max-restarts", v, 0, 1000));
     } else if (take_value(arg, "--min-ranks", &v)) {
       cfg.min_ranks = static_cast<int>(parse_int("--min-ranks", v, 1, 4096));
+    } else if (take_value(arg, "--min-nodes", &v)) {
+      cfg.min_nodes = static_cast<int>(parse_int("--min-nodes", v, 1, kMaxWorldSize));
     } else if (arg == "--no-prefix") {
       cfg.prefix = false;
     } else if (!arg.empty() && arg[0] == '-') {
@@ -185,13 +198,18 @@ Config parse_args(int argc, char** argv) {
                 std::to_string(cfg.nproc_per_node) + " is " + std::to_string(ranks) +
                 " ranks, more than the " + std::to_string(kMaxWorldSize) + " a job may have");
   }
-  if (cfg.max_restarts > 0 && cfg.nnodes > 1) {
-    usage_error(
-        "--max-restarts with --nnodes > 1: every host's launcher would have to restart its "
-        "ranks together, which gradsync-run cannot coordinate yet; use it on one host");
+  if ((cfg.min_ranks > 0 || cfg.min_nodes > 0) && cfg.max_restarts == 0) {
+    usage_error(std::string(cfg.min_ranks > 0 ? "--min-ranks" : "--min-nodes") +
+                " shrinks the job when it restarts: give --max-restarts too");
   }
-  if (cfg.min_ranks > 0 && cfg.max_restarts == 0) {
-    usage_error("--min-ranks shrinks the job when it restarts: give --max-restarts too");
+  if (cfg.min_ranks > 0 && cfg.nnodes > 1) {
+    usage_error(
+        "--min-ranks is for one host; on several, --min-nodes says how many hosts "
+        "the job may shrink to");
+  }
+  if (cfg.min_nodes > cfg.nnodes) {
+    usage_error("--min-nodes " + std::to_string(cfg.min_nodes) + " is more than --nnodes " +
+                std::to_string(cfg.nnodes));
   }
   if (cfg.min_ranks > cfg.nproc_per_node) {
     usage_error("--min-ranks " + std::to_string(cfg.min_ranks) + " is more than the " +
@@ -518,14 +536,16 @@ struct Outcome {
   std::optional<Rank> first_failure;
   int launcher_signal = 0;  // a signal that made the launcher stop the job
   bool timed_out = false;
-  int stopped = 0;  // ranks still running when the job was first told to stop
+  bool told_to_stop = false;  // by the rendezvous of the launchers of several hosts
+  int stopped = 0;            // ranks still running when the job was first told to stop
 };
 
 // Starts every rank of this host, relays their output, and waits for all of them: stopping the
 // others (SIGTERM, then SIGKILL after the grace period) once one fails, the launcher gets a
-// signal, or the job passes --timeout-s since `start`.
-Outcome run_ranks(const Config& cfg, const std::string& token, int restart,
-                  Clock::time_point start) {
+// signal, the job passes --timeout-s since `start`, or `control_fd` (-1: none) is readable and
+// `told_to_stop` says so.
+Outcome run_ranks(const Config& cfg, const std::string& token, int restart, Clock::time_point start,
+                  int control_fd = -1, const std::function<bool()>& told_to_stop = {}) {
   Outcome outcome;
   std::vector<Rank> ranks(static_cast<std::size_t>(cfg.nproc_per_node));
   for (int l = 0; l < cfg.nproc_per_node; ++l) {
@@ -554,8 +574,8 @@ Outcome run_ranks(const Config& cfg, const std::string& token, int restart,
   };
 
   while (running > 0) {
-    std::vector<pollfd> fds{{g_signal_pipe[0], POLLIN, 0}};
-    std::vector<std::pair<Rank*, Stream*>> owners{{nullptr, nullptr}};
+    std::vector<pollfd> fds{{g_signal_pipe[0], POLLIN, 0}, {control_fd, POLLIN, 0}};
+    std::vector<std::pair<Rank*, Stream*>> owners{{nullptr, nullptr}, {nullptr, nullptr}};
     for (Rank& r : ranks) {
       for (Stream& s : r.streams) {
         if (s.fd >= 0) {
@@ -583,8 +603,13 @@ Outcome run_ranks(const Config& cfg, const std::string& token, int restart,
     }
 
     // Output first, so a rank's last words come out before the report of its exit.
-    for (std::size_t k = 1; n > 0 && k < fds.size(); ++k) {
+    for (std::size_t k = 2; n > 0 && k < fds.size(); ++k) {
       if (fds[k].revents) pump(relay, *owners[k].first, *owners[k].second);
+    }
+    if (fds[1].revents && control_fd >= 0 && !outcome.told_to_stop && told_to_stop()) {
+      outcome.told_to_stop = true;
+      control_fd = -1;
+      if (!kill_at) stop_all(SIGTERM);
     }
 
     unsigned char sigs[64];
@@ -619,7 +644,8 @@ Outcome run_ranks(const Config& cfg, const std::string& token, int restart,
         }
       }
     }
-    if (batch_failure && !first_failure && !launcher_signal && !timed_out) {
+    if (batch_failure && !first_failure && !launcher_signal && !timed_out &&
+        !outcome.told_to_stop) {
       first_failure = batch_failure;
       stop_all(SIGTERM);
     }
@@ -674,6 +700,90 @@ int report(const Config& cfg, const Outcome& outcome) {
   return 0;
 }
 
+// GRADSYNC_TCP_LIVENESS_S as the library reads it: how long a silent host may take to be
+// declared lost.
+int liveness_seconds() {
+  const char* v = std::getenv("GRADSYNC_TCP_LIVENESS_S");
+  if (!v || !*v) return 15;
+  return static_cast<int>(parse_int("GRADSYNC_TCP_LIVENESS_S", v, 0, 86400));
+}
+
+// --max-restarts on several hosts: every attempt is a round of the launchers' rendezvous
+// (launcher_rendezvous.h), which host 0's launcher holds. The ranks of round R meet at
+// --master-port + 1 + R, so that a rank left over from an earlier round cannot join a later one.
+int run_across_hosts(Config cfg, const std::string& token, Clock::time_point start) {
+  gradsync_run::RendezvousSettings settings;
+  settings.nnodes = cfg.nnodes;
+  settings.min_nodes = cfg.min_nodes > 0 ? cfg.min_nodes : cfg.nnodes;
+  settings.max_restarts = cfg.max_restarts;
+  settings.liveness_s = liveness_seconds();
+  // Stopping ranks takes up to twice the grace period; a host slower than that and its
+  // liveness to come back is taken as lost.
+  settings.rejoin_s = 2 * cfg.grace_s + settings.liveness_s + 10;
+  // As long as torchrun's rendezvous waits for its first round (15 minutes), within the job's
+  // own limit.
+  settings.join_s = cfg.timeout_s > 0 ? std::min(cfg.timeout_s, 900.0) : 900.0;
+  settings.token = token;
+  std::unique_ptr<gradsync_run::RendezvousServer> server;
+  if (cfg.node_rank == 0) {
+    server = std::make_unique<gradsync_run::RendezvousServer>(settings, cfg.master_port);
+  }
+  gradsync_run::RendezvousClient rendezvous(cfg.master_addr, cfg.master_port, cfg.node_rank,
+                                            settings);
+  using Kind = gradsync_run::Message::Kind;
+  const int store_port = cfg.master_port + 1;
+  for (int round = 0;; ++round) {
+    rendezvous.ready(round);
+    gradsync_run::Message m = rendezvous.next();
+    if (m.kind == Kind::kStart) {
+      Config attempt = cfg;
+      attempt.node_rank = m.node_index;
+      attempt.nnodes = m.nnodes;
+      attempt.master_port = store_port + m.round;
+      round = m.round;
+      if (round > 0) {
+        std::fprintf(stderr, "gradsync-run: restart %d of %d: %d host(s), %d ranks\n", round,
+                     cfg.max_restarts, m.nnodes, m.nnodes * cfg.nproc_per_node);
+      }
+      std::optional<gradsync_run::Message> told;
+      Outcome outcome;
+      if (rendezvous.has_buffered_message()) {
+        told = rendezvous.next();  // stopped as it started: came with the START
+      } else {
+        outcome = run_ranks(attempt, token, round, start, rendezvous.fd(), [&] {
+          told = rendezvous.next();
+          return true;
+        });
+      }
+      if (!told && (outcome.launcher_signal || outcome.timed_out)) {
+        const int code = report(attempt, outcome);
+        rendezvous.abort(code, outcome.timed_out
+                                   ? "the job exceeded --timeout-s"
+                                   : describe_signal(outcome.launcher_signal) + " to a launcher");
+        return code;
+      }
+      if (!told) {
+        if (outcome.first_failure) {
+          rendezvous.failed(round, exit_code_of(outcome.first_failure->status),
+                            describe_exit(*outcome.first_failure));
+        } else {
+          rendezvous.done(round);
+        }
+        told = rendezvous.next();
+      }
+      m = *told;
+    }
+    if (m.kind == Kind::kStop) {
+      std::fprintf(stderr, "gradsync-run: %s; restarting every rank\n", m.text.c_str());
+      continue;
+    }
+    if (m.kind == Kind::kEnd) {
+      if (m.code != 0) std::fprintf(stderr, "gradsync-run: %s\n", m.text.c_str());
+      return m.code;
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -706,6 +816,7 @@ int main(int argc, char** argv) {
 
   install_handlers();
   const auto start = Clock::now();
+  if (cfg.nnodes > 1 && cfg.max_restarts > 0) return run_across_hosts(cfg, token, start);
   for (int restart = 0;; ++restart) {
     const Outcome outcome = run_ranks(cfg, token, restart, start);
     const bool restartable = outcome.first_failure && !outcome.launcher_signal &&
