@@ -33,6 +33,8 @@
 #include <sstream>
 #include <vector>
 
+#include "rendezvous/liveness.h"
+
 namespace gradsync_run {
 namespace {
 
@@ -88,17 +90,8 @@ bool same(const std::string& a, const std::string& b) {
   return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
-// Keepalive probes on an idle connection and TCP_USER_TIMEOUT on one with unacknowledged data:
-// a host that stops answering is noticed after about `limit` seconds (as the tcp transport's).
-void set_liveness(int fd, int limit) {
-  if (limit <= 0) return;
-  int on = 1, idle = std::max(1, limit / 3), interval = 1, probes = std::max(1, limit - idle);
-  unsigned user_timeout_ms = static_cast<unsigned>(limit) * 1000u;
-  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
-  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
-  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
-  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
-  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout_ms, sizeof user_timeout_ms);
+void set_nodelay(int fd) {
+  int on = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof on);
 }
 
@@ -219,7 +212,8 @@ class Rendezvous {
     socklen_t len = sizeof peer;
     const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_CLOEXEC);
     if (fd < 0) return;
-    set_liveness(fd, s_.liveness_s);
+    gradsync::net::set_liveness(fd, s_.liveness_s);
+    set_nodelay(fd);
     char addr[INET_ADDRSTRLEN] = "?";
     ::inet_ntop(AF_INET, &peer.sin_addr, addr, sizeof addr);
     Node n;
@@ -418,7 +412,8 @@ int connect_to(const std::string& addr, int port, int liveness_s, std::string& e
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0) {
     ::freeaddrinfo(found);
-    set_liveness(fd, liveness_s);
+    gradsync::net::set_liveness(fd, liveness_s);
+    set_nodelay(fd);
     return fd;
   }
   error = std::strerror(errno);
