@@ -1,15 +1,11 @@
 // UCX transport (see ucx.h).
 //
-// Every message carries a 48-byte header with the gradsync tag and length, so that the
-// receiver checks what arrived against what it posted. Up to kSplitBytes of payload, header and
-// payload are one UCX tagged message of two pieces (an iov); a larger payload is a message of
-// its own, contiguous, after the header alone: UCX (1.13, protocols v1) moves an iov only by
-// its copying eager protocol, fragment by fragment, and a contiguous buffer by rendezvous
-// (zero-copy, or one copy across processes): ucx_perftest's tag_bw over UCX's shared memory
-// here moves 16 MiB contiguous at 7x the bandwidth of an iov of two halves. The
-// 64-bit UCX tag carries the kind of message, the sender and a per-pair sequence number; a
-// receive posts the exact tags of the k-th message from its peer, which gives the FIFO
-// matching transport.h promises whatever order UCX delivers in.
+// Every message is one UCX tagged message of two pieces (an iov): a 48-byte header with the
+// gradsync tag and length, then the payload, so both ends move it zero-copy and the receiver
+// still checks what arrived against what it posted. The 64-bit UCX tag carries the kind of
+// message, the sender and a per-pair sequence number; a receive posts the exact tag of the
+// k-th message from its peer, which gives the FIFO matching transport.h promises whatever
+// order UCX delivers in.
 //
 // Threads: one thread drives the transport at a time (transport.h), but abort() may come from
 // another. `mu_` serialises every call into the UCX worker (created SERIALIZED); a waiter
@@ -38,9 +34,8 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// Tag layout: kind (2 bits) | sender rank (22 bits) | sequence number (40 bits). A split
-// message's header goes as kData, its payload as kPayload with the same sequence number.
-enum class Kind : std::uint64_t { kData = 0, kAbort = 1, kHello = 2, kPayload = 3 };
+// Tag layout: kind (2 bits) | sender rank (22 bits) | sequence number (40 bits).
+enum class Kind : std::uint64_t { kData = 0, kAbort = 1, kHello = 2 };
 constexpr int kKindShift = 62;
 constexpr int kRankShift = 40;
 constexpr std::uint64_t kSeqMask = (std::uint64_t{1} << kRankShift) - 1;
@@ -65,8 +60,6 @@ struct WireHeader {
 static_assert(sizeof(WireHeader) == 48);
 
 constexpr std::size_t kAbortTextMax = 4096;
-// Payloads above this travel as a message of their own (see the top): one UCX segment.
-constexpr std::size_t kSplitBytes = 8 * 1024;
 
 std::string ucx_error(const char* what, ucs_status_t status) {
   return std::string(what) + ": " + ucx_library().ucs_status_string(status);
@@ -83,19 +76,12 @@ struct Op {
   Tag tag;
   std::size_t bytes = 0;
   WireHeader header;
-  ucp_dt_iov_t iov[3] = {};
-  void* request = nullptr;  // UCX's for the header message, until it completes
-  bool done = false;        // UCX has finished with every message of the op
+  ucp_dt_iov_t iov[2] = {};
+  void* request = nullptr;  // UCX's, until completion
+  bool done = false;
   ucs_status_t status = UCS_OK;
-  std::size_t received = 0;  // bytes UCX delivered in the header message (header included)
+  std::size_t received = 0;  // bytes UCX delivered (header included)
   std::string text;          // an abort notice's own copy of its reason
-  // A payload above kSplitBytes: its own message, after the header alone.
-  bool split = false;
-  bool header_done = false;
-  void* payload_request = nullptr;
-  bool payload_done = false;
-  ucs_status_t payload_status = UCS_OK;
-  std::size_t payload_received = 0;
 };
 using OpPtr = std::shared_ptr<Op>;
 
@@ -145,8 +131,6 @@ class UcxTransport final : public Transport {
              std::uint64_t seq);
   // Completes `op` (true) or throws if it failed; false while pending. Needs mu_.
   bool finish_locked(Op& op);
-  // Throws kMismatch unless a receive's header message is the one it posted for.
-  void check_header_locked(const Op& op);
   [[noreturn]] void throw_failure_locked(Op& op);
   // Aborts the transport with `error` (or, if it is aborted already, quiesces it) and throws it.
   [[noreturn]] void fail_locked(const Error& error);
@@ -184,8 +168,6 @@ class UcxTransport final : public Transport {
   TransportOptions options_;
   tcp::SpinPolicy spin_;  // set by choose_spin()
   std::vector<bool> member_;
-  // Where a receive's header message puts what is beyond its own payload (see post()).
-  std::unique_ptr<std::uint8_t[]> spill_ = std::make_unique<std::uint8_t[]>(kSplitBytes);
 
   mutable std::mutex mu_;
   ucp_context_h context_ = nullptr;
@@ -233,28 +215,10 @@ struct Callbacks {
   }
   static void complete(void* request, ucs_status_t status, std::size_t length, void* user_data) {
     auto* op = static_cast<Op*>(user_data);
-    op->header_done = true;
+    op->done = true;
     op->status = status;
     op->received = length;
     op->request = nullptr;
-    op->done = !op->split || op->payload_done;
-    ucx_library().ucp_request_free(request);
-  }
-  static void payload_sent(void* request, ucs_status_t status, void* user_data) {
-    payload_complete(request, status, 0, user_data);
-  }
-  static void payload_received(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
-                               void* user_data) {
-    payload_complete(request, status, info ? info->length : 0, user_data);
-  }
-  static void payload_complete(void* request, ucs_status_t status, std::size_t length,
-                               void* user_data) {
-    auto* op = static_cast<Op*>(user_data);
-    op->payload_done = true;
-    op->payload_status = status;
-    op->payload_received = length;
-    op->payload_request = nullptr;
-    op->done = op->header_done;
     ucx_library().ucp_request_free(request);
   }
   static void peer_failed(void* arg, ucp_ep_h, ucs_status_t status) {
@@ -480,18 +444,8 @@ OpPtr UcxTransport::post(int peer, bool send, const Tag& tag, void* data, std::s
   op->bytes = bytes;
   op->header.tag = tag;
   op->header.bytes = bytes;
-  op->split = bytes > kSplitBytes;
   op->iov[0] = {&op->header, sizeof(WireHeader)};
-  std::size_t pieces = 1;  // of the header message: the header alone (or a split send)
-  if (!op->split && bytes > 0) op->iov[pieces++] = {data, bytes};
-  // A receive takes any header message whole, so that a sender whose call differed (more
-  // bytes, or not split) is named by its header rather than cut off by UCX: the rest lands
-  // in spill_, whose contents nobody reads.
-  if (!send && kind == Kind::kData && !op->split && bytes < kSplitBytes) {
-    op->iov[pieces++] = {spill_.get(), kSplitBytes - bytes};
-  } else if (!send && op->split) {
-    op->iov[pieces++] = {spill_.get(), kSplitBytes};
-  }
+  op->iov[1] = {data, bytes};
   op->data = kind == Kind::kData;
   std::lock_guard lock(mu_);
   if (abort_) {
@@ -504,6 +458,7 @@ OpPtr UcxTransport::post(int peer, bool send, const Tag& tag, void* data, std::s
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
   param.datatype = ucp_dt_make_iov();
   param.user_data = op.get();
+  const std::size_t pieces = bytes > 0 ? 2 : 1;
   ucs_status_ptr_t request;
   if (send) {
     param.cb.send = &Callbacks::sent;
@@ -515,36 +470,13 @@ OpPtr UcxTransport::post(int peer, bool send, const Tag& tag, void* data, std::s
                                     &param);
   }
   if (!UCS_PTR_IS_PTR(request)) {
-    op->header_done = true;
+    op->done = true;
     op->status = UCS_PTR_STATUS(request);
-    op->received = sizeof(WireHeader) + (op->split ? 0 : bytes);  // only sends complete at once
-  } else if (!op->header_done) {  // else the callback ran (and freed the request) in the call
+    op->received = sizeof(WireHeader) + bytes;  // only sends complete at once
+  } else if (!op->done) {  // else the callback ran (and freed the request) inside the call
     op->request = request;
+    inflight_.emplace(op.get(), op);
   }
-  if (op->split) {
-    ucp_request_param_t payload{};
-    payload.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    payload.user_data = op.get();
-    ucs_status_ptr_t r;
-    if (send) {
-      payload.cb.send = &Callbacks::payload_sent;
-      r = lib_.ucp_tag_send_nbx(endpoints_[static_cast<std::size_t>(peer)], data, bytes,
-                                ucx_tag(Kind::kPayload, rank_, seq), &payload);
-    } else {
-      payload.cb.recv = &Callbacks::payload_received;
-      r = lib_.ucp_tag_recv_nbx(worker_, data, bytes, ucx_tag(Kind::kPayload, peer, seq), kFullMask,
-                                &payload);
-    }
-    if (!UCS_PTR_IS_PTR(r)) {
-      op->payload_done = true;
-      op->payload_status = UCS_PTR_STATUS(r);
-      op->payload_received = bytes;
-    } else if (!op->payload_done) {
-      op->payload_request = r;
-    }
-  }
-  op->done = op->header_done && (!op->split || op->payload_done);
-  if (!op->done) inflight_.emplace(op.get(), op);
   return op;
 }
 
@@ -585,18 +517,10 @@ RequestPtr UcxTransport::irecv(int peer, const Tag& tag, void* data, std::size_t
 }
 
 bool UcxTransport::finish_locked(Op& op) {
-  if (op.finished) return true;  // tested again after it completed
-  // A split receive whose header names another call fails at once: its payload, if the
-  // sender sent one at all, matches nothing this rank posted.
-  const bool header_in = op.split ? op.header_done && op.status == UCS_OK : op.done;
-  if (!op.send && header_in && op.status == UCS_OK) check_header_locked(op);
   if (!op.done) return false;
+  if (op.finished) return true;  // tested again after it completed
   inflight_.erase(&op);
   if (op.status != UCS_OK) throw_failure_locked(op);
-  if (op.split && op.payload_status != UCS_OK) {
-    op.status = op.payload_status;
-    throw_failure_locked(op);
-  }
   auto& counters = traffic_[static_cast<std::size_t>(op.peer)];
   if (op.send) {
     op.finished = true;
@@ -606,11 +530,17 @@ bool UcxTransport::finish_locked(Op& op) {
     }
     return true;
   }
-  if (op.split && op.payload_received != op.bytes) {
+  const bool whole = op.received == sizeof(WireHeader) + op.bytes;
+  const bool header_arrived = op.received >= sizeof(WireHeader) && op.header.magic == kHeaderMagic;
+  if (!whole || !header_arrived || op.header.tag != op.tag || op.header.bytes != op.bytes) {
+    std::string sent =
+        header_arrived
+            ? describe(op.header.tag) + " of " + std::to_string(op.header.bytes) + " bytes"
+            : "a message of " + std::to_string(op.received - sizeof(WireHeader)) + " bytes";
     fail_locked(Error(ErrorKind::kMismatch,
-                      "rank " + std::to_string(op.peer) + " sent " +
-                          std::to_string(op.payload_received) + " bytes of " + describe(op.tag) +
-                          " where its header announced " + std::to_string(op.bytes),
+                      "rank " + std::to_string(op.peer) + " sent " + sent + " where " +
+                          describe(op.tag) + " of " + std::to_string(op.bytes) +
+                          " bytes was expected (ranks issued different calls)",
                       rank_, op.peer, "recv", op.bytes));
   }
   op.finished = true;
@@ -619,25 +549,6 @@ bool UcxTransport::finish_locked(Op& op) {
     ++counters.messages_received;
   }
   return true;
-}
-
-void UcxTransport::check_header_locked(const Op& op) {
-  // A split message's header message is the header alone; any other carries its payload.
-  const std::size_t expected = sizeof(WireHeader) + (op.split ? 0 : op.bytes);
-  const bool header_arrived = op.received >= sizeof(WireHeader) && op.header.magic == kHeaderMagic;
-  if (op.received == expected && header_arrived && op.header.tag == op.tag &&
-      op.header.bytes == op.bytes) {
-    return;
-  }
-  const std::string sent =
-      header_arrived
-          ? describe(op.header.tag) + " of " + std::to_string(op.header.bytes) + " bytes"
-          : "a message of " + std::to_string(op.received - sizeof(WireHeader)) + " bytes";
-  fail_locked(Error(ErrorKind::kMismatch,
-                    "rank " + std::to_string(op.peer) + " sent " + sent + " where " +
-                        describe(op.tag) + " of " + std::to_string(op.bytes) +
-                        " bytes was expected (ranks issued different calls)",
-                    rank_, op.peer, "recv", op.bytes));
 }
 
 void UcxTransport::throw_failure_locked(Op& op) {
@@ -649,10 +560,15 @@ void UcxTransport::throw_failure_locked(Op& op) {
         Error(ErrorKind::kAborted, call + " failed: " + *abort_, rank_, op.peer, what, op.bytes));
   }
   if (op.status == UCS_ERR_MESSAGE_TRUNCATED) {
+    // UCX reports a cut-off message's whole length: the header and the sender's payload.
+    const std::string sent =
+        op.received > sizeof(WireHeader)
+            ? std::to_string(op.received - sizeof(WireHeader)) + " bytes"
+            : "more than the expected bytes";
     fail_locked(Error(ErrorKind::kMismatch,
-                      "rank " + std::to_string(op.peer) + " sent more than the " +
-                          std::to_string(op.bytes) + " bytes of " + describe(op.tag) +
-                          " expected (ranks issued different calls)",
+                      "rank " + std::to_string(op.peer) + " sent " + sent + " where " +
+                          describe(op.tag) + " of " + std::to_string(op.bytes) +
+                          " bytes was expected (ranks issued different calls)",
                       rank_, op.peer, what, op.bytes));
   }
   const auto& lost = lost_[static_cast<std::size_t>(op.peer)];
@@ -709,9 +625,7 @@ void UcxTransport::discard_unexpected_locked(Clock::time_point deadline) {
 
 void UcxTransport::cancel_receives_locked() {
   for (auto& [op, owner] : inflight_) {
-    if (op->send) continue;
-    if (op->request) lib_.ucp_request_cancel(worker_, op->request);
-    if (op->payload_request) lib_.ucp_request_cancel(worker_, op->payload_request);
+    if (!op->send && op->request) lib_.ucp_request_cancel(worker_, op->request);
   }
 }
 
@@ -725,8 +639,7 @@ bool UcxTransport::settle_locked(const std::vector<void*>& requests, Clock::time
     // receive waits for data that cannot come, a send for a peer that cannot fetch it.
     const bool held = std::any_of(inflight_.begin(), inflight_.end(), [this](const auto& entry) {
       const Op& op = *entry.first;
-      return (op.request || op.payload_request) &&
-             (op.peer < 0 || !lost_[static_cast<std::size_t>(op.peer)]);
+      return op.request && (op.peer < 0 || !lost_[static_cast<std::size_t>(op.peer)]);
     });
     if (!pending && !held) return true;
   }
@@ -736,16 +649,14 @@ bool UcxTransport::settle_locked(const std::vector<void*>& requests, Clock::time
 bool UcxTransport::test(Op& op) {
   std::lock_guard lock(mu_);
   if (!op.done) progress_locked();
-  if (finish_locked(op)) return true;
+  if (op.done) return finish_locked(op);
   if (abort_) throw_failure_locked(op);
   return false;
 }
 
 void UcxTransport::abandon(Op& op) {
   std::lock_guard lock(mu_);
-  if (op.done || op.send) return;
-  if (op.request) lib_.ucp_request_cancel(worker_, op.request);
-  if (op.payload_request) lib_.ucp_request_cancel(worker_, op.payload_request);
+  if (!op.done && !op.send && op.request) lib_.ucp_request_cancel(worker_, op.request);
 }
 
 void UcxTransport::wait(Op& op, Clock::time_point deadline) {
@@ -753,7 +664,10 @@ void UcxTransport::wait(Op& op, Clock::time_point deadline) {
   auto spin_until = Clock::now() + spin_.duration;
   auto backoff = 20us;
   for (;;) {
-    if (finish_locked(op)) return;
+    if (op.done) {
+      finish_locked(op);
+      return;
+    }
     if (abort_) throw_failure_locked(op);
     // A receive from a lost peer never completes (UCX fails only the lost endpoint's sends,
     // and only where it watches the peer).
