@@ -560,11 +560,12 @@ void UcxTransport::throw_failure_locked(Op& op) {
         Error(ErrorKind::kAborted, call + " failed: " + *abort_, rank_, op.peer, what, op.bytes));
   }
   if (op.status == UCS_ERR_MESSAGE_TRUNCATED) {
-    // UCX reports a cut-off message's whole length: the header and the sender's payload.
-    const std::string sent =
-        op.received > sizeof(WireHeader)
-            ? std::to_string(op.received - sizeof(WireHeader)) + " bytes"
-            : "more than the expected bytes";
+    // UCX reports a cut-off message's whole length on some paths and only what it delivered
+    // on others: the sender's size is named only when the length says more than was posted.
+    const std::size_t posted = sizeof(WireHeader) + op.bytes;
+    const std::string sent = op.received > posted
+                                 ? std::to_string(op.received - sizeof(WireHeader)) + " bytes"
+                                 : "more than the " + std::to_string(op.bytes) + " bytes";
     fail_locked(Error(ErrorKind::kMismatch,
                       "rank " + std::to_string(op.peer) + " sent " + sent + " where " +
                           describe(op.tag) + " of " + std::to_string(op.bytes) +
