@@ -764,6 +764,9 @@ int run_across_hosts(Config cfg, const std::string& token, Clock::time_point sta
       }
       if (!told) {
         if (outcome.first_failure) {
+          // Named here too: another host's failure may reach the rendezvous first (a rank
+          // that lost this one), and then its STOP names that one.
+          std::fprintf(stderr, "gradsync-run: %s\n", describe_exit(*outcome.first_failure).c_str());
           rendezvous.failed(round, exit_code_of(outcome.first_failure->status),
                             describe_exit(*outcome.first_failure));
         } else {
