@@ -11,7 +11,8 @@ uninterrupted run, bit for bit (its final checkpoint file is byte for byte the s
 run (shrink, link) ends with a test accuracy between the two sizes': from the lowest of
 --reference-seeds uninterrupted runs at the smaller size (trainer seeds 1, 2, ...) up to the
 highest of those and the full size's run, widened by --tolerance points on each side (a run
-that fails late has trained at the full size almost throughout); nothing of the job is left in /dev/shm; no process of the job outlives it.
+that fails late has trained at the full size almost throughout); nothing of the job is left
+in /dev/shm; no process of the job outlives it.
 Reported: the time each failure cost (the run's wall time minus the uninterrupted run's).
 --trainer-flags passes more flags to every run (e.g. "--zero 3 --optimizer adamw": ZeRO's
 shards are re-sharded when the job shrinks).

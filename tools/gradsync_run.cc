@@ -224,28 +224,6 @@ Config parse_args(int argc, char** argv) {
 
 // --- job identity ---------------------------------------------------------------------------
 
-std::string hex(const unsigned char* data, std::size_t n) {
-  static const char* digits = "0123456789abcdef";
-  std::string s;
-  for (std::size_t k = 0; k < n; ++k) {
-    s += digits[data[k] >> 4];
-    s += digits[data[k] & 15];
-  }
-  return s;
-}
-
-std::string random_token() {
-  unsigned char bytes[16];  // 128 bits: unguessable, and 32 hex chars stay readable in logs
-  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-  ssize_t got = fd >= 0 ? ::read(fd, bytes, sizeof bytes) : -1;
-  if (fd >= 0) ::close(fd);
-  if (got != static_cast<ssize_t>(sizeof bytes)) {
-    std::fprintf(stderr, "gradsync-run: cannot read /dev/urandom: %s\n", std::strerror(errno));
-    std::exit(1);
-  }
-  return hex(bytes, sizeof bytes);
-}
-
 // The documented fallback for jobs on several hosts: every host computes the same value from
 // the same flags without talking to the others. Two FNV-1a 64-bit hashes with different
 // offsets make 128 bits; this is an identifier, not a secret.
@@ -261,7 +239,7 @@ std::string derived_token(const std::string& addr, int port) {
     }
     for (int b = 0; b < 8; ++b) bytes[h * 8 + b] = static_cast<unsigned char>(x >> (56 - 8 * b));
   }
-  return hex(bytes, sizeof bytes);
+  return gradsync_run::hex(bytes, sizeof bytes);
 }
 
 // Asks the kernel for a free port. Another process could take it before rank 0 binds it, but
@@ -807,7 +785,7 @@ int main(int argc, char** argv) {
   if (env_token && *env_token) {
     token = env_token;
   } else if (cfg.nnodes == 1) {
-    token = random_token();
+    token = gradsync_run::random_hex(16);  // 128 bits: unguessable, and readable in logs
   } else {
     token = derived_token(cfg.master_addr, cfg.master_port);
     std::fprintf(stderr,

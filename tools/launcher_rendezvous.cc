@@ -28,7 +28,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <optional>
 #include <sstream>
 #include <vector>
@@ -47,26 +46,8 @@ constexpr std::size_t kMaxLineBytes = 4096;  // a longer line is not one of ours
   std::exit(1);
 }
 
-std::string hex(const std::string& bytes) {
-  static const char* digits = "0123456789abcdef";
-  std::string s;
-  for (unsigned char c : bytes) {
-    s += digits[c >> 4];
-    s += digits[c & 15];
-  }
-  return s;
-}
-
-std::string fresh_nonce() {
-  std::string nonce(32, '\0');
-  std::size_t got = 0;
-  while (got < nonce.size()) {
-    const ssize_t n = ::getrandom(nonce.data() + got, nonce.size() - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) die(std::string("getrandom: ") + std::strerror(errno));
-    got += static_cast<std::size_t>(n);
-  }
-  return hex(nonce);
+Clock::duration seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
 }
 
 // HMAC-SHA256 keyed by the token over the role, both nonces and the host's index, each on a
@@ -83,7 +64,7 @@ std::string prove(const std::string& token, const std::string& role,
             reinterpret_cast<const unsigned char*>(message.data()), message.size(), out, &length)) {
     die("HMAC-SHA256 failed");
   }
-  return hex(std::string(reinterpret_cast<const char*>(out), length));
+  return hex(out, length);
 }
 
 bool same(const std::string& a, const std::string& b) {
@@ -182,10 +163,6 @@ class Rendezvous {
   }
 
  private:
-  static Clock::duration seconds(double s) {
-    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
-  }
-
   std::string host_name(const Node& n) const {
     return "host " + std::to_string(n.node_rank) + " (" + n.addr + ")";
   }
@@ -219,7 +196,7 @@ class Rendezvous {
     Node n;
     n.fd = fd;
     n.addr = addr;
-    n.nonce = fresh_nonce();
+    n.nonce = random_hex(32);
     if (!send_line(fd, "HELLO " + n.nonce)) {
       ::close(fd);
       return;
@@ -448,6 +425,28 @@ std::optional<std::string> read_line(int fd, std::string& in, Clock::time_point 
 
 }  // namespace
 
+std::string hex(const unsigned char* data, std::size_t n) {
+  static const char* digits = "0123456789abcdef";
+  std::string s;
+  for (std::size_t k = 0; k < n; ++k) {
+    s += digits[data[k] >> 4];
+    s += digits[data[k] & 15];
+  }
+  return s;
+}
+
+std::string random_hex(std::size_t bytes) {
+  std::vector<unsigned char> random(bytes);
+  std::size_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = ::getrandom(random.data() + got, bytes - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) die(std::string("cannot read random bytes (getrandom): ") + std::strerror(errno));
+    got += static_cast<std::size_t>(n);
+  }
+  return hex(random.data(), bytes);
+}
+
 RendezvousServer::RendezvousServer(const RendezvousSettings& settings, int port) {
   listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   int on = 1;
@@ -478,8 +477,7 @@ RendezvousServer::~RendezvousServer() {
 RendezvousClient::RendezvousClient(const std::string& addr, int port, int node_rank,
                                    const RendezvousSettings& settings)
     : where_(addr + ":" + std::to_string(port)) {
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(settings.join_s));
+  const auto deadline = Clock::now() + seconds(settings.join_s);
   std::string error;
   while ((fd_ = connect_to(addr, port, settings.liveness_s, error)) < 0) {
     if (Clock::now() >= deadline) {
@@ -498,7 +496,7 @@ RendezvousClient::RendezvousClient(const std::string& addr, int port, int node_r
                      (hello ? "'" + hello->substr(0, 80) + "'" : why) + ")";
     return;
   }
-  const std::string nonce = fresh_nonce();
+  const std::string nonce = random_hex(32);
   send("JOIN " + std::to_string(node_rank) + " " + nonce + " " +
        prove(settings.token, "launcher", server_nonce, nonce, node_rank));
   auto answer = read_line(fd_, in_, deadline, why);

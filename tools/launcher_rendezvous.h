@@ -16,6 +16,12 @@
 
 namespace gradsync_run {
 
+// `n` bytes as lowercase hex digits (tokens, nonces).
+std::string hex(const unsigned char* data, std::size_t n);
+// `bytes` bytes from the kernel's random source (getrandom), in hex; exits the launcher with a
+// message if it cannot read them. The job token and the rendezvous's nonces.
+std::string random_hex(std::size_t bytes);
+
 struct RendezvousSettings {
   int nnodes = 1;        // hosts the job starts with; round 0 waits for every one
   int min_nodes = 1;     // fewest hosts a later round may have
