@@ -80,10 +80,6 @@ std::size_t offset_of(const Units& sizes, std::size_t unit) {
   return offset;
 }
 
-std::size_t total_of(const Units& sizes) {
-  return offset_of(sizes, sizes.size());
-}
-
 // Floats of this rank's shard of every unit: each unit is cut into n equal shards, the last
 // ones padded.
 std::size_t shard_floats(const Units& sizes, int n) {
@@ -112,8 +108,9 @@ struct Config {
 
   std::string describe() const {
     return "n=" + std::to_string(n) + " stage=" + std::to_string(options.stage) +
-           " wire=" + to_string(options.wire) + " prefetch=" + (options.prefetch ? "1" : "0") +
-           " " + name_of(opt) + " micro_batches=" + std::to_string(micro_batches);
+           " wire=" + to_string(options.wire) +
+           " prefetch_depth=" + std::to_string(options.prefetch_depth) + " " + name_of(opt) +
+           " micro_batches=" + std::to_string(micro_batches);
   }
 };
 
@@ -319,9 +316,10 @@ constexpr double kRel8 = 2e-2, kAbs8 = 2e-3;
 TEST(ShardedDataParallel, FollowsThePlainOptimizerOverWorldSizesStagesAndPrefetch) {
   for (int n : {1, 2, 3, 4, 5, 8}) {
     for (int stage : {3, 2, 1}) {
-      for (bool prefetch : {true, false}) {
+      // Only stage 3 prefetches; 7 is past the units of the model: all of them at once.
+      for (int depth : stage == 3 ? std::vector<int>{2, 1, 0, 7} : std::vector<int>{2}) {
         for (Opt opt : {Opt::kSgd, Opt::kAdamW}) {
-          const Config c{.n = n, .options = {.stage = stage, .prefetch = prefetch}, .opt = opt};
+          const Config c{.n = n, .options = {.stage = stage, .prefetch_depth = depth}, .opt = opt};
           expect_follows_reference(c, run(c), kRel32, kAbs32);
         }
       }
@@ -582,18 +580,21 @@ TEST(ShardedDataParallel, MemoryCountsThisRanksShards) {
   for (const auto& r : run(accumulating)) {
     EXPECT_EQ(r.memory.gradient_bytes, shard_bytes + shard_bytes * n) << accumulating.describe();
   }
-  // Many equal units: stage 3 holds a few whole units at once (the one in use, the prefetched
-  // one, gradients on their way), never the whole model.
+  // Many equal units: stage 3 holds a few whole units at once (the one in use, those
+  // prefetched, gradients on their way), never the whole model.
   const Units many(16, 1000);
-  for (bool prefetch : {true, false}) {
+  for (int depth : {0, 1, 2, 3}) {
     const Config c{
-        .n = 4, .options = {.stage = 3, .prefetch = prefetch}, .sizes = many, .steps = 2};
+        .n = 4, .options = {.stage = 3, .prefetch_depth = depth}, .sizes = many, .steps = 2};
     const auto runs = run(c);
     for (int r = 0; r < c.n; ++r) {
       const auto& m = runs[static_cast<std::size_t>(r)].memory;
       EXPECT_EQ(m.parameter_bytes, 16u * 250 * 4);
-      EXPECT_GT(m.working_bytes, 0u) << "prefetch " << prefetch << " rank " << r;
-      EXPECT_LT(m.working_bytes, total_of(many) * 4) << "prefetch " << prefetch << " rank " << r;
+      // The unit in use and `depth` prefetched, its gradient and `depth` more on their way
+      // (as many reduce-scatters stay in flight); with no prefetch, one unit and two gradients.
+      const std::size_t units_held = depth == 0 ? 3 : 2 + 2 * static_cast<std::size_t>(depth);
+      EXPECT_EQ(m.working_bytes, units_held * 1000 * 4)
+          << "prefetch_depth " << depth << " rank " << r;
     }
   }
 }

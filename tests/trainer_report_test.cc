@@ -102,6 +102,34 @@ TEST(TrainerReport, CallsOutOfOrderAreRefused) {
   EXPECT_THROW(object.begin_array(), std::logic_error);  // a second document
 }
 
+// The first step (connections, first-touch buffers, the optimizer's state) is timed apart, as
+// a benchmark's warm-up; bytes and calls count every step.
+TEST(TrainerReport, TimesLeaveOutTheFirstStepUnlessItIsTheOnlyOne) {
+  Totals t;
+  gradsync::StepStats warm_up;
+  warm_up.communication_s = 0.9;
+  warm_up.exposed_s = 0.9;
+  warm_up.bytes_sent = 100;
+  t.add_step(warm_up, 1.0, 64, 3.0f);
+  EXPECT_EQ(t.timed_steps(), 1u);
+  EXPECT_DOUBLE_EQ(t.per_timed_step(t.timed().step_s), 1.0);
+  EXPECT_DOUBLE_EQ(t.overlap_fraction(), 0.0);
+  gradsync::StepStats steady;
+  steady.communication_s = 0.2;
+  steady.exposed_s = 0.05;
+  steady.bytes_sent = 100;
+  t.add_step(steady, 0.4, 64, 2.0f);
+  t.add_step(steady, 0.2, 64, 1.0f);
+  EXPECT_EQ(t.steps, 3u);
+  EXPECT_EQ(t.timed_steps(), 2u);
+  EXPECT_DOUBLE_EQ(t.per_timed_step(t.timed().step_s), 0.3);
+  EXPECT_DOUBLE_EQ(t.first_step.step_s, 1.0);
+  EXPECT_DOUBLE_EQ(t.communication_fraction(), 0.4 / 0.6);
+  EXPECT_DOUBLE_EQ(t.overlap_fraction(), 0.75);
+  EXPECT_EQ(t.bytes_sent, 300u);
+  EXPECT_EQ(t.samples, 192u);
+}
+
 TEST(TrainerReport, JsonReportHasEveryKeyTheScriptsRead) {
   const gradsync::testing::TempDir dir;
   RunReport r;
@@ -109,9 +137,8 @@ TEST(TrainerReport, JsonReportHasEveryKeyTheScriptsRead) {
   r.wall_s = 2;
   r.totals.steps = 2;
   r.totals.samples = 256;
-  r.totals.step_s = 1;
-  r.totals.communication_s = 0.5;
-  r.totals.exposed_s = 0.125;
+  r.totals.first_step = {.communication_s = 2, .step_s = 3};  // left out of the timed figures
+  r.totals.later_steps = {.communication_s = 0.5, .exposed_s = 0.125, .step_s = 1};
   r.totals.bytes_sent = 300;
   r.totals.raw_bytes = 1200;
   r.totals.last_loss = 2.0960338f;
@@ -128,6 +155,9 @@ TEST(TrainerReport, JsonReportHasEveryKeyTheScriptsRead) {
   EXPECT_TRUE(contains(text, "\n  \"final_loss\": 2.0960338,\n")) << text;
   EXPECT_TRUE(contains(text, "\n  \"test_accuracy\": 0.3224,\n")) << text;
   EXPECT_TRUE(contains(text, "\n  \"samples_per_s\": 128,\n")) << text;
+  EXPECT_TRUE(contains(text, "\n  \"step_s\": 1,\n")) << text;
+  EXPECT_TRUE(contains(text, "\n  \"first_step_s\": 3,\n")) << text;
+  EXPECT_TRUE(contains(text, "\n  \"timed_steps\": 1,\n")) << text;
   EXPECT_TRUE(contains(text, "\n  \"comm_fraction\": 0.5,\n")) << text;
   EXPECT_TRUE(contains(text, "\n  \"overlap_fraction\": 0.75,\n")) << text;
   EXPECT_TRUE(contains(text, "\n  \"compression_ratio\": 0.25,\n")) << text;

@@ -61,6 +61,8 @@ constexpr const char* kUsage =
     "                         bf16 (parameters and gradients) or int8 (gradients, with error\n"
     "                         feedback)\n"
     "  --strategy S           ddp (--zero 0), zero1, zero2 or zero3 (--zero 1, 2, 3)\n"
+    "  --prefetch N           ZeRO 3: the layers whose gathers are queued ahead of their use\n"
+    "                         (default 2; 0 with --no-overlap)\n"
     "  --max-steps N          stop after N optimizer steps (benchmarks; default: all)\n"
     "  --data DIR             Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)\n"
     "  --json FILE            rank 0 writes the run's metrics and configuration to FILE\n"
@@ -88,6 +90,7 @@ constexpr long kMaxBatch = 65536;  // the whole training set is 60,000 samples
 constexpr long kMaxWidth = 16384;  // a 16384 x 16384 layer is already 1 GiB of weights
 constexpr std::size_t kMaxHiddenLayers = 64;
 constexpr long kMaxAccumulate = 65536;
+constexpr long kMaxPrefetch = 1024;  // past the layers of any model here: all gathered ahead
 constexpr long kMaxSteps = 1000000000;
 constexpr double kMaxLearningRate = 1000;
 constexpr double kMaxBucketMb = 4096;
@@ -215,6 +218,8 @@ bool read_communication_flag(const std::string& flag, Arguments& args, Config& c
     c.accumulate = static_cast<int>(whole(flag, args.value_of(flag), 1, kMaxAccumulate));
   } else if (flag == "--zero") {
     c.zero = static_cast<int>(whole(flag, args.value_of(flag), 0, 3));
+  } else if (flag == "--prefetch") {
+    c.prefetch = static_cast<int>(whole(flag, args.value_of(flag), 0, kMaxPrefetch));
   } else if (flag == "--strategy") {
     const std::string v = args.value_of(flag);
     if (v != "ddp" && v != "zero1" && v != "zero2" && v != "zero3")

@@ -13,14 +13,21 @@
 
 namespace train {
 
+StepTimes& StepTimes::operator+=(const StepTimes& other) {
+  compute_s += other.compute_s;
+  communication_s += other.communication_s;
+  exposed_s += other.exposed_s;
+  step_s += other.step_s;
+  gather_s += other.gather_s;
+  exposed_gather_s += other.exposed_gather_s;
+  return *this;
+}
+
 void Totals::add_step(const gradsync::StepStats& stats, double seconds, std::size_t step_samples,
                       float loss) {
-  step_s += seconds;
-  compute_s += stats.compute_s;
-  communication_s += stats.communication_s;
-  exposed_s += stats.exposed_s;
-  gather_s += stats.gather_s;
-  exposed_gather_s += stats.exposed_gather_s;
+  const StepTimes times{stats.compute_s, stats.communication_s, stats.exposed_s,
+                        seconds,         stats.gather_s,        stats.exposed_gather_s};
+  (steps == 0 ? first_step : later_steps) += times;
   bytes_sent += stats.bytes_sent;
   raw_bytes += stats.raw_bytes;
   allreduce_calls += stats.allreduce_calls;
@@ -29,20 +36,29 @@ void Totals::add_step(const gradsync::StepStats& stats, double seconds, std::siz
   last_loss = loss;
 }
 
+const StepTimes& Totals::timed() const {
+  return steps > 1 ? later_steps : first_step;
+}
+
+std::size_t Totals::timed_steps() const {
+  return steps > 1 ? steps - 1 : steps;
+}
+
 double Totals::communication_fraction() const {
-  return step_s > 0 ? communication_s / step_s : 0;
+  return timed().step_s > 0 ? timed().communication_s / timed().step_s : 0;
 }
 
 double Totals::overlap_fraction() const {
-  return communication_s > 0 ? std::max(0.0, 1.0 - exposed_s / communication_s) : 0;
+  const StepTimes& t = timed();
+  return t.communication_s > 0 ? std::max(0.0, 1.0 - t.exposed_s / t.communication_s) : 0;
 }
 
 double Totals::compression_ratio() const {
   return raw_bytes ? static_cast<double>(bytes_sent) / static_cast<double>(raw_bytes) : 0.0;
 }
 
-double Totals::per_step(double total) const {
-  return steps ? total / static_cast<double>(steps) : 0;
+double Totals::per_timed_step(double timed_total) const {
+  return timed_steps() ? timed_total / static_cast<double>(timed_steps()) : 0;
 }
 
 double RunReport::test_accuracy() const {
@@ -85,11 +101,13 @@ void write_metrics(gradsync::json::Writer& w, const RunReport& r) {
       .field("steps", t.steps)
       .field("wall_s", r.wall_s)
       .field("samples_per_s", static_cast<double>(t.samples) / r.wall_s)
-      .field("step_s", t.per_step(t.step_s))
-      .field("communication_s_per_step", t.per_step(t.communication_s))
-      .field("exposed_s_per_step", t.per_step(t.exposed_s))
-      .field("gather_s_per_step", t.per_step(t.gather_s))
-      .field("exposed_gather_s_per_step", t.per_step(t.exposed_gather_s))
+      .field("step_s", t.per_timed_step(t.timed().step_s))
+      .field("first_step_s", t.first_step.step_s)
+      .field("timed_steps", t.timed_steps())
+      .field("communication_s_per_step", t.per_timed_step(t.timed().communication_s))
+      .field("exposed_s_per_step", t.per_timed_step(t.timed().exposed_s))
+      .field("gather_s_per_step", t.per_timed_step(t.timed().gather_s))
+      .field("exposed_gather_s_per_step", t.per_timed_step(t.timed().exposed_gather_s))
       .field("comm_fraction", t.communication_fraction())
       .field("overlap_fraction", t.overlap_fraction())
       .field("bytes_sent_per_rank", t.bytes_sent)
@@ -134,6 +152,7 @@ void write_config(gradsync::json::Writer& w, const RunReport& r, const Config& c
       .field("step_ahead", r.step_ahead)
       .field("accumulate", c.accumulate)
       .field("zero", c.zero)
+      .field("prefetch", c.overlap ? c.prefetch : 0)
       .field("amp", r.amp)
       .field("strategy", c.zero == 0 ? "ddp" : "zero" + std::to_string(c.zero))
       .field("lr_scaling", c.lr_scaling)

@@ -13,24 +13,36 @@
 
 namespace train {
 
-// Sums over the steps a run took, for the progress line, the summary and the JSON.
-struct Totals {
+// What steps took, in seconds: summed over steps, or one step's.
+struct StepTimes {
   double compute_s = 0, communication_s = 0, exposed_s = 0, step_s = 0;
   double gather_s = 0, exposed_gather_s = 0;  // ZeRO 3's parameter gathers, within the above
+  StepTimes& operator+=(const StepTimes& other);
+};
+
+// Sums over the steps a run took, for the progress line, the summary and the JSON. The times
+// leave out the process's first step, as a benchmark leaves out its warm-up: it connects the
+// ranks, faults in every buffer and makes the optimizer's state, and in a short run would
+// weigh as much as the rest (its time is kept apart); a run of one step has only that one.
+struct Totals {
+  StepTimes first_step, later_steps;
   std::uint64_t bytes_sent = 0, raw_bytes = 0;
   std::size_t allreduce_calls = 0, steps = 0, samples = 0;
   float last_loss = 0;
 
   void add_step(const gradsync::StepStats& stats, double seconds, std::size_t step_samples,
                 float loss);
+  // The timed steps' sums: those after the first, or the first alone.
+  const StepTimes& timed() const;
+  std::size_t timed_steps() const;
   // Of the step time, the part the gradients' collectives ran.
   double communication_fraction() const;
   // Of the communication, the part hidden behind compute.
   double overlap_fraction() const;
   // Bytes sent over the float32 gradients' bytes.
   double compression_ratio() const;
-  // `total` over the steps (0 before any).
-  double per_step(double total) const;
+  // A timed sum over the timed steps (0 before any).
+  double per_timed_step(double timed_total) const;
 };
 
 // Rank 0's loss, training-batch accuracy and wall time at every step, and the test accuracy

@@ -340,7 +340,7 @@ Trainer::Trainer(const Config& c, const gradsync::Options& options)
                                 .wire = wire,
                                 .gradient_wire = c.codec == "int8" ? gradsync::DataType::kInt8
                                                                    : gradsync::DataType::kFloat32,
-                                .prefetch = c.overlap});
+                                .prefetch_depth = c.overlap ? c.prefetch : 0});
     model_->shard(*sharded_);
     sharded_->set_optimizer([&c](std::size_t count) { return make_optimizer(c, {count}); });
   }

@@ -77,9 +77,14 @@ struct ShardedOptions {
   // float per parameter a rank, counted in Memory::error_feedback_bytes), and sums the ranks'
   // pieces of its shard in float32. kFloat32, the default: the gradients travel in `wire`.
   DataType gradient_wire = DataType::kFloat32;
-  // Queue the gather of the unit used next (forward: the next unit; backward: the one before)
-  // while this one computes, as FSDP's forward_prefetch and BACKWARD_PRE.
-  bool prefetch = true;
+  // Stage 3: how many of the units used next have their gathers queued while this one
+  // computes (0: each gathered only when acquired). Units are used in forward order, then
+  // backward from the one before the last (the last one's backward uses its forward copy),
+  // so the last units' forward queues the first gathers of backward. FSDP's forward_prefetch
+  // and BACKWARD_PRE queue one; a second keeps the worker busy where a unit's compute is
+  // shorter than the next one's gather, at one more whole unit and one more gradient in
+  // flight held at once.
+  int prefetch_depth = 2;
 };
 
 // Which pass a unit's parameters are acquired for (it decides which unit is prefetched).
@@ -106,7 +111,8 @@ class ShardedDataParallel {
   void set_lr(float lr);
 
   // The unit's whole parameters for this pass: waits for its gather (queued now unless
-  // prefetched), and queues the next unit's. Valid until release(unit, pass).
+  // prefetched), and queues those of the units used next (ShardedOptions::prefetch_depth).
+  // Valid until release(unit, pass).
   std::span<const float> acquire(int unit, Pass pass);
   // Stage 3 frees the unit's whole copy, unless the next pass starts with it (the last unit
   // from forward to backward). Stages 1 and 2 keep it.

@@ -15,6 +15,7 @@
 #include "gradsync/advise.h"
 #include "gradsync/compress.h"
 #include "gradsync/error.h"
+#include "gradsync/sharded.h"
 
 namespace gradsync::advise {
 
@@ -338,13 +339,15 @@ std::pair<double, double> run_step(const std::vector<double>& layers,
 
 // One micro-batch of ShardedDataParallel (sharded.h), each layer a unit, as its training
 // thread issues and waits for calls. Stage 3: each layer's parameters are gathered before its
-// forward (the next layer's queued meanwhile) and again before its backward (the one before
-// queued meanwhile; the last layer's copy is kept from forward to backward), and one
-// reduce-scatter stays in flight. Stage 2: the gathers queued by the last step are waited for
-// by each forward (`gather` all zero where there is nothing to gather), and two
-// reduce-scatters stay in flight. The worker runs the calls in issue order; while both it and
-// the thread are busy each goes at its overlapped speed, alone at full speed. Layer times,
-// gathers and reduce-scatters in seconds, forward order. Returns the micro-batch's end.
+// forward and again before its backward, the gathers of the `prefetch_depth` uses after the
+// current one queued meanwhile (uses run forward, then backward from the layer before the
+// last, whose copy is kept from forward to backward; a layer still whole is not gathered
+// again), and as many reduce-scatters stay in flight. Stage 2: the gathers queued by the last
+// step are waited for by each forward (`gather` all zero where there is nothing to gather),
+// and two reduce-scatters stay in flight. The worker runs the calls in issue order; while
+// both it and the thread are busy each goes at its overlapped speed, alone at full speed.
+// Layer times, gathers and reduce-scatters in seconds, forward order. Returns the
+// micro-batch's end.
 double sharded_micro_batch(int stage, const std::vector<double>& forward,
                            const std::vector<double>& backward, const std::vector<double>& gather,
                            const std::vector<double>& scatter, double compute_speed,
@@ -357,6 +360,7 @@ double sharded_micro_batch(int stage, const std::vector<double>& forward,
     double seconds = 0;
   };
   const std::size_t layers = forward.size();
+  const std::size_t last = layers - 1;
   std::vector<double> seconds(3 * layers);
   for (std::size_t l = 0; l < layers; ++l) {
     seconds[l] = seconds[layers + l] = gather[l];
@@ -366,22 +370,31 @@ double sharded_micro_batch(int stage, const std::vector<double>& forward,
   if (stage == 2) {
     for (std::size_t l = 0; l < layers; ++l) ops.push_back({Op::kIssue, l});
   }
-  for (std::size_t l = 0; l < layers; ++l) {
-    if (stage == 3) {
-      if (l == 0) ops.push_back({Op::kIssue, 0});
-      if (l + 1 < layers) ops.push_back({Op::kIssue, l + 1});
+  const std::size_t depth = static_cast<std::size_t>(ShardedOptions{}.prefetch_depth);
+  std::vector<bool> whole(layers, false);  // stage 3: gathered or being gathered, not dropped
+  // Stage 3's acquire at use `use`: its own gather unless whole, then those of the next uses.
+  const auto acquire = [&](std::size_t use) {
+    for (std::size_t next = use; next <= std::min(use + depth, 2 * last); ++next) {
+      const bool backward_use = next > last;
+      const std::size_t l = backward_use ? 2 * last - next : next;
+      if (!whole[l]) {
+        ops.push_back({Op::kIssue, backward_use ? layers + l : l});
+        whole[l] = true;
+      }
     }
+  };
+  for (std::size_t l = 0; l < layers; ++l) {
+    if (stage == 3) acquire(l);
     ops.push_back({Op::kWait, l});
     ops.push_back({Op::kCompute, 0, forward[l]});
+    if (stage == 3 && l != last) whole[l] = false;  // dropped; the last one is kept
   }
-  const std::size_t in_flight = stage == 3 ? 1 : 2;
+  const std::size_t in_flight = stage == 3 ? std::max<std::size_t>(1, depth) : 2;
   std::vector<std::size_t> reducing;
   for (std::size_t l = layers; l-- > 0;) {
     if (stage == 3) {
-      // The last layer is still whole; the first gather each earlier one needs was queued
-      // as the layer after it started.
-      if (l > 0) ops.push_back({Op::kIssue, layers + l - 1});
-      if (l + 1 < layers) ops.push_back({Op::kWait, layers + l});
+      acquire(2 * last - l);
+      if (l != last) ops.push_back({Op::kWait, layers + l});
     }
     ops.push_back({Op::kCompute, 0, backward[l]});
     ops.push_back({Op::kIssue, 2 * layers + l});
@@ -389,6 +402,7 @@ double sharded_micro_batch(int stage, const std::vector<double>& forward,
     if (reducing.size() > in_flight) {
       ops.push_back({Op::kWait, reducing[reducing.size() - in_flight - 1]});
     }
+    if (stage == 3) whole[l] = false;
   }
   for (std::size_t call : reducing) ops.push_back({Op::kWait, call});
 
@@ -754,10 +768,12 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       }
       p.wire_bytes_per_rank = static_cast<std::size_t>(gather_bytes + scattering * scatter_bytes);
     }
-    // Layers whole at once, at most: stage 3 the one computing and its gradient, the one
-    // before's gradient still being reduce-scattered and the next layer prefetched; stages 1
-    // and 2 the gradient being written and two in flight (ShardedDataParallel::mark_ready).
-    working_floats = (plan.zero == 3 ? 4 : 3) * largest;
+    // Layers whole at once, at most: stage 3 the one computing and those prefetched, and as
+    // many gradients (this one's, those still being reduce-scattered); stages 1 and 2 the
+    // gradient being written and two in flight (ShardedDataParallel::mark_ready).
+    const auto prefetched = static_cast<std::size_t>(ShardedOptions{}.prefetch_depth);
+    working_floats =
+        (plan.zero == 3 ? 2 * std::min(workload.layers.size(), 1 + prefetched) : 3) * largest;
   }
   const std::size_t owned = plan.zero > 0 ? (psi + n - 1) / n : psi;
   // ShardedDataParallel first averages its shard of the gradients in place: 8 bytes more a

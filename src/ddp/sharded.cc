@@ -193,6 +193,10 @@ struct ShardedDataParallel::State {
       fail(std::string("wire dtype ") + to_string(options.wire) + " (float32, bfloat16 or float16)",
            "ShardedDataParallel");
     }
+    if (options.prefetch_depth < 0) {
+      fail("prefetch_depth " + std::to_string(options.prefetch_depth) + " (0 or more)",
+           "ShardedDataParallel");
+    }
     if (options.gradient_wire != DataType::kFloat32 && options.gradient_wire != DataType::kInt8) {
       fail(std::string("gradient wire dtype ") + to_string(options.gradient_wire) +
                " (int8, or float32 to follow the wire)",
@@ -498,11 +502,15 @@ std::span<const float> ShardedDataParallel::acquire(int id, Pass pass) {
   if (u.in_use) s.fail("unit " + u.name + " acquired twice", "acquire");
   const auto index = static_cast<std::size_t>(id);
   if (!u.gathered) s.start_gather(index);
-  if (s.options.prefetch && s.options.stage == 3) {
-    const bool forward = pass == Pass::kForward;
-    if (forward ? index + 1 < s.units.size() : index > 0) {
-      const std::size_t next = forward ? index + 1 : index - 1;
-      if (!s.units[next].gathered) s.start_gather(next);
+  if (s.options.stage == 3) {
+    // Uses numbered in order: forward 0 .. L-1, then backward L-2 .. 0 at L .. 2L-2 (the last
+    // unit's backward is its forward's use).
+    const std::size_t last = s.units.size() - 1;
+    const std::size_t use = pass == Pass::kForward ? index : 2 * last - index;
+    const auto depth = static_cast<std::size_t>(s.options.prefetch_depth);
+    for (std::size_t next = use + 1; next <= std::min(use + depth, 2 * last); ++next) {
+      const std::size_t ahead = next <= last ? next : 2 * last - next;
+      if (!s.units[ahead].gathered) s.start_gather(ahead);
     }
   }
   s.finish_gather(u);
@@ -562,10 +570,13 @@ void ShardedDataParallel::mark_ready(int id) {
   s.reducing.push_back(static_cast<std::size_t>(id));
   ++s.reduced_units;
   // Give back the buffers of those done, and bound the whole gradients held when the link is
-  // slower than backward. Stage 3 keeps only this one in flight: the one before it is queued
-  // ahead of the gather the next acquire waits for anyway, so waiting for it costs nothing.
-  // Stage 2, with no gathers in backward, keeps one more to stay ahead.
-  const std::size_t in_flight = s.options.stage == 3 ? 1 : 2;
+  // slower than backward. Stage 3 keeps as many in flight as it prefetches: the one queued
+  // before those was queued ahead of the gather the next acquire waits for, so waiting for
+  // it costs nothing. Stage 2, with no gathers in backward, keeps two to stay ahead.
+  const std::size_t in_flight =
+      s.options.stage == 3
+          ? std::max<std::size_t>(1, static_cast<std::size_t>(s.options.prefetch_depth))
+          : 2;
   while (!s.reducing.empty() &&
          s.reap_reduce(s.units[s.reducing.front()], s.reducing.size() > in_flight)) {
     s.reducing.pop_front();
