@@ -179,7 +179,7 @@ TEST(AdvisePredict, ZeroShardsStateAndGradients) {
 }
 
 // ZeRO 3 by hand: two layers of 1000 floats (forward 1 ms, backward 2 ms each), gathers of
-// 0.5 ms and reduce-scatters of 0.3 ms, two uses prefetched. Forward: gather 0 [0, 0.5], layer
+// 0.5 ms and reduce-scatters of 0.3 ms, one use prefetched. Forward: gather 0 [0, 0.5], layer
 // 0 [0.5, 1.5], gather 1 prefetched [0.5, 1], layer 1 [1.5, 2.5] with layer 0's backward
 // gather prefetched [1.5, 2]. Backward: layer 1 still whole, [2.5, 4.5], its reduce-scatter
 // [4.5, 4.8], layer 0 [4.5, 6.5], its reduce-scatter [6.5, 6.8].
@@ -199,8 +199,8 @@ TEST(AdvisePredict, ZeroThreeGathersEachLayerBeforeForwardAndBackward) {
   // (N-1)/N of two gathers and a reduce-scatter of the parameters, less the last layer's
   // second gather: 2000 + 1000 + 2000 floats, 3/4 of them each.
   EXPECT_EQ(z3.wire_bytes_per_rank, 3u * 5000 / 4 * 4);
-  // A quarter of parameters, gradients and both moments, plus both layers whole (the one
-  // computing and the one prefetched) and the gradients of both.
+  // A quarter of parameters, gradients and both moments, plus the layer computing, the one
+  // prefetched, and the gradients of both.
   EXPECT_EQ(z3.memory_per_rank_bytes, (500u + 500 + 2 * 500 + 4 * 1000) * 4);
   // int8 gradients: the gathers in float32, the reduce-scatter a byte an element and a float
   // scale a block of 256, quantised once and decoded twice at the profile's int8 speeds.

@@ -62,7 +62,7 @@ constexpr const char* kUsage =
     "                         feedback)\n"
     "  --strategy S           ddp (--zero 0), zero1, zero2 or zero3 (--zero 1, 2, 3)\n"
     "  --prefetch N           ZeRO 3: the layers whose gathers are queued ahead of their use\n"
-    "                         (default 2; 0 with --no-overlap)\n"
+    "                         (default 1; 0 with --no-overlap)\n"
     "  --max-steps N          stop after N optimizer steps (benchmarks; default: all)\n"
     "  --data DIR             Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)\n"
     "  --json FILE            rank 0 writes the run's metrics and configuration to FILE\n"

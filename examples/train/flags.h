@@ -36,7 +36,7 @@ struct Config {
   bool step_ahead = true;
   int accumulate = 1;
   int zero = 0;
-  int prefetch = 2;  // ZeRO 3: units gathered ahead (ShardedOptions::prefetch_depth)
+  int prefetch = 1;  // ZeRO 3: units gathered ahead (ShardedOptions::prefetch_depth)
   // Mixed precision: "none", "bf16" or "fp16" (with dynamic loss scaling); the gradients
   // travel in it (it becomes the codec, or ZeRO 2 and 3's wire).
   std::string amp = "none";

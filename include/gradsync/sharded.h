@@ -80,11 +80,11 @@ struct ShardedOptions {
   // Stage 3: how many of the units used next have their gathers queued while this one
   // computes (0: each gathered only when acquired). Units are used in forward order, then
   // backward from the one before the last (the last one's backward uses its forward copy),
-  // so the last units' forward queues the first gathers of backward. FSDP's forward_prefetch
-  // and BACKWARD_PRE queue one; a second keeps the worker busy where a unit's compute is
-  // shorter than the next one's gather, at one more whole unit and one more gradient in
-  // flight held at once.
-  int prefetch_depth = 2;
+  // so the last unit's forward queues the first gather of backward. One is FSDP's
+  // forward_prefetch and BACKWARD_PRE; each more holds one more whole unit and one more
+  // gradient in flight at once, for a worker that would otherwise idle while a unit computes
+  // longer than the next one's gather.
+  int prefetch_depth = 1;
 };
 
 // Which pass a unit's parameters are acquired for (it decides which unit is prefetched).
