@@ -178,43 +178,45 @@ TEST(AdvisePredict, ZeroShardsStateAndGradients) {
   EXPECT_EQ(a1.wire_bytes_per_rank, z1.wire_bytes_per_rank);
 }
 
-// ZeRO 3 by hand: two layers of 1000 floats (forward 1 ms, backward 2 ms each), gathers of
-// 0.5 ms and reduce-scatters of 0.3 ms, one use prefetched. Forward: gather 0 [0, 0.5], layer
-// 0 [0.5, 1.5], gather 1 prefetched [0.5, 1], layer 1 [1.5, 2.5] with layer 0's backward
-// gather prefetched [1.5, 2]. Backward: layer 1 still whole, [2.5, 4.5], its reduce-scatter
-// [4.5, 4.8], layer 0 [4.5, 6.5], its reduce-scatter [6.5, 6.8].
+// ZeRO 3 by hand: three layers of 1000 floats (forward 1 ms, backward 2 ms each), gathers of
+// 0.5 ms and reduce-scatters of 0.3 ms, one use prefetched, so the last two layers stay whole
+// from forward to backward. Forward: gather 0 [0, 0.5], layer 0 [0.5, 1.5], gather 1
+// prefetched [0.5, 1], layer 1 [1.5, 2.5], gather 2 prefetched [1.5, 2], layer 2 [2.5, 3.5].
+// Backward: layer 2 [3.5, 5.5], its reduce-scatter [5.5, 5.8]; layer 1 [5.5, 7.5] with
+// layer 0's second gather prefetched [5.8, 6.3], its reduce-scatter [7.5, 7.8]; layer 0
+// [7.5, 9.5], its reduce-scatter [9.5, 9.8].
 TEST(AdvisePredict, ZeroThreeGathersEachLayerBeforeForwardAndBackward) {
   Workload w = two_layers(1000);
+  w.layers.push_back(w.layers.back());
   w.optimizer = "adamw";
   Profile profile = simple_profile();
   profile.timed = {{"allgather", 4, 1, 4000, 500}, {"reduce_scatter", 4, 1, 4000, 300}};
   const auto z3 = predict(profile, w, Plan{.ranks = 4, .zero = 3});
   // adamw: 7 floats a parameter, and the gradients' averaging pass 2 more, a quarter each.
-  const double optimizer_s = 36.0 * 500 / 10e9;
+  const double optimizer_s = 36.0 * 750 / 10e9;
   EXPECT_NEAR(z3.optimizer_s, optimizer_s, 1e-15);
-  EXPECT_NEAR(z3.step_s, 6.8e-3 + optimizer_s, 1e-12);
-  EXPECT_NEAR(z3.compute_s, 6e-3, 1e-12);
+  EXPECT_NEAR(z3.step_s, 9.8e-3 + optimizer_s, 1e-12);
+  EXPECT_NEAR(z3.compute_s, 9e-3, 1e-12);
   EXPECT_NEAR(z3.exposed_comm_s, 0.8e-3, 1e-12);
-  EXPECT_NEAR(z3.comm_s, 3 * 0.5e-3 + 2 * 0.3e-3, 1e-12);
-  // (N-1)/N of two gathers and a reduce-scatter of the parameters, less the last layer's
-  // second gather: 2000 + 1000 + 2000 floats, 3/4 of them each.
-  EXPECT_EQ(z3.wire_bytes_per_rank, 3u * 5000 / 4 * 4);
+  EXPECT_NEAR(z3.comm_s, 4 * 0.5e-3 + 3 * 0.3e-3, 1e-12);
+  // (N-1)/N of four gathers and three reduce-scatters of 1000 floats.
+  EXPECT_EQ(z3.wire_bytes_per_rank, 7u * 1000 * 3 / 4 * 4);
   // A quarter of parameters, gradients and both moments, plus the layer computing, the one
-  // prefetched, and the gradients of both.
-  EXPECT_EQ(z3.memory_per_rank_bytes, (500u + 500 + 2 * 500 + 4 * 1000) * 4);
+  // prefetched (or kept), and the gradients of both.
+  EXPECT_EQ(z3.memory_per_rank_bytes, (750u + 750 + 2 * 750 + 4 * 1000) * 4);
   // int8 gradients: the gathers in float32, the reduce-scatter a byte an element and a float
   // scale a block of 256, quantised once and decoded twice at the profile's int8 speeds.
   Profile with_int8 = profile;
   with_int8.codecs["int8"] = {{0, 4, 8}};
   const auto z3_int8 = predict(with_int8, w, Plan{.ranks = 4, .codec = "int8", .zero = 3});
-  // (N-1)/N of the 2000 parameters is 6000 bytes: gathered 1.5 times (the last layer's kept
-  // copy), reduce-scattered once at a quarter and a bit.
+  // (N-1)/N of the 3000 parameters is 9000 bytes: gathered 4/3 times (the last two layers
+  // kept), reduce-scattered once at a quarter and a bit.
   EXPECT_EQ(z3_int8.wire_bytes_per_rank,
-            static_cast<std::size_t>(1.5 * 6000 + 6000 * (1 + 4.0 / 256) / 4));
-  EXPECT_NEAR(z3_int8.codec_s, 2 * 4000 * 1e-9 * (1 / 4.0 + 2 / 8.0), 1e-12);
+            static_cast<std::size_t>(4 * 3000 + 9000 * (1 + 4.0 / 256) / 4));
+  EXPECT_NEAR(z3_int8.codec_s, 3 * 4000 * 1e-9 * (1 / 4.0 + 2 / 8.0), 1e-12);
   // Every micro-batch gathers and reduce-scatters again.
   const auto twice = predict(profile, w, Plan{.ranks = 4, .accumulate = 2, .zero = 3});
-  EXPECT_NEAR(twice.step_s, 2 * 6.8e-3 + optimizer_s, 1e-12);
+  EXPECT_NEAR(twice.step_s, 2 * 9.8e-3 + optimizer_s, 1e-12);
   EXPECT_EQ(twice.wire_bytes_per_rank, 2 * z3.wire_bytes_per_rank);
 }
 

@@ -4,12 +4,14 @@
 //
 // The model is cut into units (a layer's weight and bias), each sharded evenly across the
 // ranks. Stage 3 keeps only this rank's shard of each unit between uses: a unit is
-// all-gathered just before its forward and again before its backward, the next unit's gather
-// is queued while this one computes, and the whole copy is freed after use. Stages 1 and 2 keep
+// all-gathered just before its forward and again before its backward (the last units stay
+// whole from one to the other), the next unit's gather is queued while this one computes, and
+// the whole copy is freed after use. Stages 1 and 2 keep
 // the parameters whole and all-gather them after the step, each unit waited for only when its
 // next forward needs it. In all three, a unit's gradient is reduce-scattered as soon as
 // backward has it, while backward goes on, and the optimizer steps only this rank's shard: a
-// step sends what a DDP all-reduce sends (stages 1 and 2) or half as much again (stage 3).
+// step sends what a DDP all-reduce sends (stages 1 and 2) or up to half as much again
+// (stage 3, less the second gathers of the units kept from forward to backward).
 // Stage 2 reduce-scatters every micro-batch and keeps only its shard of the gradient; stage 1
 // keeps the whole gradient through gradient accumulation and communicates once a step.
 //
@@ -78,12 +80,13 @@ struct ShardedOptions {
   // pieces of its shard in float32. kFloat32, the default: the gradients travel in `wire`.
   DataType gradient_wire = DataType::kFloat32;
   // Stage 3: how many of the units used next have their gathers queued while this one
-  // computes (0: each gathered only when acquired). Units are used in forward order, then
-  // backward from the one before the last (the last one's backward uses its forward copy),
-  // so the last unit's forward queues the first gather of backward. One is FSDP's
-  // forward_prefetch and BACKWARD_PRE; each more holds one more whole unit and one more
-  // gradient in flight at once, for a worker that would otherwise idle while a unit computes
-  // longer than the next one's gather.
+  // computes (0: each gathered only when acquired). Units are used in forward order, then in
+  // backward order. At the turn, the last prefetch_depth + 1 units stay whole from their
+  // forward to their backward: forward would queue their second gathers itself, which could
+  // hide only behind the (often small) units after them, and the copies kept take the place
+  // of the prefetched ones. One is FSDP's forward_prefetch and BACKWARD_PRE; each more holds
+  // one more whole unit and one more gradient in flight at once, for a worker that would
+  // otherwise idle while a unit computes longer than the next one's gather.
   int prefetch_depth = 1;
 };
 
@@ -114,8 +117,8 @@ class ShardedDataParallel {
   // prefetched), and queues those of the units used next (ShardedOptions::prefetch_depth).
   // Valid until release(unit, pass).
   std::span<const float> acquire(int unit, Pass pass);
-  // Stage 3 frees the unit's whole copy, unless the next pass starts with it (the last unit
-  // from forward to backward). Stages 1 and 2 keep it.
+  // Stage 3 frees the unit's whole copy, unless it is one of the last prefetch_depth + 1
+  // units after their forward (kept for their backward). Stages 1 and 2 keep it.
   void release(int unit, Pass pass);
   // Where backward writes the unit's whole gradient (overwriting it), until mark_ready.
   std::span<float> gradient(int unit);

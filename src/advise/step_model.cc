@@ -340,9 +340,9 @@ std::pair<double, double> run_step(const std::vector<double>& layers,
 // One micro-batch of ShardedDataParallel (sharded.h), each layer a unit, as its training
 // thread issues and waits for calls. Stage 3: each layer's parameters are gathered before its
 // forward and again before its backward, the gathers of the `prefetch_depth` uses after the
-// current one queued meanwhile (uses run forward, then backward from the layer before the
-// last, whose copy is kept from forward to backward; a layer still whole is not gathered
-// again), and as many reduce-scatters stay in flight. Stage 2: the gathers queued by the last
+// current one queued meanwhile (uses run forward, then backward; the last prefetch_depth + 1
+// layers stay whole from forward to backward, and a layer still whole is not gathered again),
+// and as many reduce-scatters stay in flight. Stage 2: the gathers queued by the last
 // step are waited for by each forward (`gather` all zero where there is nothing to gather),
 // and two reduce-scatters stay in flight. The worker runs the calls in issue order; while
 // both it and the thread are busy each goes at its overlapped speed, alone at full speed.
@@ -372,13 +372,16 @@ double sharded_micro_batch(int stage, const std::vector<double>& forward,
   }
   const std::size_t depth = static_cast<std::size_t>(ShardedOptions{}.prefetch_depth);
   std::vector<bool> whole(layers, false);  // stage 3: gathered or being gathered, not dropped
+  std::vector<bool> issued(seconds.size(), false);
   // Stage 3's acquire at use `use`: its own gather unless whole, then those of the next uses.
   const auto acquire = [&](std::size_t use) {
     for (std::size_t next = use; next <= std::min(use + depth, 2 * last); ++next) {
       const bool backward_use = next > last;
       const std::size_t l = backward_use ? 2 * last - next : next;
       if (!whole[l]) {
-        ops.push_back({Op::kIssue, backward_use ? layers + l : l});
+        const std::size_t call = backward_use ? layers + l : l;
+        ops.push_back({Op::kIssue, call});
+        issued[call] = true;
         whole[l] = true;
       }
     }
@@ -387,14 +390,14 @@ double sharded_micro_batch(int stage, const std::vector<double>& forward,
     if (stage == 3) acquire(l);
     ops.push_back({Op::kWait, l});
     ops.push_back({Op::kCompute, 0, forward[l]});
-    if (stage == 3 && l != last) whole[l] = false;  // dropped; the last one is kept
+    if (stage == 3 && l + depth < last) whole[l] = false;  // dropped, but for the last depth + 1
   }
   const std::size_t in_flight = stage == 3 ? std::max<std::size_t>(1, depth) : 2;
   std::vector<std::size_t> reducing;
   for (std::size_t l = layers; l-- > 0;) {
     if (stage == 3) {
       acquire(2 * last - l);
-      if (l != last) ops.push_back({Op::kWait, layers + l});
+      if (issued[layers + l]) ops.push_back({Op::kWait, layers + l});
     }
     ops.push_back({Op::kCompute, 0, backward[l]});
     ops.push_back({Op::kIssue, 2 * layers + l});
@@ -736,16 +739,21 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
     const double gather_bytes = parameter_wire * share, scatter_bytes = gradient_wire * share;
     // Every micro-batch reduce-scatters: the gradients stay sharded.
     if (plan.zero == 3) {
-      // Twice a step but for the last layer, kept from forward to backward.
-      const double last_gather = gather.back();
-      const auto last_floats = static_cast<double>(workload.layers.back().parameters());
-      p.comm_s = plan.accumulate * (2 * gathers - last_gather + scatters);
+      // Twice a step but for the last layers, kept from forward to backward.
+      const auto kept = std::min(workload.layers.size(),
+                                 static_cast<std::size_t>(ShardedOptions{}.prefetch_depth) + 1);
+      double kept_gathers = 0, kept_floats = 0;
+      for (std::size_t l = gather.size() - kept; l < gather.size(); ++l) {
+        kept_gathers += gather[l];
+        kept_floats += static_cast<double>(workload.layers[l].parameters());
+      }
+      p.comm_s = plan.accumulate * (2 * gathers - kept_gathers + scatters);
       latency_s = plan.accumulate * units * (2 * gather_latency + scatter_latency);
       last_micro_s = sharded_micro_batch(3, forward_layers, backward_layers, gather, scatter,
                                          busy_phase.compute_speed, busy_phase.worker_speed);
       accumulated_micro_s = last_micro_s;
       p.wire_bytes_per_rank = static_cast<std::size_t>(
-          ((2 - last_floats / static_cast<double>(psi)) * gather_bytes + scatter_bytes) *
+          ((2 - kept_floats / static_cast<double>(psi)) * gather_bytes + scatter_bytes) *
           plan.accumulate);
     } else {
       // The gathers after the step are waited for by the next step's first forward. Stage 2

@@ -523,10 +523,14 @@ void ShardedDataParallel::release(int id, Pass pass) {
   State::Unit& u = s.unit(id, "release");
   if (!u.in_use) s.fail("unit " + u.name + " released without being acquired", "release");
   u.in_use = false;
-  // Backward starts with the unit forward ended with: no need to gather it twice.
-  const bool next_use =
-      pass == Pass::kForward && static_cast<std::size_t>(id) + 1 == s.units.size();
-  if (s.options.stage == 3 && !next_use) s.drop(u);
+  // A unit whose backward gather forward itself would queue (the last prefetch_depth + 1)
+  // stays whole instead: gathering it again could hide only behind the units after it, and
+  // holding it takes the place the prefetched copy would.
+  const bool kept_for_backward =
+      pass == Pass::kForward &&
+      static_cast<std::size_t>(id) + static_cast<std::size_t>(s.options.prefetch_depth) + 1 >=
+          s.units.size();
+  if (s.options.stage == 3 && !kept_for_backward) s.drop(u);
 }
 
 std::span<float> ShardedDataParallel::gradient(int id) {
