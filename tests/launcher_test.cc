@@ -4,11 +4,14 @@
 // limit of its own: every wait blocks until what it waits for happens, and a launcher that
 // never finishes is ended by the test's CTest timeout, which it does not outlive (it gets
 // SIGKILL when this process dies, PR_SET_PDEATHSIG, and its ranks die with it).
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -137,10 +140,20 @@ std::vector<std::string> lines(const std::string& s) {
   return v;
 }
 
-int count_of(const std::string& hay, const std::string& needle) {
-  int n = 0;
-  for (auto p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) ++n;
-  return n;
+using gradsync::testing::count_of;
+
+// A TCP connection to 127.0.0.1:`port`, or -1.
+int connect_local(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd >= 0 && ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0) {
+    return fd;
+  }
+  if (fd >= 0) ::close(fd);
+  return -1;
 }
 
 // While one is alive, orphans of this process's descendants come back to it (it is their
@@ -313,31 +326,51 @@ TEST(Launcher, MinRanksRestartsWithoutTheFailedRanksSlot) {
       run_launcher({"-n", "2", "--max-restarts", "1", "--min-ranks", "3", "true"}).exit_code(), 2);
 }
 
-// --max-restarts on several hosts: each host's launcher (here two on this host, as hosts 0 and
-// 1) runs the attempt's ranks; host 0's holds the rendezvous on --master-port.
+// --max-restarts on several hosts: each host's launcher (here all on this host, as hosts 0,
+// 1, ...) runs the attempt's ranks; host 0's holds the rendezvous on --master-port.
 class TwoHosts {
  public:
+  // One launcher of the job: its --nnodes and --node-rank, and its GRADSYNC_TOKEN.
+  struct Host {
+    int nnodes = 2, node_rank = 0;
+    std::string token = "two-hosts";
+  };
   // Runs both launchers at once with `flags`, host 1's with `host1_token`.
   std::vector<Result> run(const std::vector<std::string>& flags, const std::string& script,
                           const std::string& host1_token = "two-hosts") {
-    std::vector<Result> results(2);
-    std::vector<std::thread> hosts;
-    for (int h = 0; h < 2; ++h) {
-      hosts.emplace_back([&, h] {
+    return run_each({{.node_rank = 0}, {.node_rank = 1, .token = host1_token}}, flags, script);
+  }
+  // Runs a launcher for each of `hosts` at once, each with `flags`; `exited` is called with a
+  // launcher's index and result as soon as it ends.
+  std::vector<Result> run_each(const std::vector<Host>& hosts,
+                               const std::vector<std::string>& flags, const std::string& script,
+                               const std::function<void(std::size_t, const Result&)>& exited = {}) {
+    std::vector<Result> results(hosts.size());
+    std::vector<std::thread> threads;
+    for (std::size_t h = 0; h < hosts.size(); ++h) {
+      threads.emplace_back([&, h] {
         RunSpec spec;
-        spec.args = {"--nnodes", "2", "--node-rank",   std::to_string(h),
-                     "-n",       "2", "--master-port", port_};
+        spec.args = {"--nnodes",
+                     std::to_string(hosts[h].nnodes),
+                     "--node-rank",
+                     std::to_string(hosts[h].node_rank),
+                     "-n",
+                     "2",
+                     "--master-port",
+                     port_};
         spec.args.insert(spec.args.end(), flags.begin(), flags.end());
         spec.args.insert(spec.args.end(), {"--", "sh", "-c", script});
-        spec.env["GRADSYNC_TOKEN"] = h == 1 ? host1_token : "two-hosts";
-        results[static_cast<std::size_t>(h)] = run_launcher(spec);
+        spec.env["GRADSYNC_TOKEN"] = hosts[h].token;
+        results[h] = run_launcher(spec);
+        if (exited) exited(h, results[h]);
       });
     }
-    for (auto& t : hosts) t.join();
+    for (auto& t : threads) t.join();
     return results;
   }
   // The port the ranks of attempt `round` are given: the rendezvous's + 1 + round.
   std::string store_port(int round) const { return std::to_string(std::stoi(port_) + 1 + round); }
+  int rendezvous_port() const { return std::stoi(port_); }
 
  private:
   std::string port_ = std::to_string(gradsync::testing::free_port());
@@ -398,6 +431,89 @@ TEST(Launcher, ALauncherOfAnotherJobIsRefusedByTheRendezvous) {
   EXPECT_EQ(run_launcher({"--nnodes", "2", "--max-restarts", "1", "--min-ranks", "1", "true"})
                 .exit_code(),
             2);
+}
+
+// Launchers whose flags disagree are refused by name: a host index past host 0's --nnodes,
+// and a second launcher for a host that has joined; the job goes on with those that joined.
+TEST(Launcher, TheRendezvousRefusesAHostPastNnodesAndAHostTwice) {
+  using gradsync::testing::contains;
+  TwoHosts job;
+  auto r = job.run_each({{.node_rank = 0}, {.nnodes = 3, .node_rank = 2}},
+                        {"--max-restarts", "1", "--timeout-s", "2"}, "true");
+  EXPECT_EQ(r[1].exit_code(), 1) << r[1].err;
+  EXPECT_TRUE(contains(r[1].err, "refused this launcher: --node-rank 2 is not below --nnodes 2"))
+      << r[1].err;
+  EXPECT_EQ(r[0].exit_code(), 1) << r[0].err;
+  EXPECT_TRUE(contains(r[0].err, "host(s) 1 did not join within 2 s")) << r[0].err;
+
+  // The ranks run until a launcher of host 1 has been refused: a launcher that comes after
+  // the job has ended finds no rendezvous at all.
+  const gradsync::testing::TempDir dir;
+  const std::string refused_file = dir.path() + "/refused";
+  r = job.run_each({{.node_rank = 0}, {.node_rank = 1}, {.node_rank = 1}},
+                   {"--max-restarts", "1", "--timeout-s", "60"},
+                   "while [ ! -e " + refused_file + " ]; do sleep 0.1; done",
+                   [&](std::size_t h, const Result& x) {
+                     if (h > 0 && x.exit_code() != 0) std::ofstream(refused_file) << "\n";
+                   });
+  EXPECT_EQ(r[0].exit_code(), 0) << r[0].err;
+  // Either launcher of host 1 may come first.
+  const bool second_refused = r[1].exit_code() == 0;
+  const Result& joined = second_refused ? r[1] : r[2];
+  const Result& refused = second_refused ? r[2] : r[1];
+  EXPECT_EQ(joined.exit_code(), 0) << joined.err;
+  EXPECT_EQ(refused.exit_code(), 1) << refused.err;
+  EXPECT_TRUE(contains(refused.err, "refused this launcher: host 1 has already joined"))
+      << refused.err;
+}
+
+// What is not a launcher's message at the rendezvous's port (a stranger's line, a line longer
+// than any message) only closes that connection: the job goes on and loses no host.
+TEST(Launcher, TheRendezvousClosesConnectionsThatSendJunk) {
+  using gradsync::testing::contains;
+  const gradsync::testing::TempDir dir;
+  const std::string done = dir.path() + "/junk-sent";
+  TwoHosts job;
+  std::vector<std::string> answers;  // per junk: what came back before the connection closed
+  std::thread stranger([&] {
+    for (const std::string& junk :
+         {std::string("GET / HTTP/1.0\r\n\r\n"), std::string(5000, 'x')}) {
+      // The rendezvous listens once host 0's launcher has started: retry until it does.
+      int fd = -1;
+      for (int attempt = 0; attempt < 200 && fd < 0; ++attempt) {
+        fd = connect_local(job.rendezvous_port());
+        if (fd < 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      std::string got;
+      if (fd >= 0) {
+        char buf[512];
+        // HELLO first, then nothing until the close that the junk earns.
+        const auto n = ::read(fd, buf, sizeof buf);
+        if (n > 0) got.assign(buf, static_cast<std::size_t>(n));
+        (void)!::write(fd, junk.data(), junk.size());
+        while (true) {
+          const auto m = ::read(fd, buf, sizeof buf);
+          if (m <= 0) break;
+          got.append(buf, static_cast<std::size_t>(m));
+        }
+        ::close(fd);
+      }
+      answers.push_back(fd >= 0 ? got : "(no connection)");
+    }
+    std::ofstream(done) << "done\n";
+  });
+  auto r = job.run({"--max-restarts", "1", "--timeout-s", "60"},
+                   "while [ ! -e " + done + " ]; do sleep 0.1; done");
+  stranger.join();
+  ASSERT_EQ(answers.size(), 2u);
+  for (const std::string& a : answers) {
+    EXPECT_TRUE(a.rfind("HELLO ", 0) == 0) << a;
+    EXPECT_EQ(count_of(a, "\n"), 1) << "only the HELLO line before the close: " << a;
+  }
+  for (const Result& x : r) {
+    EXPECT_EQ(x.exit_code(), 0) << x.err;
+    EXPECT_FALSE(contains(x.err, "lost")) << x.err;
+  }
 }
 
 TEST(Launcher, RankIgnoringSigtermIsKilledAfterGrace) {
