@@ -9,8 +9,11 @@
 //
 // Threads: one thread drives the transport at a time (transport.h), but abort() may come from
 // another. `mu_` serialises every call into the UCX worker (created SERIALIZED); a waiter
-// spins on ucp_worker_progress, then sleeps on the worker's event fd without the lock, and
-// abort() wakes it with ucp_worker_signal.
+// spins on ucp_worker_progress, then sleeps without the lock on the worker's event fd and on
+// an eventfd of its own, which the progress thread writes when its progress completed the
+// waiter's op (or lost its peer) and abort() when it ends the transport: the progress thread
+// sleeps on the worker's fd too, and its next arm drains the fd, so the event that woke it may
+// never reach the waiter.
 #include "transport/ucx.h"
 
 #include <poll.h>
@@ -202,7 +205,10 @@ class UcxTransport final : public Transport {
   std::thread progress_thread_;
   int stop_fd_ = -1;
   bool stopping_ = false;
-  int sleeping_waiters_ = 0;  // waiters in poll(): the thread wakes them when it progressed
+  Op* sleeping_on_ = nullptr;  // the op of the waiter in poll(), if one sleeps
+  int wake_fd_ = -1;           // eventfd: written when that op is done, lost or aborted
+  // Wakes the sleeping waiter if its op is done or its peer lost, or `always` (abort).
+  void wake_waiter_locked(bool always);
 };
 
 struct Callbacks {
@@ -287,7 +293,21 @@ UcxTransport::UcxTransport(int rank, int world_size, const std::vector<int>& gro
     post_abort_receive_locked();
   }
   stop_fd_ = ::eventfd(0, EFD_CLOEXEC);
+  wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   progress_thread_ = std::thread([this] { progress_loop(); });
+}
+
+void UcxTransport::wake_waiter_locked(bool always) {
+  if (!sleeping_on_) return;
+  // Only for news the waiter needs: progress of other ops would wake it just to sleep again,
+  // a context switch each on cores its peers' ranks share.
+  if (!always && !sleeping_on_->done && !lost_[static_cast<std::size_t>(sleeping_on_->peer)]) {
+    return;
+  }
+  const std::uint64_t one = 1;
+  if (::write(wake_fd_, &one, sizeof one) < 0) {
+    // Cannot happen on an eventfd below its limit; the waiter's nap ends anyway.
+  }
 }
 
 void UcxTransport::progress_loop() {
@@ -295,7 +315,7 @@ void UcxTransport::progress_loop() {
   while (!stopping_) {
     bool progressed = false;
     while (progress_locked() != 0) progressed = true;
-    if (progressed && sleeping_waiters_ > 0) lib_.ucp_worker_signal(worker_);
+    if (progressed) wake_waiter_locked(false);
     // Armed, the thread sleeps until UCX has something. UCX can refuse to arm while progress
     // finds nothing to do (seen with a lost peer's shared-memory endpoint): the thread then
     // naps a millisecond without the lock, which it would otherwise hold against every caller.
@@ -320,6 +340,7 @@ UcxTransport::~UcxTransport() {
   }
   progress_thread_.join();
   ::close(stop_fd_);
+  ::close(wake_fd_);
   std::lock_guard lock(mu_);
   // Receives nobody will wait for any more (the standing abort receive, abandoned ones).
   cancel_receives_locked();
@@ -663,7 +684,7 @@ void UcxTransport::abandon(Op& op) {
 void UcxTransport::wait(Op& op, Clock::time_point deadline) {
   std::unique_lock lock(mu_);
   auto spin_until = Clock::now() + spin_.duration;
-  auto backoff = 20us;
+  Clock::duration backoff = 20us;
   for (;;) {
     if (op.done) {
       finish_locked(op);
@@ -688,27 +709,31 @@ void UcxTransport::wait(Op& op, Clock::time_point deadline) {
     }
     check_watched_locked();
     if (lost_[static_cast<std::size_t>(op.peer)]) continue;
-    // Sleep until UCX has something, abort() signals, a watched peer exits, or the deadline
-    // (at most 100 ms, so a transport UCX cannot wake for is still driven).
-    const auto nap = std::min<Clock::duration>(deadline - now, 100ms);
-    // Not armed (no event fd, or UCX reports events that progress did not consume): back off
-    // without the lock rather than spin holding it.
-    if (event_fd_ >= 0 && lib_.ucp_worker_arm(worker_) != UCS_ERR_BUSY) {
-      std::vector<pollfd> fds{{event_fd_, POLLIN, 0}};
-      for (const auto& w : watched_) {
-        if (w.pidfd >= 0) fds.push_back({w.pidfd, POLLIN, 0});
-      }
-      ++sleeping_waiters_;
-      lock.unlock();
-      ::poll(fds.data(), fds.size(),
-             static_cast<int>(std::chrono::ceil<std::chrono::milliseconds>(nap).count()));
-      lock.lock();
-      --sleeping_waiters_;
-    } else {
-      lock.unlock();
-      std::this_thread::sleep_for(std::min<Clock::duration>(nap, backoff));
-      backoff = std::min<std::chrono::microseconds>(backoff * 2, 1000us);
-      lock.lock();
+    // Sleep until UCX has something (this thread armed the worker: its own progress may have
+    // consumed the arming the progress thread slept on), the progress thread has progressed
+    // the worker, abort() ends the transport, a watched peer exits, or the deadline (at most
+    // 100 ms, so that the checks above run). UCX refuses to arm while it holds events that
+    // progress did not consume: then a nap of 20 us, doubling to 1 ms while it refuses.
+    const bool armed = event_fd_ >= 0 && lib_.ucp_worker_arm(worker_) != UCS_ERR_BUSY;
+    const auto nap = std::min<Clock::duration>(
+        deadline - now, armed || event_fd_ < 0 ? Clock::duration(100ms) : backoff);
+    if (!armed) backoff = std::min<Clock::duration>(2 * backoff, 1ms);
+    std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}};
+    if (armed) fds.push_back({event_fd_, POLLIN, 0});
+    for (const auto& w : watched_) {
+      if (w.pidfd >= 0) fds.push_back({w.pidfd, POLLIN, 0});
+    }
+    const auto nap_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(nap).count();
+    const timespec timeout{static_cast<time_t>(nap_ns / 1'000'000'000),
+                           static_cast<long>(nap_ns % 1'000'000'000)};
+    sleeping_on_ = &op;
+    lock.unlock();
+    ::ppoll(fds.data(), fds.size(), &timeout, nullptr);
+    lock.lock();
+    sleeping_on_ = nullptr;
+    std::uint64_t count = 0;
+    if ((fds[0].revents & POLLIN) != 0 && ::read(wake_fd_, &count, sizeof count) < 0) {
+      // Cannot happen: the eventfd is readable.
     }
   }
   const char* what = op.send ? "send" : "recv";
@@ -817,7 +842,7 @@ void UcxTransport::abort_locked(const std::string& reason) {
   drain_locked(notices, Clock::now() + 500ms);
   abort_ = reason;
   quiesce_locked();
-  lib_.ucp_worker_signal(worker_);
+  wake_waiter_locked(true);
 }
 
 PeerTraffic UcxTransport::traffic(int peer) const {
