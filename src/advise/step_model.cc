@@ -12,6 +12,7 @@
 
 #include "cost/cost_model.h"
 #include "ddp/buckets.h"
+#include "ddp/sharded_schedule.h"
 #include "gradsync/advise.h"
 #include "gradsync/compress.h"
 #include "gradsync/error.h"
@@ -360,7 +361,6 @@ double sharded_micro_batch(int stage, const std::vector<double>& forward,
     double seconds = 0;
   };
   const std::size_t layers = forward.size();
-  const std::size_t last = layers - 1;
   std::vector<double> seconds(3 * layers);
   for (std::size_t l = 0; l < layers; ++l) {
     seconds[l] = seconds[layers + l] = gather[l];
@@ -375,9 +375,9 @@ double sharded_micro_batch(int stage, const std::vector<double>& forward,
   std::vector<bool> issued(seconds.size(), false);
   // Stage 3's acquire at use `use`: its own gather unless whole, then those of the next uses.
   const auto acquire = [&](std::size_t use) {
-    for (std::size_t next = use; next <= std::min(use + depth, 2 * last); ++next) {
-      const bool backward_use = next > last;
-      const std::size_t l = backward_use ? 2 * last - next : next;
+    for (std::size_t next = use; next <= std::min(use + depth, ddp::zero3::last_use(layers));
+         ++next) {
+      const auto [l, backward_use] = ddp::zero3::use_at(next, layers);
       if (!whole[l]) {
         const std::size_t call = backward_use ? layers + l : l;
         ops.push_back({Op::kIssue, call});
@@ -390,13 +390,13 @@ double sharded_micro_batch(int stage, const std::vector<double>& forward,
     if (stage == 3) acquire(l);
     ops.push_back({Op::kWait, l});
     ops.push_back({Op::kCompute, 0, forward[l]});
-    if (stage == 3 && l + depth < last) whole[l] = false;  // dropped, but for the last depth + 1
+    if (stage == 3 && !ddp::zero3::kept_for_backward(l, layers, depth)) whole[l] = false;
   }
-  const std::size_t in_flight = stage == 3 ? std::max<std::size_t>(1, depth) : 2;
+  const std::size_t in_flight = stage == 3 ? ddp::zero3::reduce_scatters_in_flight(depth) : 2;
   std::vector<std::size_t> reducing;
   for (std::size_t l = layers; l-- > 0;) {
     if (stage == 3) {
-      acquire(2 * last - l);
+      acquire(ddp::zero3::use_of(l, true, layers));
       if (issued[layers + l]) ops.push_back({Op::kWait, layers + l});
     }
     ops.push_back({Op::kCompute, 0, backward[l]});
@@ -700,6 +700,7 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       p.buckets[b].ready_s = layer_end[waits_for[b]];
     last_micro_s = forward_s + std::max(backward_end, worker_end);
   } else {
+    const auto depth = static_cast<std::size_t>(ShardedOptions{}.prefetch_depth);
     // ShardedDataParallel, one unit per layer, its calls priced at their wire size: 16-bit
     // wires carry half the floats' bytes; int8 gradients a byte an element and a float scale
     // a block of 256, plus their quantising inside the call.
@@ -740,10 +741,9 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
     // Every micro-batch reduce-scatters: the gradients stay sharded.
     if (plan.zero == 3) {
       // Twice a step but for the last layers, kept from forward to backward.
-      const auto kept = std::min(workload.layers.size(),
-                                 static_cast<std::size_t>(ShardedOptions{}.prefetch_depth) + 1);
       double kept_gathers = 0, kept_floats = 0;
-      for (std::size_t l = gather.size() - kept; l < gather.size(); ++l) {
+      for (std::size_t l = 0; l < gather.size(); ++l) {
+        if (!ddp::zero3::kept_for_backward(l, gather.size(), depth)) continue;
         kept_gathers += gather[l];
         kept_floats += static_cast<double>(workload.layers[l].parameters());
       }
@@ -779,9 +779,8 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
     // Layers whole at once, at most: stage 3 the one computing and those prefetched, and as
     // many gradients (this one's, those still being reduce-scattered); stages 1 and 2 the
     // gradient being written and two in flight (ShardedDataParallel::mark_ready).
-    const auto prefetched = static_cast<std::size_t>(ShardedOptions{}.prefetch_depth);
     working_floats =
-        (plan.zero == 3 ? 2 * std::min(workload.layers.size(), 1 + prefetched) : 3) * largest;
+        (plan.zero == 3 ? 2 * std::min(workload.layers.size(), 1 + depth) : 3) * largest;
   }
   const std::size_t owned = plan.zero > 0 ? (psi + n - 1) / n : psi;
   // ShardedDataParallel first averages its shard of the gradients in place: 8 bytes more a

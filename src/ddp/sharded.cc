@@ -15,6 +15,7 @@
 
 #include "collectives/algorithms.h"
 #include "core/context_impl.h"
+#include "ddp/sharded_schedule.h"
 #include "gradsync/bytes.h"
 #include "gradsync/error.h"
 #include "gradsync/timeline.h"
@@ -252,6 +253,7 @@ struct ShardedDataParallel::State {
   // a step's micro-batches, in the last one's backward.
   bool reduces_now() const { return (micro_batches + 1) % options.accumulate_steps == 0; }
   bool wire16() const { return options.wire != DataType::kFloat32; }
+  std::size_t prefetch_depth() const { return static_cast<std::size_t>(options.prefetch_depth); }
   bool int8_gradients() const { return options.gradient_wire == DataType::kInt8; }
   // Whether the gradients' sum arrives divided by the ranks (16-bit wires divide first).
   bool gradients_pre_divided() const { return wire16() && !int8_gradients(); }
@@ -503,13 +505,11 @@ std::span<const float> ShardedDataParallel::acquire(int id, Pass pass) {
   const auto index = static_cast<std::size_t>(id);
   if (!u.gathered) s.start_gather(index);
   if (s.options.stage == 3) {
-    // Uses numbered in order: forward 0 .. L-1, then backward L-2 .. 0 at L .. 2L-2 (the last
-    // unit's backward is its forward's use).
-    const std::size_t last = s.units.size() - 1;
-    const std::size_t use = pass == Pass::kForward ? index : 2 * last - index;
-    const auto depth = static_cast<std::size_t>(s.options.prefetch_depth);
-    for (std::size_t next = use + 1; next <= std::min(use + depth, 2 * last); ++next) {
-      const std::size_t ahead = next <= last ? next : 2 * last - next;
+    const std::size_t units = s.units.size();
+    const std::size_t use = ddp::zero3::use_of(index, pass == Pass::kBackward, units);
+    const std::size_t last = std::min(use + s.prefetch_depth(), ddp::zero3::last_use(units));
+    for (std::size_t next = use + 1; next <= last; ++next) {
+      const std::size_t ahead = ddp::zero3::use_at(next, units).unit;
       if (!s.units[ahead].gathered) s.start_gather(ahead);
     }
   }
@@ -523,13 +523,9 @@ void ShardedDataParallel::release(int id, Pass pass) {
   State::Unit& u = s.unit(id, "release");
   if (!u.in_use) s.fail("unit " + u.name + " released without being acquired", "release");
   u.in_use = false;
-  // A unit whose backward gather forward itself would queue (the last prefetch_depth + 1)
-  // stays whole instead: gathering it again could hide only behind the units after it, and
-  // holding it takes the place the prefetched copy would.
   const bool kept_for_backward =
-      pass == Pass::kForward &&
-      static_cast<std::size_t>(id) + static_cast<std::size_t>(s.options.prefetch_depth) + 1 >=
-          s.units.size();
+      pass == Pass::kForward && ddp::zero3::kept_for_backward(static_cast<std::size_t>(id),
+                                                              s.units.size(), s.prefetch_depth());
   if (s.options.stage == 3 && !kept_for_backward) s.drop(u);
 }
 
@@ -574,13 +570,10 @@ void ShardedDataParallel::mark_ready(int id) {
   s.reducing.push_back(static_cast<std::size_t>(id));
   ++s.reduced_units;
   // Give back the buffers of those done, and bound the whole gradients held when the link is
-  // slower than backward. Stage 3 keeps as many in flight as it prefetches: the one queued
-  // before those was queued ahead of the gather the next acquire waits for, so waiting for
-  // it costs nothing. Stage 2, with no gathers in backward, keeps two to stay ahead.
+  // slower than backward (stage 3: zero3::reduce_scatters_in_flight). Stage 2, with no
+  // gathers in backward, keeps two to stay ahead.
   const std::size_t in_flight =
-      s.options.stage == 3
-          ? std::max<std::size_t>(1, static_cast<std::size_t>(s.options.prefetch_depth))
-          : 2;
+      s.options.stage == 3 ? ddp::zero3::reduce_scatters_in_flight(s.prefetch_depth()) : 2;
   while (!s.reducing.empty() &&
          s.reap_reduce(s.units[s.reducing.front()], s.reducing.size() > in_flight)) {
     s.reducing.pop_front();
