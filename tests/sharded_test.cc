@@ -458,6 +458,16 @@ TEST(ShardedDataParallel, StageOneCommunicatesOnceAStep) {
   }
 }
 
+TEST(ShardedDataParallel, RefusesANegativePrefetchDepthByName) {
+  testing::run_inproc_contexts(1, [&](Context& ctx) {
+    const Error e = testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+      ShardedDataParallel bad(ctx, {.stage = 3, .prefetch_depth = -1});
+    });
+    EXPECT_EQ(e.detail(), "prefetch_depth -1 (0 or more)");
+    EXPECT_EQ(e.op(), "ShardedDataParallel");
+  });
+}
+
 // Rank 1 runs its units in another order than its peers (forward 1, 0, 2): the first unit it
 // acquires is not theirs. With sizes that differ the gathers' counts differ; with equal sizes
 // only the unit's identity does, and the header promises kMismatch all the same ("never
