@@ -241,6 +241,53 @@ TEST(Optimizers, SetLrScalesTheStepsThatFollow) {
   EXPECT_NEAR(q[0], 1.0f - 0.03f, 1e-6);
 }
 
+// A step in pieces is the whole step, bit for bit, over several steps (so the momentum and the
+// moments carry), and after(k) sees piece k stepped and the pieces after it not yet: SGD and
+// AdamW step piece by piece; LAMB, whose trust ratio needs whole tensors, steps the whole
+// range first. Bounds that do not cover the range are refused.
+TEST(Optimizers, StepPiecesIsTheWholeStepWithEachPieceReadyInTurn) {
+  const std::vector<std::size_t> bounds = {0, 3, 3, 7, 10};
+  std::vector<float> p0(10), g(10);
+  for (std::size_t i = 0; i < p0.size(); ++i) {
+    p0[i] = 0.3f * static_cast<float>(i) - 1.0f;
+    g[i] = 0.7f - 0.11f * static_cast<float>(i * i % 5);
+  }
+  const std::vector<std::function<std::unique_ptr<optim::Optimizer>()>> makes = {
+      [] { return optim::make_sgd(10, {.lr = 0.1f, .momentum = 0.9f, .nesterov = true}); },
+      [] { return optim::make_adamw(10, {.lr = 0.01f, .weight_decay = 0.1f}); },
+      [] { return optim::make_lamb({4, 6}, {.lr = 0.01f}); }};
+  for (std::size_t which = 0; which < makes.size(); ++which) {
+    SCOPED_TRACE(which);
+    const bool piecewise = which < 2;
+    auto whole = makes[which](), pieces = makes[which]();
+    std::vector<float> expected = p0, p = p0;
+    for (int step = 0; step < 3; ++step) {
+      const std::vector<float> before = p;
+      whole->step(expected, g);
+      std::vector<std::size_t> seen;
+      pieces->step_pieces(p, g, bounds, [&](std::size_t k) {
+        seen.push_back(k);
+        for (std::size_t i = bounds[k]; i < bounds[k + 1]; ++i) EXPECT_EQ(p[i], expected[i]) << i;
+        for (std::size_t i = bounds[k + 1]; piecewise && i < p.size(); ++i) {
+          EXPECT_EQ(p[i], before[i]) << i;
+        }
+      });
+      EXPECT_EQ(seen, (std::vector<std::size_t>{0, 1, 2, 3}));
+      EXPECT_EQ(p, expected);
+    }
+    const auto refuse = [&](std::vector<std::size_t> bad) {
+      testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+        pieces->step_pieces(p, g, bad, [](std::size_t) { ADD_FAILURE() << "stepped"; });
+      });
+    };
+    refuse({0, 9});
+    refuse({1, 10});
+    refuse({0, 6, 4, 10});
+    refuse({10});
+    EXPECT_EQ(p, expected);
+  }
+}
+
 // GradScaler's rule: a NaN or Inf on any one rank skips the step on every rank and halves the
 // scale; growth_interval good steps in a row double it; the unscaled gradients are divided by
 // the scale; the state survives a save and load, and foreign bytes are refused.

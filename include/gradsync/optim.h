@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -75,6 +76,16 @@ class Optimizer {
   virtual bool needs_whole_tensors() const { return false; }
   // params.size() == grads.size() == the count it was made for.
   virtual void step(std::span<float> params, std::span<const float> grads) = 0;
+  // One step, taken piece by piece: piece k is [bounds[k], bounds[k + 1]) of the range
+  // (bounds rise from 0 to the count), and after(k) runs as soon as piece k has its new
+  // values, while later pieces are still to step (ZeRO starts the gather of a unit's shard
+  // there). SGD and AdamW step each piece in turn; an optimizer whose update needs more than
+  // its own elements (LARS, LAMB), or one that does not say otherwise, steps the whole range
+  // and then runs every after(k). Refuses bounds that do not cover the range
+  // (kInvalidArgument).
+  virtual void step_pieces(std::span<float> params, std::span<const float> grads,
+                           std::span<const std::size_t> bounds,
+                           const std::function<void(std::size_t piece)>& after);
   // The learning rate of the steps from now on (a schedule sets it before each step; it is
   // not part of the saved state, being a function of the step).
   virtual void set_lr(float lr) = 0;

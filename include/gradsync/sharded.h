@@ -80,7 +80,7 @@ struct ShardedOptions {
   // pieces of its shard in float32. kFloat32, the default: the gradients travel in `wire`.
   DataType gradient_wire = DataType::kFloat32;
   // Stage 3: how many of the units used next have their gathers queued while this one
-  // computes (0: each gathered only when acquired). Units are used in forward order, then in
+  // computes, or while step() steps the shards (0: each gathered only when acquired). Units are used in forward order, then in
   // backward order. At the turn, the last prefetch_depth + 1 units stay whole from their
   // forward to their backward: forward would queue their second gathers itself, which could
   // hide only behind the (often small) units after them, and the copies kept take the place
@@ -132,8 +132,10 @@ class ShardedDataParallel {
   // for a stage 1 micro-batch that sent nothing.
   StepStats finish();
   // Steps this rank's shard with the mean gradient over the ranks and the micro-batches
-  // finished since the last step; stages 1 and 2 then queue the gather of every unit. Stage 3
-  // drops any whole copy still held, now out of date. With a loss scaler (float16 training)
+  // finished since the last step, unit by unit in forward order (Optimizer::step_pieces),
+  // queuing a unit's gather as soon as its shard has stepped: stages 1 and 2 every unit's,
+  // stage 3 those its first acquire would queue (the first prefetch_depth + 1 units; none at
+  // depth 0), having dropped every whole copy still held, now out of date. With a loss scaler (float16 training)
   // the gradients are unscaled first, and where any rank's hold NaN or Inf the step is
   // skipped on every rank: false, the gradients dropped, the parameters as they were.
   bool step(optim::LossScaler* scaler = nullptr);

@@ -345,14 +345,16 @@ std::pair<double, double> run_step(const std::vector<double>& layers,
 // layers stay whole from forward to backward, and a layer still whole is not gathered again),
 // and as many reduce-scatters stay in flight. Stage 2: the gathers queued by the last
 // step are waited for by each forward (`gather` all zero where there is nothing to gather),
-// and two reduce-scatters stay in flight. The worker runs the calls in issue order; while
-// both it and the thread are busy each goes at its overlapped speed, alone at full speed.
-// Layer times, gathers and reduce-scatters in seconds, forward order. Returns the
-// micro-batch's end.
+// and two reduce-scatters stay in flight. `stepping`, unless empty: the optimizer's step
+// before the micro-batch, each layer's shard in turn, its gather queued once it has stepped
+// (stage 2 every layer's, stage 3 those the first acquire would queue). The worker runs the
+// calls in issue order; while both it and the thread are busy each goes at its overlapped
+// speed, alone at full speed. Layer times, gathers and reduce-scatters in seconds, forward
+// order. Returns the micro-batch's end, counted from the step's start.
 double sharded_micro_batch(int stage, const std::vector<double>& forward,
                            const std::vector<double>& backward, const std::vector<double>& gather,
-                           const std::vector<double>& scatter, double compute_speed,
-                           double comm_speed) {
+                           const std::vector<double>& scatter, const std::vector<double>& stepping,
+                           double compute_speed, double comm_speed) {
   // The thread's script: queue a call, wait for one, or compute. Calls are numbered: layer
   // l's forward gather l, its backward gather L + l, its reduce-scatter 2L + l.
   struct Op {
@@ -367,11 +369,16 @@ double sharded_micro_batch(int stage, const std::vector<double>& forward,
     seconds[2 * layers + l] = scatter[l];
   }
   std::vector<Op> ops;
-  if (stage == 2) {
-    for (std::size_t l = 0; l < layers; ++l) ops.push_back({Op::kIssue, l});
-  }
   const std::size_t depth = static_cast<std::size_t>(ShardedOptions{}.prefetch_depth);
   std::vector<bool> whole(layers, false);  // stage 3: gathered or being gathered, not dropped
+  const std::size_t gathered_by_step = stage == 2 ? layers : (depth == 0 ? 0 : depth + 1);
+  for (std::size_t l = 0; l < layers; ++l) {
+    if (!stepping.empty()) ops.push_back({Op::kCompute, 0, stepping[l]});
+    if (l < gathered_by_step && (stage == 2 || !stepping.empty())) {
+      ops.push_back({Op::kIssue, l});
+      whole[l] = stage == 3;
+    }
+  }
   std::vector<bool> issued(seconds.size(), false);
   // Stage 3's acquire at use `use`: its own gather unless whole, then those of the next uses.
   const auto acquire = [&](std::size_t use) {
@@ -647,7 +654,21 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
                                ? Phase{0, profile.overlap_compute_speed, profile.overlap_comm_speed}
                                : Phase{0, shared, shared};
 
-  double last_micro_s = 0;  // the micro-batch that communicates, from the start of its forward
+  const std::size_t owned = plan.zero > 0 ? (psi + n - 1) / n : psi;
+  // ShardedDataParallel first averages its shard of the gradients in place: 8 bytes more a
+  // parameter it owns.
+  const double averaging = plan.zero >= 1 ? 8 : 0;
+  p.optimizer_s = (optimizer_bytes_per_parameter(workload.optimizer) + averaging) *
+                  static_cast<double>(owned) / (profile.optimizer_gbps * 1e9);
+  if (plan.step_ahead && plan.zero == 0 && workload.optimizer == "sgd" && pricer.holds_back()) {
+    // Save every value, move each by lr x its residual, copy the saved values back
+    // (examples/train/training.cc, look_ahead and look_back): 8 + 12 + 8 bytes a parameter.
+    p.optimizer_s += 28.0 * static_cast<double>(psi) / (profile.optimizer_gbps * 1e9);
+  }
+
+  // The micro-batch that communicates, from the start of its forward (ZeRO: of the optimizer's
+  // step before it, which it overlaps).
+  double last_micro_s = 0;
   double latency_s = 0;     // of comm_s, the calls' fixed costs
   // A micro-batch before the last, where it differs from forward and backward alone (ZeRO 2
   // and 3 communicate in every one); and memory beyond the shards (ZeRO 3's gathered layers).
@@ -711,10 +732,12 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       return static_cast<std::size_t>(std::ceil(wire * static_cast<double>(floats)));
     };
     std::vector<double> forward_layers, gather, scatter;
+    std::vector<double> stepping;  // each layer's share of the optimizer's step, in turn
     std::size_t largest = 0;
     for (const auto& l : workload.layers) {
       const std::size_t floats = l.parameters();
       largest = std::max(largest, floats);
+      stepping.push_back(p.optimizer_s * static_cast<double>(floats) / static_cast<double>(psi));
       forward_layers.push_back(l.forward_ms > 0 ? l.forward_ms * 1e-3
                                                 : l.forward_flops * batch / flops_per_s);
       gather.push_back(
@@ -750,8 +773,11 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       p.comm_s = plan.accumulate * (2 * gathers - kept_gathers + scatters);
       latency_s = plan.accumulate * units * (2 * gather_latency + scatter_latency);
       last_micro_s = sharded_micro_batch(3, forward_layers, backward_layers, gather, scatter,
-                                         busy_phase.compute_speed, busy_phase.worker_speed);
-      accumulated_micro_s = last_micro_s;
+                                         stepping, busy_phase.compute_speed,
+                                         busy_phase.worker_speed);
+      accumulated_micro_s = sharded_micro_batch(3, forward_layers, backward_layers, gather,
+                                                scatter, {}, busy_phase.compute_speed,
+                                                busy_phase.worker_speed);
       p.wire_bytes_per_rank = static_cast<std::size_t>(
           ((2 - kept_floats / static_cast<double>(psi)) * gather_bytes + scatter_bytes) *
           plan.accumulate);
@@ -764,10 +790,11 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       p.comm_s = gathers + scattering * scatters;
       latency_s = units * (gather_latency + scattering * scatter_latency);
       last_micro_s = sharded_micro_batch(2, forward_layers, backward_layers, gather, scatter,
-                                         busy_phase.compute_speed, busy_phase.worker_speed);
+                                         stepping, busy_phase.compute_speed,
+                                         busy_phase.worker_speed);
       const std::vector<double> nothing(gather.size(), 0.0);
       accumulated_micro_s = sharded_micro_batch(2, forward_layers, backward_layers, nothing,
-                                                plan.zero == 2 ? scatter : nothing,
+                                                plan.zero == 2 ? scatter : nothing, {},
                                                 busy_phase.compute_speed, busy_phase.worker_speed);
       if (plan.zero == 1 && plan.accumulate > 1) {
         const double pass_s = static_cast<double>(psi) / (profile.optimizer_gbps * 1e9);
@@ -782,18 +809,8 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
     working_floats =
         (plan.zero == 3 ? 2 * std::min(workload.layers.size(), 1 + depth) : 3) * largest;
   }
-  const std::size_t owned = plan.zero > 0 ? (psi + n - 1) / n : psi;
-  // ShardedDataParallel first averages its shard of the gradients in place: 8 bytes more a
-  // parameter it owns.
-  const double averaging = plan.zero >= 1 ? 8 : 0;
-  p.optimizer_s = (optimizer_bytes_per_parameter(workload.optimizer) + averaging) *
-                  static_cast<double>(owned) / (profile.optimizer_gbps * 1e9);
-  if (plan.step_ahead && plan.zero == 0 && workload.optimizer == "sgd" && pricer.holds_back()) {
-    // Save every value, move each by lr x its residual, copy the saved values back
-    // (examples/train/training.cc, look_ahead and look_back): 8 + 12 + 8 bytes a parameter.
-    p.optimizer_s += 28.0 * static_cast<double>(psi) / (profile.optimizer_gbps * 1e9);
-  }
-  p.step_s = (plan.accumulate - 1) * accumulated_micro_s + last_micro_s + p.optimizer_s;
+  p.step_s = (plan.accumulate - 1) * accumulated_micro_s + last_micro_s +
+             (plan.zero == 0 ? p.optimizer_s : 0);
   p.exposed_comm_s = std::max(0.0, p.step_s - p.compute_s - p.optimizer_s);
 
   const std::size_t state = optimizer_state_floats(workload.optimizer) * owned;

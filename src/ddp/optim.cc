@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -19,6 +20,19 @@ void check_sizes(std::size_t count, std::span<float> params, std::span<const flo
                 "optimizer of " + std::to_string(count) + " parameters stepped with " +
                     std::to_string(params.size()) + " parameters and " +
                     std::to_string(grads.size()) + " gradients",
+                Error::kUnknownRank, Error::kNoPeer, "optimizer step");
+  }
+}
+
+// Bounds of step_pieces: rising from 0 to `count`.
+void check_bounds(std::size_t count, std::span<const std::size_t> bounds) {
+  bool covers = bounds.size() >= 2 && bounds.front() == 0 && bounds.back() == count;
+  for (std::size_t k = 1; covers && k < bounds.size(); ++k) covers = bounds[k - 1] <= bounds[k];
+  if (!covers) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "step_pieces of " + std::to_string(count) + " parameters with " +
+                    std::to_string(bounds.size()) +
+                    " bounds that do not rise from 0 to the count",
                 Error::kUnknownRank, Error::kNoPeer, "optimizer step");
   }
 }
@@ -93,19 +107,48 @@ class BufferedOptimizer : public Optimizer {
   std::uint64_t steps_ = 0;
 };
 
+// An optimizer whose update of an element reads only that element, its gradient and state and
+// the step count: it can step any piece of its range on its own (step_pieces).
+class ElementwiseOptimizer : public BufferedOptimizer {
+ public:
+  void step(std::span<float> p, std::span<const float> g) override {
+    check_sizes(count_, p, g);
+    update(0, count_, p.data(), g.data());
+    ++steps_;
+  }
+  void step_pieces(std::span<float> p, std::span<const float> g,
+                   std::span<const std::size_t> bounds,
+                   const std::function<void(std::size_t)>& after) override {
+    check_sizes(count_, p, g);
+    check_bounds(count_, bounds);
+    for (std::size_t k = 0; k + 1 < bounds.size(); ++k) {
+      update(bounds[k], bounds[k + 1], p.data(), g.data());
+      after(k);
+    }
+    ++steps_;
+  }
+
+ protected:
+  using BufferedOptimizer::BufferedOptimizer;
+  // Elements [from, to) of this step, the steps before it counted in steps_.
+  virtual void update(std::size_t from, std::size_t to, float* p, const float* g) = 0;
+};
+
 std::size_t total_of(const std::vector<std::size_t>& sizes) {
   std::size_t total = 0;
   for (std::size_t n : sizes) total += n;
   return total;
 }
 
-class Sgd final : public BufferedOptimizer {
+class Sgd final : public ElementwiseOptimizer {
  public:
   Sgd(std::size_t count, SgdOptions o)
-      : BufferedOptimizer("GSSG", count, o.momentum != 0 ? 1 : 0), o_(o) {}
-  void step(std::span<float> p, std::span<const float> g) override {
-    check_sizes(count_, p, g);
-    for (std::size_t i = 0; i < count_; ++i) {
+      : ElementwiseOptimizer("GSSG", count, o.momentum != 0 ? 1 : 0), o_(o) {}
+  void set_lr(float lr) override { o_.lr = lr; }
+
+ private:
+  void update(std::size_t from, std::size_t to, float* p, const float* g) override {
+    for (std::size_t i = from; i < to; ++i) {
       float d = g[i] + o_.weight_decay * p[i];
       if (o_.momentum != 0) {
         float& b = state_[i];  // the momentum buffer
@@ -114,35 +157,31 @@ class Sgd final : public BufferedOptimizer {
       }
       p[i] -= o_.lr * d;
     }
-    ++steps_;
   }
-  void set_lr(float lr) override { o_.lr = lr; }
 
- private:
   SgdOptions o_;
 };
 
-class AdamW final : public BufferedOptimizer {
+class AdamW final : public ElementwiseOptimizer {
  public:
-  AdamW(std::size_t count, AdamWOptions o) : BufferedOptimizer("GSAW", count, 2), o_(o) {}
-  void step(std::span<float> p, std::span<const float> g) override {
-    check_sizes(count_, p, g);
-    ++steps_;
-    const double t = static_cast<double>(steps_);
+  AdamW(std::size_t count, AdamWOptions o) : ElementwiseOptimizer("GSAW", count, 2), o_(o) {}
+  void set_lr(float lr) override { o_.lr = lr; }
+
+ private:
+  void update(std::size_t from, std::size_t to, float* p, const float* g) override {
+    const double t = static_cast<double>(steps_ + 1);
     const auto c1 = static_cast<float>(1.0 - std::pow(static_cast<double>(o_.beta1), t));
     const auto c2 = static_cast<float>(1.0 - std::pow(static_cast<double>(o_.beta2), t));
     float* m = state_.data();  // the moments: m then v
     float* v = state_.data() + count_;
-    for (std::size_t i = 0; i < count_; ++i) {
+    for (std::size_t i = from; i < to; ++i) {
       p[i] -= o_.lr * o_.weight_decay * p[i];
       m[i] = o_.beta1 * m[i] + (1 - o_.beta1) * g[i];
       v[i] = o_.beta2 * v[i] + (1 - o_.beta2) * g[i] * g[i];
       p[i] -= o_.lr * (m[i] / c1) / (std::sqrt(v[i] / c2) + o_.eps);
     }
   }
-  void set_lr(float lr) override { o_.lr = lr; }
 
- private:
   AdamWOptions o_;
 };
 
@@ -261,6 +300,14 @@ class Lamb final : public BufferedOptimizer {
 };
 
 }  // namespace
+
+void Optimizer::step_pieces(std::span<float> params, std::span<const float> grads,
+                            std::span<const std::size_t> bounds,
+                            const std::function<void(std::size_t)>& after) {
+  check_bounds(params.size(), bounds);
+  step(params, grads);
+  for (std::size_t k = 0; k + 1 < bounds.size(); ++k) after(k);
+}
 
 void Optimizer::load_planes(const Planes&) {
   refuse_planes("this optimizer's state is not per-element planes");

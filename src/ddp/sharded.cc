@@ -635,17 +635,28 @@ bool ShardedDataParallel::step(optim::LossScaler* scaler) {
   }
   s.micro_batches = s.reduced_batches = 0;
   if (scaler && !scaler->unscale(s.ctx, s.gradients)) return false;
-  s.optimizer->step(s.values, s.gradients);
-  for (std::size_t id = 0; id < s.units.size(); ++id) {
-    State::Unit& u = s.units[id];
+  for (State::Unit& u : s.units) {
     if (u.in_use) s.fail("step while unit " + u.name + " is acquired", "step");
+    // A gather in flight reads the shard about to step. Stage 3's copies are now out of date.
     if (s.options.stage == 3) {
       s.drop(u);
     } else {
-      s.finish_gather(u);  // refreshed in place, waited for by its next acquire
-      s.start_gather(id);
+      s.finish_gather(u);
     }
   }
+  // Unit by unit in forward order, each unit's gather queued as soon as its shard has stepped,
+  // while the later shards step: stages 1 and 2 refresh every unit in place (each waited for
+  // by its next acquire); stage 3 gathers the next forward's first uses, as an acquire would
+  // prefetch them, so that they need not wait for the whole step.
+  // (With prefetch_depth d, acquiring the first unit would queue it and the d after it.)
+  const std::size_t depth = s.prefetch_depth();
+  const std::size_t prefetched =
+      s.options.stage < 3 ? s.units.size() : (depth == 0 ? 0 : depth + 1);
+  std::vector<std::size_t> bounds{0};
+  for (const State::Unit& u : s.units) bounds.push_back(u.first + u.shard);
+  s.optimizer->step_pieces(s.values, s.gradients, bounds, [&](std::size_t id) {
+    if (id < prefetched) s.start_gather(id);
+  });
   return true;
 }
 
