@@ -32,6 +32,7 @@ done
 results=$(mktemp -d /tmp/ddp_compare.XXXXXX)
 trap 'rm -rf "$results"' EXIT
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+source "$here/torch_malloc.sh"
 
 codec_of() {
   case "$1" in none) echo none ;; fp16) echo fp16 ;; powersgd) echo powersgd:rank=4 ;; esac

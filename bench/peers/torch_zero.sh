@@ -26,11 +26,7 @@ done
 results=$(mktemp -d /tmp/torch_zero.XXXXXX)
 trap 'rm -rf "$results"' EXIT
 export OMP_NUM_THREADS=1  # torch_zero_mlp.py sets one thread too; this covers its start-up
-# glibc hands freed blocks of 128 KiB and more back to the kernel, so each step's new gradients
-# and AdamW's temporaries (16.8 MB tensors) fault their pages in again: on some days' machines
-# that made torch's step 2-3x slower and erratic. gradsync-train pools its buffers; the peer
-# keeps freed memory in its heap likewise (32 MiB is the largest threshold glibc takes).
-export MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296
+source "$here/torch_malloc.sh"
 exec 9>/tmp/gradsync-bench.lock
 flock 9
 for ((r = 0; r < repeats; r++)); do
