@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #if GRADSYNC_HAVE_UCX  // the whole file: a build without UCX has no ucx transport to test
@@ -104,6 +105,30 @@ INSTANTIATE_TEST_SUITE_P(
         TransportFactory{"ucx_sm", [](int n, const TransportOptions& o,
                                       const RankBody& b) { run_ucx_group(n, o, b, over("sm")); }}),
     TransportFactoryName);
+
+// Only where UCX may use TCP alone does the transport add RNDV_THRESH=inf, and never over a
+// value the caller or the environment gave.
+TEST(UcxTransport, SettingsAddEagerMessagesOnlyWhereTcpIsTheOnlyTransport) {
+  using Settings = std::vector<std::pair<std::string, std::string>>;
+  const auto settings = [](const Settings& config, std::map<std::string, std::string> env) {
+    return ucx_settings(UcxOptions{config}, [&](const std::string& name) -> const char* {
+      const auto it = env.find(name);
+      return it == env.end() ? nullptr : it->second.c_str();
+    });
+  };
+  const Settings eager = {{"RNDV_THRESH", "inf"}};
+  EXPECT_EQ(settings({}, {{"TLS", "tcp"}}), eager);
+  EXPECT_EQ(settings({}, {{"TLS", "tcp,self"}}), eager);
+  EXPECT_EQ(settings({{"TLS", "tcp"}}, {{"TLS", "rc,sm"}}), (Settings{{"TLS", "tcp"}, eager[0]}));
+  EXPECT_EQ(settings({}, {}), Settings{});
+  EXPECT_EQ(settings({}, {{"TLS", "tcp,sm"}}), Settings{});
+  EXPECT_EQ(settings({}, {{"TLS", "rc,tcp"}}), Settings{});
+  EXPECT_EQ(settings({}, {{"TLS", "self"}}), Settings{});
+  EXPECT_EQ(settings({{"TLS", "sm"}}, {{"TLS", "tcp"}}), (Settings{{"TLS", "sm"}}));
+  EXPECT_EQ(settings({}, {{"TLS", "tcp"}, {"RNDV_THRESH", "8k"}}), Settings{});
+  EXPECT_EQ(settings({{"RNDV_THRESH", "64k"}}, {{"TLS", "tcp"}}),
+            (Settings{{"RNDV_THRESH", "64k"}}));
+}
 
 TEST(UcxTransport, SetupNamesTheRankThatNeverCame) {
   auto store = make_inproc_store();

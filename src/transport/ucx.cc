@@ -21,11 +21,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <thread>
 
 #include "transport/shm_segment.h"
@@ -253,7 +255,8 @@ UcxTransport::UcxTransport(int rank, int world_size, const std::vector<int>& gro
   ucp_config_t* config = nullptr;
   if (auto s = lib_.ucp_config_read(nullptr, nullptr, &config); s != UCS_OK)
     fail("ucp_config_read", s);
-  for (const auto& [name, value] : ucx.config) {
+  for (const auto& [name, value] : ucx_settings(
+           ucx, [](const std::string& name) { return std::getenv(("UCX_" + name).c_str()); })) {
     if (auto s = lib_.ucp_config_modify(config, name.c_str(), value.c_str()); s != UCS_OK) {
       lib_.ucp_config_release(config);
       throw Error(ErrorKind::kInvalidArgument,
@@ -852,6 +855,29 @@ PeerTraffic UcxTransport::traffic(int peer) const {
 }
 
 }  // namespace
+
+std::vector<std::pair<std::string, std::string>> ucx_settings(
+    const UcxOptions& ucx,
+    const std::function<const char*(const std::string&)>& environment_value) {
+  std::vector<std::pair<std::string, std::string>> settings = ucx.config;
+  const auto value_of = [&](const std::string& name) -> std::optional<std::string> {
+    for (const auto& [n, v] : ucx.config) {
+      if (n == name) return v;
+    }
+    if (const char* v = environment_value(name)) return std::string(v);
+    return std::nullopt;
+  };
+  const std::optional<std::string> tls = value_of("TLS");
+  bool tcp_alone = tls.has_value() && !tls->empty();
+  std::stringstream list(tls.value_or(""));
+  for (std::string name; tcp_alone && std::getline(list, name, ',');) {
+    tcp_alone = name == "tcp" || name == "self";
+  }
+  if (tcp_alone && tls->find("tcp") != std::string::npos && !value_of("RNDV_THRESH")) {
+    settings.emplace_back("RNDV_THRESH", "inf");
+  }
+  return settings;
+}
 
 std::unique_ptr<Transport> make_ucx_transport(Store& store, const std::string& key_prefix, int rank,
                                               int world_size, const std::vector<int>& group,
