@@ -188,6 +188,14 @@ TEST(Knobs, UnregisteredNameIsALogicError) {
   EXPECT_THROW(knobs::text("GRADSYNC_NO_SUCH_KNOB"), std::logic_error);
   EXPECT_THROW(knobs::integer("GRADSYNC_NO_SUCH_KNOB"), std::logic_error);
   EXPECT_THROW(knobs::integer("GRADSYNC_ALGO"), std::logic_error) << "a text knob";
+  // Another library's variables are read apart, never gradsync's own through that door.
+  EXPECT_THROW(knobs::foreign_text("GRADSYNC_ALGO"), std::logic_error);
+  EXPECT_THROW(knobs::foreign_text("GRADSYNC_NO_SUCH_KNOB"), std::logic_error);
+  EXPECT_THROW(knobs::foreign_text("WORLD_SIZE"), std::logic_error) << "a launcher variable";
+  ::setenv("UCX_GRADSYNC_KNOBS_TEST", "tcp", 1);
+  EXPECT_EQ(knobs::foreign_text("UCX_GRADSYNC_KNOBS_TEST"), "tcp");
+  ::unsetenv("UCX_GRADSYNC_KNOBS_TEST");
+  EXPECT_EQ(knobs::foreign_text("UCX_GRADSYNC_KNOBS_TEST"), std::nullopt);
 }
 
 // README's tables (variable, Options field, default, accepts, meaning) have one row per knob

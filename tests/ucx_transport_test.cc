@@ -111,10 +111,12 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(UcxTransport, SettingsAddEagerMessagesOnlyWhereTcpIsTheOnlyTransport) {
   using Settings = std::vector<std::pair<std::string, std::string>>;
   const auto settings = [](const Settings& config, std::map<std::string, std::string> env) {
-    return ucx_settings(UcxOptions{config}, [&](const std::string& name) -> const char* {
-      const auto it = env.find(name);
-      return it == env.end() ? nullptr : it->second.c_str();
-    });
+    return ucx_settings(UcxOptions{config},
+                        [&](const std::string& name) -> std::optional<std::string> {
+                          const auto it = env.find(name);
+                          if (it == env.end()) return std::nullopt;
+                          return it->second;
+                        });
   };
   const Settings eager = {{"RNDV_THRESH", "inf"}};
   EXPECT_EQ(settings({}, {{"TLS", "tcp"}}), eager);

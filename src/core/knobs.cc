@@ -1,6 +1,7 @@
 // The knob registry (see knobs.h): the rows, and reading, validating and logging a variable.
 #include "core/knobs.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
@@ -195,6 +196,14 @@ const Knob& find(std::string_view name) {
   }
   throw std::logic_error("gradsync: " + std::string(name) +
                          " is not in the knob registry (src/core/knobs.cc)");
+}
+
+std::optional<std::string> foreign_text(std::string_view name) {
+  if (name.starts_with("GRADSYNC_") ||
+      std::any_of(all().begin(), all().end(), [&](const Knob& k) { return k.name == name; })) {
+    throw std::logic_error(std::string(name) + " is gradsync's: read it with knobs::text");
+  }
+  return from_environment(name);
 }
 
 std::optional<std::string> text(std::string_view name) {

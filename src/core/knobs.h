@@ -50,6 +50,11 @@ const Knob& find(std::string_view name);
 // The value of variable `name`, nullopt when it is unset or empty (the way launchers clear
 // a variable). The first read that finds it set logs it (see log_override).
 std::optional<std::string> text(std::string_view name);
+// The value of another library's variable (UCX_TLS, ...), nullopt when unset or empty: read so
+// that a transport can honour what the user told that library, but neither registered nor
+// logged here, since gradsync neither owns nor documents it. One of gradsync's own names is a
+// programming error (std::logic_error): those go through text().
+std::optional<std::string> foreign_text(std::string_view name);
 // The value as an integer in the row's [min, max]; anything else (garbage, a sign or space
 // around it, out of range, past long long) is refused (see refusal). A row without a range is
 // a programming error (std::logic_error).

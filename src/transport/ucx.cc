@@ -21,7 +21,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -30,6 +29,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/knobs.h"
 #include "transport/shm_segment.h"
 #include "transport/tcp_tuning.h"
 #include "transport/ucx_library.h"
@@ -255,8 +255,10 @@ UcxTransport::UcxTransport(int rank, int world_size, const std::vector<int>& gro
   ucp_config_t* config = nullptr;
   if (auto s = lib_.ucp_config_read(nullptr, nullptr, &config); s != UCS_OK)
     fail("ucp_config_read", s);
-  for (const auto& [name, value] : ucx_settings(
-           ucx, [](const std::string& name) { return std::getenv(("UCX_" + name).c_str()); })) {
+  const auto environment = [](const std::string& name) {
+    return knobs::foreign_text("UCX_" + name);
+  };
+  for (const auto& [name, value] : ucx_settings(ucx, environment)) {
     if (auto s = lib_.ucp_config_modify(config, name.c_str(), value.c_str()); s != UCS_OK) {
       lib_.ucp_config_release(config);
       throw Error(ErrorKind::kInvalidArgument,
@@ -858,14 +860,13 @@ PeerTraffic UcxTransport::traffic(int peer) const {
 
 std::vector<std::pair<std::string, std::string>> ucx_settings(
     const UcxOptions& ucx,
-    const std::function<const char*(const std::string&)>& environment_value) {
+    const std::function<std::optional<std::string>(const std::string&)>& environment_value) {
   std::vector<std::pair<std::string, std::string>> settings = ucx.config;
   const auto value_of = [&](const std::string& name) -> std::optional<std::string> {
     for (const auto& [n, v] : ucx.config) {
       if (n == name) return v;
     }
-    if (const char* v = environment_value(name)) return std::string(v);
-    return std::nullopt;
+    return environment_value(name);
   };
   const std::optional<std::string> tls = value_of("TLS");
   bool tcp_alone = tls.has_value() && !tls->empty();

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,13 +25,13 @@ struct UcxOptions {
 };
 
 // The settings make_ucx_transport applies: `config`, then what the transport adds where neither
-// `config` nor the environment (`environment_value`: the value of UCX_<name>, or null) sets
+// `config` nor the environment (`environment_value`: the value of UCX_<name>, if set) sets
 // it. Where UCX may use TCP alone (UCX_TLS names only tcp, and perhaps self), RNDV_THRESH=inf:
 // there the rendezvous protocol costs a round trip per message and its zero-copy has no
 // hardware to use, while eager messages stream (BENCHMARKS.md, the ucx transport across hosts).
 std::vector<std::pair<std::string, std::string>> ucx_settings(
     const UcxOptions& ucx,
-    const std::function<const char*(const std::string& name)>& environment_value);
+    const std::function<std::optional<std::string>(const std::string& name)>& environment_value);
 
 // Collective call over the ranks in `group` (global ranks, sorted, including `rank`).
 // Publishes this rank's UCX worker address in `store` under `key_prefix` + "/ucx/<rank>"
