@@ -255,7 +255,9 @@ TEST(Optimizers, StepPiecesIsTheWholeStepWithEachPieceReadyInTurn) {
   const std::vector<std::function<std::unique_ptr<optim::Optimizer>()>> makes = {
       [] { return optim::make_sgd(10, {.lr = 0.1f, .momentum = 0.9f, .nesterov = true}); },
       [] { return optim::make_adamw(10, {.lr = 0.01f, .weight_decay = 0.1f}); },
-      [] { return optim::make_lamb({4, 6}, {.lr = 0.01f}); }};
+      [] {
+        return optim::make_lamb({4, 6}, {.lr = 0.01f});
+      }};
   for (std::size_t which = 0; which < makes.size(); ++which) {
     SCOPED_TRACE(which);
     const bool piecewise = which < 2;
@@ -276,9 +278,14 @@ TEST(Optimizers, StepPiecesIsTheWholeStepWithEachPieceReadyInTurn) {
       EXPECT_EQ(p, expected);
     }
     const auto refuse = [&](std::vector<std::size_t> bad) {
-      testing::expect_error(ErrorKind::kInvalidArgument, [&] {
+      const Error e = testing::expect_error(ErrorKind::kInvalidArgument, [&] {
         pieces->step_pieces(p, g, bad, [](std::size_t) { ADD_FAILURE() << "stepped"; });
       });
+      EXPECT_NE(std::string(e.what()).find("step_pieces of 10 parameters with " +
+                                           std::to_string(bad.size()) +
+                                           " bounds that do not rise from 0 to the count"),
+                std::string::npos)
+          << e.what();
     };
     refuse({0, 9});
     refuse({1, 10});

@@ -80,13 +80,14 @@ struct ShardedOptions {
   // pieces of its shard in float32. kFloat32, the default: the gradients travel in `wire`.
   DataType gradient_wire = DataType::kFloat32;
   // Stage 3: how many of the units used next have their gathers queued while this one
-  // computes, or while step() steps the shards (0: each gathered only when acquired). Units are used in forward order, then in
-  // backward order. At the turn, the last prefetch_depth + 1 units stay whole from their
-  // forward to their backward: forward would queue their second gathers itself, which could
-  // hide only behind the (often small) units after them, and the copies kept take the place
-  // of the prefetched ones. One is FSDP's forward_prefetch and BACKWARD_PRE; each more holds
-  // one more whole unit and one more gradient in flight at once, for a worker that would
-  // otherwise idle while a unit computes longer than the next one's gather.
+  // computes, or while step() steps the shards (0: each gathered only when acquired). Units
+  // are used in forward order, then in backward order. At the turn, the last
+  // prefetch_depth + 1 units stay whole from their forward to their backward: forward would
+  // queue their second gathers itself, which could hide only behind the (often small) units
+  // after them, and the copies kept take the place of the prefetched ones. One is FSDP's
+  // forward_prefetch and BACKWARD_PRE; each more holds one more whole unit and one more gradient in
+  // flight at once, for a worker that would otherwise idle while a unit computes longer than the
+  // next one's gather.
   int prefetch_depth = 1;
 };
 
@@ -135,9 +136,10 @@ class ShardedDataParallel {
   // finished since the last step, unit by unit in forward order (Optimizer::step_pieces),
   // queuing a unit's gather as soon as its shard has stepped: stages 1 and 2 every unit's,
   // stage 3 those its first acquire would queue (the first prefetch_depth + 1 units; none at
-  // depth 0), having dropped every whole copy still held, now out of date. With a loss scaler (float16 training)
-  // the gradients are unscaled first, and where any rank's hold NaN or Inf the step is
-  // skipped on every rank: false, the gradients dropped, the parameters as they were.
+  // depth 0), having dropped every whole copy still held, now out of date. With a loss scaler
+  // (float16 training) the gradients are unscaled first, and where any rank's hold NaN or Inf
+  // the step is skipped on every rank: false, the gradients dropped, the parameters as they
+  // were.
   bool step(optim::LossScaler* scaler = nullptr);
 
   // Every unit's whole parameters back to back, in unit order, as the float32 master copies

@@ -371,7 +371,7 @@ double sharded_micro_batch(int stage, const std::vector<double>& forward,
   std::vector<Op> ops;
   const std::size_t depth = static_cast<std::size_t>(ShardedOptions{}.prefetch_depth);
   std::vector<bool> whole(layers, false);  // stage 3: gathered or being gathered, not dropped
-  const std::size_t gathered_by_step = stage == 2 ? layers : (depth == 0 ? 0 : depth + 1);
+  const std::size_t gathered_by_step = stage == 2 ? layers : ddp::zero3::gathered_by_step(depth);
   for (std::size_t l = 0; l < layers; ++l) {
     if (!stepping.empty()) ops.push_back({Op::kCompute, 0, stepping[l]});
     if (l < gathered_by_step && (stage == 2 || !stepping.empty())) {
@@ -669,7 +669,7 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
   // The micro-batch that communicates, from the start of its forward (ZeRO: of the optimizer's
   // step before it, which it overlaps).
   double last_micro_s = 0;
-  double latency_s = 0;     // of comm_s, the calls' fixed costs
+  double latency_s = 0;  // of comm_s, the calls' fixed costs
   // A micro-batch before the last, where it differs from forward and backward alone (ZeRO 2
   // and 3 communicate in every one); and memory beyond the shards (ZeRO 3's gathered layers).
   double accumulated_micro_s = forward_s + backward_s;
@@ -772,12 +772,12 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       }
       p.comm_s = plan.accumulate * (2 * gathers - kept_gathers + scatters);
       latency_s = plan.accumulate * units * (2 * gather_latency + scatter_latency);
-      last_micro_s = sharded_micro_batch(3, forward_layers, backward_layers, gather, scatter,
-                                         stepping, busy_phase.compute_speed,
-                                         busy_phase.worker_speed);
-      accumulated_micro_s = sharded_micro_batch(3, forward_layers, backward_layers, gather,
-                                                scatter, {}, busy_phase.compute_speed,
-                                                busy_phase.worker_speed);
+      last_micro_s =
+          sharded_micro_batch(3, forward_layers, backward_layers, gather, scatter, stepping,
+                              busy_phase.compute_speed, busy_phase.worker_speed);
+      accumulated_micro_s =
+          sharded_micro_batch(3, forward_layers, backward_layers, gather, scatter, {},
+                              busy_phase.compute_speed, busy_phase.worker_speed);
       p.wire_bytes_per_rank = static_cast<std::size_t>(
           ((2 - kept_floats / static_cast<double>(psi)) * gather_bytes + scatter_bytes) *
           plan.accumulate);
@@ -789,9 +789,9 @@ Prediction predict(const Profile& profile, const Workload& workload, const Plan&
       const int scattering = plan.zero == 2 ? plan.accumulate : 1;
       p.comm_s = gathers + scattering * scatters;
       latency_s = units * (gather_latency + scattering * scatter_latency);
-      last_micro_s = sharded_micro_batch(2, forward_layers, backward_layers, gather, scatter,
-                                         stepping, busy_phase.compute_speed,
-                                         busy_phase.worker_speed);
+      last_micro_s =
+          sharded_micro_batch(2, forward_layers, backward_layers, gather, scatter, stepping,
+                              busy_phase.compute_speed, busy_phase.worker_speed);
       const std::vector<double> nothing(gather.size(), 0.0);
       accumulated_micro_s = sharded_micro_batch(2, forward_layers, backward_layers, nothing,
                                                 plan.zero == 2 ? scatter : nothing, {},

@@ -648,10 +648,8 @@ bool ShardedDataParallel::step(optim::LossScaler* scaler) {
   // while the later shards step: stages 1 and 2 refresh every unit in place (each waited for
   // by its next acquire); stage 3 gathers the next forward's first uses, as an acquire would
   // prefetch them, so that they need not wait for the whole step.
-  // (With prefetch_depth d, acquiring the first unit would queue it and the d after it.)
-  const std::size_t depth = s.prefetch_depth();
   const std::size_t prefetched =
-      s.options.stage < 3 ? s.units.size() : (depth == 0 ? 0 : depth + 1);
+      s.options.stage < 3 ? s.units.size() : ddp::zero3::gathered_by_step(s.prefetch_depth());
   std::vector<std::size_t> bounds{0};
   for (const State::Unit& u : s.units) bounds.push_back(u.first + u.shard);
   s.optimizer->step_pieces(s.values, s.gradients, bounds, [&](std::size_t id) {

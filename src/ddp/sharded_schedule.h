@@ -30,6 +30,13 @@ inline bool kept_for_backward(std::size_t unit, std::size_t units, std::size_t p
   return unit + prefetch_depth + 1 >= units;
 }
 
+// How many units, the first in forward order, the step queues the gathers of as their shards
+// step: those the first acquire would queue (itself and the prefetch_depth after it), none
+// where nothing is prefetched.
+inline std::size_t gathered_by_step(std::size_t prefetch_depth) {
+  return prefetch_depth == 0 ? 0 : prefetch_depth + 1;
+}
+
 // Reduce-scatters left in flight after a unit's is queued: as many as are prefetched, so the
 // oldest was queued ahead of the gather the next acquire waits for, and waiting for it costs
 // nothing.

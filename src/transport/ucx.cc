@@ -868,13 +868,14 @@ std::vector<std::pair<std::string, std::string>> ucx_settings(
     }
     return environment_value(name);
   };
-  const std::optional<std::string> tls = value_of("TLS");
-  bool tcp_alone = tls.has_value() && !tls->empty();
-  std::stringstream list(tls.value_or(""));
-  for (std::string name; tcp_alone && std::getline(list, name, ',');) {
-    tcp_alone = name == "tcp" || name == "self";
+  // Every transport UCX_TLS names is tcp or self, and tcp is one of them.
+  bool tcp = false, only_tcp_or_self = true;
+  std::stringstream list(value_of("TLS").value_or(""));
+  for (std::string name; std::getline(list, name, ',');) {
+    tcp = tcp || name == "tcp";
+    only_tcp_or_self = only_tcp_or_self && (name == "tcp" || name == "self");
   }
-  if (tcp_alone && tls->find("tcp") != std::string::npos && !value_of("RNDV_THRESH")) {
+  if (tcp && only_tcp_or_self && !value_of("RNDV_THRESH")) {
     settings.emplace_back("RNDV_THRESH", "inf");
   }
   return settings;
