@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <string>
@@ -297,14 +298,17 @@ void hierarchical_reduce_scatter(Comm& c, const void* send_v, void* recv_v,
   const Levels lv(c);
   const std::size_t es = dtype_size(dtype);
   const Regrouped g(lv, block_counts);
-  std::vector<unsigned char> grouped(g.total * es);
-  g.pack(lv, es, static_cast<const unsigned char*>(send_v), grouped.data());
+  // Scratch written in full before it is read (pack, then the rings): not zeroed, whose pass
+  // over fresh pages costs as much as the copies themselves.
+  auto grouped = std::make_unique_for_overwrite<unsigned char[]>(g.total * es);
+  g.pack(lv, es, static_cast<const unsigned char*>(send_v), grouped.get());
   const ReduceOp inner = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-  std::vector<unsigned char> mine(g.per_local[static_cast<std::size_t>(lv.local_index)] * es);
+  auto mine = std::make_unique_for_overwrite<unsigned char[]>(
+      g.per_local[static_cast<std::size_t>(lv.local_index)] * es);
   Comm intra = c.subgroup(lv.host_ranks);
-  ring_reduce_scatter(intra, grouped.data(), mine.data(), g.per_local, dtype, inner, cfg);
+  ring_reduce_scatter(intra, grouped.get(), mine.get(), g.per_local, dtype, inner, cfg);
   Comm inter = c.subgroup(lv.peers);
-  ring_reduce_scatter(inter, mine.data(), recv_v, g.per_host, dtype, inner, cfg);
+  ring_reduce_scatter(inter, mine.get(), recv_v, g.per_host, dtype, inner, cfg);
   if (op == ReduceOp::kAvg) {
     kernels::scale_for_average(recv_v, block_counts[static_cast<std::size_t>(c.rank())], dtype,
                                c.size());
@@ -323,13 +327,14 @@ void hierarchical_allgatherv(Comm& c, const void* send_v, void* recv_v,
   const Levels lv(c);
   const std::size_t es = dtype_size(dtype);
   const Regrouped g(lv, block_counts);
-  std::vector<unsigned char> grouped(g.total * es);
-  unsigned char* mine = grouped.data() + g.own_start * es;
+  // Written in full by the two gathers before unpack reads it: not zeroed.
+  auto grouped = std::make_unique_for_overwrite<unsigned char[]>(g.total * es);
+  unsigned char* mine = grouped.get() + g.own_start * es;
   Comm inter = c.subgroup(lv.peers);
   ring_allgatherv(inter, send_v, mine, g.per_host, dtype, cfg);
   Comm intra = c.subgroup(lv.host_ranks);
-  ring_allgatherv(intra, mine, grouped.data(), g.per_local, dtype, cfg);
-  g.unpack(lv, es, grouped.data(), static_cast<unsigned char*>(recv_v));
+  ring_allgatherv(intra, mine, grouped.get(), g.per_local, dtype, cfg);
+  g.unpack(lv, es, grouped.get(), static_cast<unsigned char*>(recv_v));
 }
 
 }  // namespace gradsync::collectives

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -185,10 +186,15 @@ void ring_reduce_scatter(Comm& c, const void* send_v, void* recv_v,
   }
   const std::size_t total =
       std::accumulate(block_counts.begin(), block_counts.end(), std::size_t{0});
-  std::vector<unsigned char> work(total * es);  // partial sums of the blocks in transit
+  // Partial sums of the blocks in transit, in the full layout; every byte used is written
+  // before it is read, so it is not zeroed (a fresh buffer's page faults already cost more
+  // than the transfer on some machines), and two ranks, whose one step reduces straight into
+  // `recv`, need none.
+  std::unique_ptr<unsigned char[]> work;
+  if (n > 2) work = std::make_unique_for_overwrite<unsigned char[]>(total * es);
   std::vector<transport::RequestPtr> sends;
   // shift = -1 makes the rank at ring position p end up owning segment p: its own block.
-  reduce_scatter_phase(c, send, work.data(), recv, L, dtype, op, -1, sends, [](std::size_t) {});
+  reduce_scatter_phase(c, send, work.get(), recv, L, dtype, op, -1, sends, [](std::size_t) {});
   c.wait_all(sends);
 }
 
