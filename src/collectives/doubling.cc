@@ -4,10 +4,10 @@
 // messages. A non-power-of-two N first folds the 2*rem lowest ranks pairwise (even into
 // odd) so a power of two takes part, and hands the result back at the end.
 #include <cstring>
-#include <vector>
 
 #include "collectives/algorithms.h"
 #include "collectives/element_stream.h"
+#include "collectives/scratch.h"
 #include "kernels/kernels.h"
 
 namespace gradsync::collectives {
@@ -35,15 +35,15 @@ struct Fold {
 
 // Before the core: even ranks below 2*rem give their data to their odd neighbour.
 void fold_in(Comm& c, const Fold& f, unsigned char* data, std::size_t count, DataType dtype,
-             ReduceOp op, std::vector<unsigned char>& tmp) {
+             ReduceOp op, unsigned char* tmp) {
   const int r = c.rank();
   const std::size_t bytes = count * dtype_size(dtype);
   if (r >= 2 * f.rem) return;
   if (r % 2 == 0) {
     c.send(r + 1, data, bytes);
   } else {
-    c.recv(r - 1, tmp.data(), bytes);
-    kernels::reduce_into(data, tmp.data(), count, dtype, op);
+    c.recv(r - 1, tmp, bytes);
+    kernels::reduce_into(data, tmp, count, dtype, op);
   }
 }
 
@@ -66,8 +66,8 @@ void recursive_doubling_allreduce(Comm& c, const void* send, void* recv_v, std::
   auto* recv = static_cast<unsigned char*>(recv_v);
   if (send != recv && bytes) std::memcpy(recv, send, bytes);
   Fold f(c.rank(), c.size());
-  std::vector<unsigned char> tmp;  // only where a step cannot reduce as the data arrives
-  if (f.rem) tmp.resize(bytes);
+  // A whole message, where a step cannot reduce as the data arrives.
+  auto* tmp = scratch_of<unsigned char>(ScratchUse::kIncoming, bytes);
   fold_in(c, f, recv, count, dtype, op, tmp);
   if (f.vrank >= 0) {
     const std::size_t es = dtype_size(dtype);
@@ -84,11 +84,10 @@ void recursive_doubling_allreduce(Comm& c, const void* send, void* recv_v, std::
       if (sent->test()) {
         c.wait(c.irecv_consume(partner, bytes, std::ref(reduce_arriving)));
       } else {
-        tmp.resize(bytes);
-        auto received = c.irecv(partner, tmp.data(), bytes);
+        auto received = c.irecv(partner, tmp, bytes);
         c.wait(received);
         c.wait(sent);
-        kernels::reduce_into(recv, tmp.data(), count, dtype, op);
+        kernels::reduce_into(recv, tmp, count, dtype, op);
       }
     }
   }
@@ -102,7 +101,7 @@ void halving_doubling_allreduce(Comm& c, const void* send, void* recv_v, std::si
   auto* recv = static_cast<unsigned char*>(recv_v);
   if (send != recv && count) std::memcpy(recv, send, count * es);
   Fold f(c.rank(), c.size());
-  std::vector<unsigned char> tmp(count * es);
+  auto* tmp = scratch_of<unsigned char>(ScratchUse::kIncoming, count * es);
   fold_in(c, f, recv, count, dtype, op, tmp);
   if (f.vrank >= 0) {
     const Partition blocks{count, static_cast<std::size_t>(f.p)};
@@ -117,8 +116,8 @@ void halving_doubling_allreduce(Comm& c, const void* send, void* recv_v, std::si
       std::size_t keep_lo = upper ? mid : lo, keep_hi = upper ? hi : mid;
       std::size_t give_lo = upper ? lo : mid, give_hi = upper ? mid : hi;
       std::size_t keep_n = at(keep_hi) - at(keep_lo), give_n = at(give_hi) - at(give_lo);
-      c.sendrecv(partner, recv + at(give_lo) * es, give_n * es, partner, tmp.data(), keep_n * es);
-      kernels::reduce_into(recv + at(keep_lo) * es, tmp.data(), keep_n, dtype, op);
+      c.sendrecv(partner, recv + at(give_lo) * es, give_n * es, partner, tmp, keep_n * es);
+      kernels::reduce_into(recv + at(keep_lo) * es, tmp, keep_n, dtype, op);
       lo = keep_lo;
       hi = keep_hi;
     }

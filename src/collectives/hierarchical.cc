@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "collectives/algorithms.h"
+#include "collectives/scratch.h"
 #include "kernels/kernels.h"
 
 namespace gradsync::collectives {
@@ -298,17 +299,16 @@ void hierarchical_reduce_scatter(Comm& c, const void* send_v, void* recv_v,
   const Levels lv(c);
   const std::size_t es = dtype_size(dtype);
   const Regrouped g(lv, block_counts);
-  // Scratch written in full before it is read (pack, then the rings): not zeroed, whose pass
-  // over fresh pages costs as much as the copies themselves.
-  auto grouped = std::make_unique_for_overwrite<unsigned char[]>(g.total * es);
-  g.pack(lv, es, static_cast<const unsigned char*>(send_v), grouped.get());
+  // Both written in full before they are read (pack, then the rings).
+  auto* grouped = scratch_of<unsigned char>(ScratchUse::kRegrouped, g.total * es);
+  g.pack(lv, es, static_cast<const unsigned char*>(send_v), grouped);
   const ReduceOp inner = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-  auto mine = std::make_unique_for_overwrite<unsigned char[]>(
-      g.per_local[static_cast<std::size_t>(lv.local_index)] * es);
+  auto* mine = scratch_of<unsigned char>(
+      ScratchUse::kOwnBlocks, g.per_local[static_cast<std::size_t>(lv.local_index)] * es);
   Comm intra = c.subgroup(lv.host_ranks);
-  ring_reduce_scatter(intra, grouped.get(), mine.get(), g.per_local, dtype, inner, cfg);
+  ring_reduce_scatter(intra, grouped, mine, g.per_local, dtype, inner, cfg);
   Comm inter = c.subgroup(lv.peers);
-  ring_reduce_scatter(inter, mine.get(), recv_v, g.per_host, dtype, inner, cfg);
+  ring_reduce_scatter(inter, mine, recv_v, g.per_host, dtype, inner, cfg);
   if (op == ReduceOp::kAvg) {
     kernels::scale_for_average(recv_v, block_counts[static_cast<std::size_t>(c.rank())], dtype,
                                c.size());
@@ -327,14 +327,14 @@ void hierarchical_allgatherv(Comm& c, const void* send_v, void* recv_v,
   const Levels lv(c);
   const std::size_t es = dtype_size(dtype);
   const Regrouped g(lv, block_counts);
-  // Written in full by the two gathers before unpack reads it: not zeroed.
-  auto grouped = std::make_unique_for_overwrite<unsigned char[]>(g.total * es);
-  unsigned char* mine = grouped.get() + g.own_start * es;
+  // Written in full by the two gathers before unpack reads it.
+  auto* grouped = scratch_of<unsigned char>(ScratchUse::kRegrouped, g.total * es);
+  unsigned char* mine = grouped + g.own_start * es;
   Comm inter = c.subgroup(lv.peers);
   ring_allgatherv(inter, send_v, mine, g.per_host, dtype, cfg);
   Comm intra = c.subgroup(lv.host_ranks);
-  ring_allgatherv(intra, mine, grouped.get(), g.per_local, dtype, cfg);
-  g.unpack(lv, es, grouped.get(), static_cast<unsigned char*>(recv_v));
+  ring_allgatherv(intra, mine, grouped, g.per_local, dtype, cfg);
+  g.unpack(lv, es, grouped, static_cast<unsigned char*>(recv_v));
 }
 
 }  // namespace gradsync::collectives

@@ -11,6 +11,7 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/element_stream.h"
+#include "collectives/scratch.h"
 #include "kernels/kernels.h"
 
 namespace gradsync::collectives {
@@ -186,15 +187,13 @@ void ring_reduce_scatter(Comm& c, const void* send_v, void* recv_v,
   }
   const std::size_t total =
       std::accumulate(block_counts.begin(), block_counts.end(), std::size_t{0});
-  // Partial sums of the blocks in transit, in the full layout; every byte used is written
-  // before it is read, so it is not zeroed (a fresh buffer's page faults already cost more
-  // than the transfer on some machines), and two ranks, whose one step reduces straight into
-  // `recv`, need none.
-  std::unique_ptr<unsigned char[]> work;
-  if (n > 2) work = std::make_unique_for_overwrite<unsigned char[]>(total * es);
+  // Partial sums of the blocks in transit, in the full layout (every byte used is written
+  // before it is read); two ranks, whose one step reduces straight into `recv`, need none.
+  unsigned char* work =
+      n > 2 ? scratch_of<unsigned char>(ScratchUse::kPartialSums, total * es) : nullptr;
   std::vector<transport::RequestPtr> sends;
   // shift = -1 makes the rank at ring position p end up owning segment p: its own block.
-  reduce_scatter_phase(c, send, work.get(), recv, L, dtype, op, -1, sends, [](std::size_t) {});
+  reduce_scatter_phase(c, send, work, recv, L, dtype, op, -1, sends, [](std::size_t) {});
   c.wait_all(sends);
 }
 

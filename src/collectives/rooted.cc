@@ -6,6 +6,7 @@
 
 #include "collectives/algorithms.h"
 #include "collectives/element_stream.h"
+#include "collectives/scratch.h"
 #include "kernels/kernels.h"
 
 namespace gradsync::collectives {
@@ -70,22 +71,18 @@ void reduce(Comm& c, const void* send, void* recv, std::size_t count, DataType d
   const std::size_t bytes = count * dtype_size(dtype);
   const int v = to_virtual(c.rank(), root, n);
   // The root accumulates in its output; every other rank in a scratch copy of its input.
-  std::vector<unsigned char> scratch;
-  unsigned char* acc = static_cast<unsigned char*>(recv);
-  if (v != 0) {
-    scratch.resize(bytes);
-    acc = scratch.data();
-  }
+  unsigned char* acc = v == 0 ? static_cast<unsigned char*>(recv)
+                              : scratch_of<unsigned char>(ScratchUse::kPartialSums, bytes);
   if (bytes && acc != send) std::memcpy(acc, send, bytes);
-  std::vector<unsigned char> incoming(bytes);
+  auto* incoming = scratch_of<unsigned char>(ScratchUse::kIncoming, bytes);
   for (int mask = 1; mask < n; mask <<= 1) {
     if (v & mask) {
       c.send(to_real(v - mask, root, n), acc, bytes);
       break;
     }
     if (v + mask < n) {
-      c.recv(to_real(v + mask, root, n), incoming.data(), bytes);
-      kernels::reduce_into(acc, incoming.data(), count, dtype, op);
+      c.recv(to_real(v + mask, root, n), incoming, bytes);
+      kernels::reduce_into(acc, incoming, count, dtype, op);
     }
   }
   if (v == 0 && op == ReduceOp::kAvg) kernels::scale_for_average(acc, count, dtype, n);

@@ -1,9 +1,9 @@
 // The float32 ring all-reduce with encoded messages (see algorithms.h). One message per
 // segment and step: simpler than the pipelined ring, and the encodings run on whole segments.
-#include <algorithm>
 #include <vector>
 
 #include "collectives/algorithms.h"
+#include "collectives/scratch.h"
 #include "kernels/kernels.h"
 
 namespace gradsync::collectives {
@@ -20,25 +20,16 @@ void ring_allreduce_wire(Comm& c, float* data, std::size_t count, WireFormat& wi
     at[s + 1] = at[s] + wire.bytes(part.size(s));
   }
   // Wire copies of every segment (what this rank sent or received of it) and one segment's
-  // scratch. Kept per thread and only grown: fresh large allocations come from mmap, and
-  // their page faults cost more than a small message's whole exchange
-  // (docs/performance-notes.md). uint32 elements keep every segment float-aligned.
-  thread_local std::vector<std::uint32_t> wire_words, incoming_words;
-  thread_local std::vector<float> sent;
-  auto words = [](std::size_t bytes) { return std::max<std::size_t>(1, (bytes + 3) / 4); };
-  if (wire_words.size() < words(at.back())) wire_words.resize(words(at.back()));
-  if (incoming_words.size() < words(wire.bytes(part.size(0)))) {
-    incoming_words.resize(words(wire.bytes(part.size(0))));
-  }
-  if (lost && sent.size() < part.size(0)) sent.resize(part.size(0));
-  auto* wire_buf = reinterpret_cast<std::uint8_t*>(wire_words.data());
-  auto* incoming = reinterpret_cast<std::uint8_t*>(incoming_words.data());
+  // scratch.
+  auto* wire_buf = scratch_of<std::uint8_t>(ScratchUse::kWireCopies, at.back());
+  auto* incoming = scratch_of<std::uint8_t>(ScratchUse::kWireIncoming, wire.bytes(part.size(0)));
+  float* sent = lost ? scratch_of<float>(ScratchUse::kWireSent, part.size(0)) : nullptr;
   // Encodes segment s of data into its wire copy, and books what the encoding dropped.
   auto encode = [&](std::size_t s) {
     float* values = data + part.offset(s);
     wire.encode(values, part.size(s), wire_buf + at[s]);
     if (!lost) return;
-    wire.decode(wire_buf + at[s], part.size(s), sent.data());
+    wire.decode(wire_buf + at[s], part.size(s), sent);
     float* l = lost + part.offset(s);
     for (std::size_t i = 0; i < part.size(s); ++i) l[i] += values[i] - sent[i];
   };
