@@ -1,6 +1,7 @@
-// The shared arena of the shm transport (regions, progress counters, waits that fail instead
-// of hanging) and the shared-memory all-reduce across real processes, including kill -9.
-// The algorithm's grid over thread ranks lives in collectives_test.cc.
+// The shared arena (regions, progress counters, waits that fail instead of hanging) of every
+// transport that offers one: shm, and ucx over UCX's shared memory; and the shared-memory
+// all-reduce across real processes, including kill -9. The algorithm's grid over thread ranks
+// lives in collectives_test.cc.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -20,6 +21,9 @@
 #include "transport/router.h"
 #include "transport/shared_arena.h"
 #include "transport/shm.h"
+#if GRADSYNC_HAVE_UCX
+#include "transport/ucx.h"
+#endif
 
 namespace gradsync::transport {
 namespace {
@@ -48,24 +52,41 @@ TransportOptions describing_options() {
   return options;
 }
 
-// Builds the shm transports of one group on n threads, runs body on n threads, destroys them
-// only after every body returned (an early finisher must not look like a lost peer).
-void run_arena_threads(int n, const std::function<void(int, Transport&, SharedArena&)>& body) {
-  auto store = make_inproc_store();
-  const std::string prefix = testing::unique_name("arena");
-  std::vector<std::unique_ptr<Transport>> transports(static_cast<std::size_t>(n));
-  testing::run_threads(n, [&](int r) {
-    transports[static_cast<std::size_t>(r)] =
-        make_shm_transport(*store, prefix, r, n, all_ranks(n), describing_options(), kSetupTimeout);
-  });
-  testing::run_threads(n, [&](int r) {
-    Transport& t = *transports[static_cast<std::size_t>(r)];
-    ASSERT_NE(t.shared_arena(), nullptr);
-    body(r, t, *t.shared_arena());
-  });
-}
+// A transport that offers a shared arena: how to make rank `rank` of `n`, all in one group.
+struct ArenaTransport {
+  std::string name;
+  std::function<std::unique_ptr<Transport>(Store&, const std::string& prefix, int rank, int n)>
+      make;
+  // What a rank waiting on a message gets when a peer finds that message stray during its
+  // arena wait: the kMismatch itself (shm shares its failure state), or the abort that ends
+  // the transport, whose reason quotes it (ucx tells its peers by message).
+  ErrorKind message_side;
+};
 
-TEST(SharedArena, EveryMemberSeesWhatOthersPublished) {
+void PrintTo(const ArenaTransport& transport, std::ostream* os) { *os << transport.name; }
+
+class SharedArenaSuite : public ::testing::TestWithParam<ArenaTransport> {
+ protected:
+  std::unique_ptr<Transport> make(Store& store, const std::string& prefix, int rank, int n) {
+    return GetParam().make(store, prefix, rank, n);
+  }
+  // Builds the transports of one group on n threads, runs body on n threads, destroys them
+  // only after every body returned (an early finisher must not look like a lost peer).
+  void run_arena_threads(int n, const std::function<void(int, Transport&, SharedArena&)>& body) {
+    auto store = make_inproc_store();
+    const std::string prefix = testing::unique_name("arena");
+    std::vector<std::unique_ptr<Transport>> transports(static_cast<std::size_t>(n));
+    testing::run_threads(
+        n, [&](int r) { transports[static_cast<std::size_t>(r)] = make(*store, prefix, r, n); });
+    testing::run_threads(n, [&](int r) {
+      Transport& t = *transports[static_cast<std::size_t>(r)];
+      ASSERT_NE(t.shared_arena(), nullptr);
+      body(r, t, *t.shared_arena());
+    });
+  }
+};
+
+TEST_P(SharedArenaSuite, EveryMemberSeesWhatOthersPublished) {
   constexpr int kRanks = 4;
   run_arena_threads(kRanks, [&](int rank, Transport&, SharedArena& arena) {
     EXPECT_EQ(arena.members(), kRanks);
@@ -101,7 +122,7 @@ TEST(SharedArena, EveryMemberSeesWhatOthersPublished) {
 
 // A wait whose deadline passes gives kTimeout (not before the deadline: a lower bound, which
 // no slow machine can break), naming whom and what it waited for, and the arena stays usable.
-TEST(SharedArena, WaitTimesOutNamingMemberAndCallAndIsNotFatal) {
+TEST_P(SharedArenaSuite, WaitTimesOutNamingMemberAndCallAndIsNotFatal) {
   run_arena_threads(2, [](int rank, Transport&, SharedArena& arena) {
     if (rank == 0) {
       const auto deadline = Clock::now() + 150ms;
@@ -122,7 +143,7 @@ TEST(SharedArena, WaitTimesOutNamingMemberAndCallAndIsNotFatal) {
 
 // kAborted, not the kTimeout that running into the 30 s deadline would give: the abort ends
 // the waits, and its reason reaches every waiter.
-TEST(SharedArena, AbortWakesWaitersWithTheReason) {
+TEST_P(SharedArenaSuite, AbortWakesWaitersWithTheReason) {
   run_arena_threads(3, [](int rank, Transport& t, SharedArena& arena) {
     if (rank == 2) {
       std::this_thread::sleep_for(50ms);  // let the others fall asleep
@@ -138,13 +159,13 @@ TEST(SharedArena, AbortWakesWaitersWithTheReason) {
 // A member that published what others wait for and then closed its transport is no error;
 // waiting for more than it published fails with kPeerLost naming it, not the kTimeout of
 // running into the 30 s deadline.
-TEST(SharedArena, ClosedMemberDeliversWhatItPublishedThenIsLost) {
+TEST_P(SharedArenaSuite, ClosedMemberDeliversWhatItPublishedThenIsLost) {
   auto store = make_inproc_store();
   const std::string prefix = testing::unique_name("arena-closed");
   std::atomic<bool> closed{false};
   testing::run_threads(2, [&](int rank) {
-    auto t = make_shm_transport(*store, prefix, rank, 2, all_ranks(2), describing_options(),
-                                kSetupTimeout);
+    auto t = make(*store, prefix, rank, 2);
+    ASSERT_NE(t->shared_arena(), nullptr);
     SharedArena& arena = *t->shared_arena();
     if (rank == 1) {
       arena.publish(3);
@@ -165,7 +186,7 @@ TEST(SharedArena, ClosedMemberDeliversWhatItPublishedThenIsLost) {
 // A message arriving while this rank waits in shared memory means the sender runs a
 // message-based collective instead of the shared-memory one: kMismatch naming both calls, on
 // the arena side and on the message side.
-TEST(SharedArena, MessagesDuringArenaWaitsAreMismatches) {
+TEST_P(SharedArenaSuite, MessagesDuringArenaWaitsAreMismatches) {
   run_arena_threads(2, [](int rank, Transport& t, SharedArena& arena) {
     if (rank == 0) {
       arena.publish(1);  // in its shared-memory call
@@ -178,7 +199,7 @@ TEST(SharedArena, MessagesDuringArenaWaitsAreMismatches) {
       const int payload = 42;
       int reply = 0;
       auto send = t.isend(0, call_tag(4, 200), &payload, sizeof payload);
-      Error e = expect_error(ErrorKind::kMismatch, [&] {
+      Error e = expect_error(GetParam().message_side, [&] {
         t.irecv(0, call_tag(4, 200), &reply, sizeof reply)->wait(Clock::now() + 30s);
       });
       EXPECT_EQ(e.peer(), 0);
@@ -188,9 +209,31 @@ TEST(SharedArena, MessagesDuringArenaWaitsAreMismatches) {
   });
 }
 
+std::vector<ArenaTransport> arena_transports() {
+  std::vector<ArenaTransport> all = {{"shm",
+                                      [](Store& store, const std::string& prefix, int rank, int n) {
+                                        return make_shm_transport(
+                                            store, prefix, rank, n, all_ranks(n),
+                                            describing_options(), kSetupTimeout);
+                                      },
+                                      ErrorKind::kMismatch}};
+#if GRADSYNC_HAVE_UCX
+  all.push_back({"ucx_sm",
+                 [](Store& store, const std::string& prefix, int rank, int n) {
+                   UcxOptions ucx;
+                   ucx.config.emplace_back("TLS", "sm");
+                   return make_ucx_transport(store, prefix, rank, n, all_ranks(n),
+                                             describing_options(), ucx, kSetupTimeout);
+                 },
+                 ErrorKind::kAborted});
+#endif
+  return all;
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, SharedArenaSuite, ::testing::ValuesIn(arena_transports()),
+                         [](const auto& p) { return p.param.name; });
+
 TEST(SharedArena, OfferedOnlyWhereOneSharedMemoryTransportReachesEveryone) {
-  run_arena_threads(
-      2, [](int, Transport& t, SharedArena&) { EXPECT_EQ(t.name(), std::string("shm")); });
   auto group = make_inproc_group(2);
   EXPECT_EQ(make_inproc_transport(group, 0)->shared_arena(), nullptr);
 

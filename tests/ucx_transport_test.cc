@@ -144,6 +144,23 @@ TEST(UcxTransport, SetupNamesTheRankThatNeverCame) {
   });
 }
 
+// The arena (tested with shm's in shared_memory_test.cc) is offered where UCX maps every
+// rank's memory into every other (its shared memory), and by no rank where it cannot (UCX over
+// TCP alone) or where the transport reaches only some of the world (shm+ucx routes the rest).
+TEST(UcxTransport, OffersTheSharedArenaOnlyOverSharedMemoryToTheWholeWorld) {
+  run_ucx_group(
+      3, {}, [](int, Transport& t) { EXPECT_NE(t.shared_arena(), nullptr); }, over("sm"));
+  run_ucx_group(
+      3, {}, [](int, Transport& t) { EXPECT_EQ(t.shared_arena(), nullptr); }, over("tcp"));
+  auto store = make_inproc_store();
+  const std::string prefix = testing::unique_name("ucx-part");
+  testing::run_threads(2, [&](int r) {
+    // Ranks 0 and 1 of a world of 3 (rank 2 routed elsewhere).
+    auto t = make_ucx_transport(*store, prefix, r, 3, {0, 1}, {}, over("sm"), kSetupTimeout);
+    EXPECT_EQ(t->shared_arena(), nullptr);
+  });
+}
+
 // A peer process killed while this rank waits on a receive from it: kPeerLost naming it, not
 // a hang until the deadline.
 TEST(UcxTransport, AKilledPeerProcessFailsTheWaitingReceive) {

@@ -19,10 +19,18 @@ namespace gradsync::transport {
   X(ucp_config_release)          \
   X(ucp_ep_close_nbx)            \
   X(ucp_ep_create)               \
+  X(ucp_ep_rkey_unpack)          \
   X(ucp_init_version)            \
+  X(ucp_mem_map)                 \
+  X(ucp_mem_query)               \
+  X(ucp_mem_unmap)               \
   X(ucp_request_cancel)          \
   X(ucp_request_check_status)    \
   X(ucp_request_free)            \
+  X(ucp_rkey_buffer_release)     \
+  X(ucp_rkey_destroy)            \
+  X(ucp_rkey_pack)               \
+  X(ucp_rkey_ptr)                \
   X(ucp_tag_msg_recv_nbx)        \
   X(ucp_tag_probe_nb)            \
   X(ucp_tag_recv_nbx)            \
