@@ -14,6 +14,9 @@
 // waiter's op (or lost its peer) and abort() when it ends the transport: the progress thread
 // sleeps on the worker's fd too, and its next arm drains the fd, so the event that woke it may
 // never reach the waiter.
+//
+// Here: messages, waits, failures and the shared arena's checks between sleeps; the class is
+// in ucx_core.h, its setup in ucx_setup.cc, the arena in ucx_arena.h.
 #include <poll.h>
 #include <unistd.h>
 
