@@ -12,7 +12,6 @@
 #include <condition_variable>
 #include <cstring>
 #include <exception>
-#include <memory>
 #include <mutex>
 #include <numeric>
 #include <string>

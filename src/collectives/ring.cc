@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstring>
 #include <deque>
-#include <memory>
 #include <numeric>
 #include <vector>
 

@@ -38,9 +38,15 @@ inline void futex_wake_all(FutexWord* word) {
   ::syscall(SYS_futex, static_cast<void*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
+// Bumps a doorbell and wakes whoever sleeps on it (the ucx transport's arena rings its own,
+// which live in UCX-mapped pages rather than in segment headers).
+inline void ring_doorbell(FutexWord& doorbell) {
+  doorbell.fetch_add(1, std::memory_order_release);
+  futex_wake_all(&doorbell);
+}
+
 inline void ring_doorbell(SegmentHeader& owner) {
-  owner.doorbell.fetch_add(1, std::memory_order_release);
-  futex_wake_all(&owner.doorbell);
+  ring_doorbell(owner.doorbell);
 }
 
 // Called right after publishing a slot or freeing one (a seq_cst counter store). A waiter
@@ -117,7 +123,8 @@ std::string make_segment_name(const std::string& token, const std::string& key_p
 
 // Creates the segment `name` (exclusively, so a stale one is never reused), sizes it for
 // `layout`, reserves its pages and maps it. Registers it with `unlinker` before creating it,
-// so neither a failure nor a terminating signal at any point leaves it behind. Throws kSystem naming `name`; `rank` is this rank.
+// so neither a failure nor a terminating signal at any point leaves it behind. Throws kSystem
+// naming `name`; `rank` is this rank.
 MappingPtr create_segment(const std::string& name, const Layout& layout, int rank,
                           SegmentUnlinker& unlinker);
 

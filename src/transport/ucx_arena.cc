@@ -101,25 +101,19 @@ void Arena::publish(std::uint64_t value) {
     ArenaHeader& other = header(m);
     if (m != member_ && other.owner_sleeping.load(std::memory_order_seq_cst) != 0 &&
         other.sleeping_for_member.load(std::memory_order_relaxed) == member_) {
-      other.doorbell.fetch_add(1, std::memory_order_release);
-      shm::futex_wake_all(&other.doorbell);
+      shm::ring_doorbell(other.doorbell);
     }
   }
 }
 
 void Arena::wake_own() {
-  ArenaHeader& me = header(member_);
-  me.doorbell.fetch_add(1, std::memory_order_release);
-  shm::futex_wake_all(&me.doorbell);
+  shm::ring_doorbell(header(member_).doorbell);
 }
 
 void Arena::close() {
   header(member_).owner_closed.store(1, std::memory_order_seq_cst);
   for (int m = 0; m < members(); ++m) {
-    if (m == member_) continue;
-    ArenaHeader& other = header(m);
-    other.doorbell.fetch_add(1, std::memory_order_release);
-    shm::futex_wake_all(&other.doorbell);
+    if (m != member_) shm::ring_doorbell(header(m).doorbell);
   }
 }
 

@@ -95,7 +95,8 @@ class UcxTransport final : public Transport, ucx::ArenaWaitChecks {
   SharedArena* shared_arena() override { return arena_.get(); }
 
   // Setup, in make_ucx_transport's order.
-  // What peers need to reach this rank: its process and UCX worker address.
+  // What peers need to reach this rank: its process, UCX worker address and, where it has
+  // arena memory, that memory's address and packed rkey.
   Bytes card() const;
   void connect(int peer, const Bytes& card);
   void exchange_hellos(const std::vector<int>& peers, Clock::time_point deadline,
