@@ -2,7 +2,9 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <csignal>
+#include <mutex>
 #include <string>
 
 #include "core/knobs.h"
@@ -44,10 +46,19 @@ UcxLibrary load(int rank) {
 }  // namespace
 
 const UcxLibrary& ucx_library(int rank) {
-  // Loaded once and never unloaded (UCX keeps threads and handlers for the process's life). A
-  // static's initialisation runs once, and again on the next call if it threw; afterwards a
-  // call costs a check, not a lock: every completed request's callback comes here.
-  static const UcxLibrary library = load(rank);
+  // Loaded once and never unloaded (UCX keeps threads and handlers for the process's life);
+  // after that a call costs one acquire load, not a lock: every completed request's callback
+  // comes here. A failed load leaves nothing behind, so the next call tries again. Not a
+  // function-local static with a throwing initialiser: ThreadSanitizer's guard (GCC 12's)
+  // never wakes a thread that waits on it when the initialiser throws.
+  static std::atomic<const UcxLibrary*> loaded{nullptr};
+  if (const UcxLibrary* library = loaded.load(std::memory_order_acquire)) return *library;
+  static std::mutex loading;
+  const std::lock_guard lock(loading);
+  if (const UcxLibrary* library = loaded.load(std::memory_order_relaxed)) return *library;
+  static UcxLibrary library;
+  library = load(rank);
+  loaded.store(&library, std::memory_order_release);
   return library;
 }
 
