@@ -10,9 +10,11 @@
 //              slot k % kSlots                                    -> staged(k)  = base + 3k + 1
 //   reduce(k): own sub-block of chunk k over every member's slot
 //              (own input read from `send`), in member order,
-//              into own slot (kAvg finished; float16/bfloat16
-//              when a codec rounds the sums to a 16-bit wire)     -> reduced(k) = base + 3k + 5
-//   copy(k):   every member's sub-block of chunk k into `recv`    -> copied(k)  = base + 3k + 9
+//              into own slot and `recv` (kAvg finished; float16/
+//              bfloat16 in the slot when a codec rounds the sums
+//              to a 16-bit wire)                                  -> reduced(k) = base + 3k + 5
+//   copy(k):   every other member's sub-block of chunk k into
+//              `recv`                                             -> copied(k)  = base + 3k + 9
 // Iteration t runs stage(t), reduce(t - 1), copy(t - 2), so while the slowest rank catches up
 // the others already work on the next chunk. reduce(k) waits for every member's staged(k),
 // copy(k) for every reduced(k), and stage(k) for every copied(k - kSlots) before it overwrites
@@ -202,19 +204,25 @@ class SharedMemoryAllreduce {
   }
 
   // Reduces this rank's sub-block of chunk k in member order 0, 1, ..., n-1 (the same order on
-  // every rank and run, so results are bitwise reproducible) into its own slot, where the
-  // other members copy it from.
+  // every rank and run, so results are bitwise reproducible), tile by tile into a private
+  // buffer, then copies each finished tile into its own slot, where the other members copy it
+  // from, and into `recv`. Not straight into the slot: a store to a line another core has read
+  // first fetches it from that core (read for ownership), while memcpy's string copy claims
+  // whole lines without reading them; the reduce step took twice as long where cores are far
+  // apart (docs/performance-notes.md). And the own sub-block's copy-out comes for free.
   void reduce(std::size_t k) {
     // Plain variables, not a structured binding: the lambda below captures `first`, and
     // Debian 12's clang 14 refuses to capture bindings (C++20 allows it; clang 16 does).
     const auto block = sub_block(k, me_);
     const std::size_t first = block.first, last = block.second;
-    unsigned char* dst = slot(me_, k) + first;
+    unsigned char* shared = slot(me_, k) + first;
+    unsigned char* out = recv_ + chunk_offset(k) + first;
     const unsigned char* own_input = send_ + chunk_offset(k) + first;
     auto input = [&](int m, std::size_t offset) {
       return (m == me_ ? own_input : slot(m, k) + first) + offset;
     };
     alignas(64) unsigned char accumulator[kTileBytes];
+    alignas(64) unsigned char tile[kTileBytes];
     for (std::size_t offset = 0; offset < last - first; offset += kTileBytes) {
       const std::size_t count = std::min(kTileBytes, last - first - offset) / es_;
       // Every member's input but the last goes into `partial` (the first two straight, when
@@ -228,11 +236,20 @@ class SharedMemoryAllreduce {
         partial = accumulator;
       }
       if (float_sum_) {
-        finish_float_sum(dst, partial, input(n_ - 1, offset), count, k, first, offset, input);
-        continue;
+        finish_float_sum(tile, partial, input(n_ - 1, offset), count,
+                         chunk_offset(k) + first + offset, offset, input);
+      } else {
+        kernels::reduce(tile, partial, input(n_ - 1, offset), count, dtype_, op_);
+        if (op_ == ReduceOp::kAvg) kernels::scale_for_average(tile, count, dtype_, n_);
       }
-      kernels::reduce(dst + offset, partial, input(n_ - 1, offset), count, dtype_, op_);
-      if (op_ == ReduceOp::kAvg) kernels::scale_for_average(dst + offset, count, dtype_, n_);
+      // `recv` may be `send`: written only now, after every read of this tile's inputs.
+      if (narrow_results()) {
+        std::memcpy(shared + offset / 2, tile, count * 2);
+        widen(reinterpret_cast<const std::uint16_t*>(tile), out + offset, count);
+      } else {
+        std::memcpy(shared + offset, tile, count * es_);
+        copy(out + offset, tile, count * es_);
+      }
     }
   }
 
@@ -241,16 +258,13 @@ class SharedMemoryAllreduce {
   // so every member's copy-out reads half the bytes and widens them on the way out.
   template <typename Input>
   void finish_float_sum(unsigned char* sums, const unsigned char* partial,
-                        const unsigned char* last_input, std::size_t count, std::size_t k,
-                        std::size_t first, std::size_t offset, const Input& input) {
+                        const unsigned char* last_input, std::size_t count, std::size_t at,
+                        std::size_t offset, const Input& input) {
     const std::size_t bad = kernels::sum_finish(
-        sums + (narrow_results() ? offset / 2 : offset), round_through_,
-        reinterpret_cast<const float*>(partial), reinterpret_cast<const float*>(last_input), count,
-        op_ == ReduceOp::kAvg ? n_ : 1);
+        sums, round_through_, reinterpret_cast<const float*>(partial),
+        reinterpret_cast<const float*>(last_input), count, op_ == ReduceOp::kAvg ? n_ : 1);
     // After rounding: a sum past the 16-bit range is lost as surely as a NaN input.
-    if (non_finite_ && bad != count) {
-      find_non_finite(chunk_offset(k) + first + offset, bad, count, input, offset);
-    }
+    if (non_finite_ && bad != count) find_non_finite(at, bad, count, input, offset);
   }
   bool narrow_results() const { return round_through_ != DataType::kFloat32; }
 
@@ -275,25 +289,36 @@ class SharedMemoryAllreduce {
     if (!any) note(static_cast<std::size_t>(n_), bad, false);
   }
 
+  // Every other member's sub-block of chunk k (reduce wrote this rank's own).
   void copy_out(std::size_t k) {
     if (chunk_length(k) == 0) return;  // an empty call: `recv` may be null
     unsigned char* out = recv_ + chunk_offset(k);
     for (int j = 0; j < n_; ++j) {
+      if (j == me_) continue;
       const auto [first, last] = sub_block(k, j);
       if (narrow_results()) {
-        const auto* sums = reinterpret_cast<const std::uint16_t*>(slot(j, k) + first);
-        auto* to = reinterpret_cast<float*>(out + first);
-        const std::size_t count = (last - first) / sizeof(float);
-        if (streaming_) {
-          kernels::float_from_16bit_streaming(sums, to, count, round_through_);
-        } else {
-          kernels::float_from_16bit(sums, to, count, round_through_);
-        }
-      } else if (streaming_) {
-        copy_streaming(out + first, slot(j, k) + first, last - first);
+        widen(reinterpret_cast<const std::uint16_t*>(slot(j, k) + first), out + first,
+              (last - first) / sizeof(float));
       } else {
-        std::memcpy(out + first, slot(j, k) + first, last - first);
+        copy(out + first, slot(j, k) + first, last - first);
       }
+    }
+  }
+
+  // Into `recv`: past the cache with non-temporal stores where the message is that large.
+  void copy(unsigned char* to, const unsigned char* from, std::size_t bytes) const {
+    if (streaming_) {
+      copy_streaming(to, from, bytes);
+    } else {
+      std::memcpy(to, from, bytes);
+    }
+  }
+  void widen(const std::uint16_t* sums, unsigned char* to, std::size_t count) const {
+    auto* values = reinterpret_cast<float*>(to);
+    if (streaming_) {
+      kernels::float_from_16bit_streaming(sums, values, count, round_through_);
+    } else {
+      kernels::float_from_16bit(sums, values, count, round_through_);
     }
   }
 
