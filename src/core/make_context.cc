@@ -60,25 +60,71 @@ double pingpong_us(Comm& c, int a, int b, std::vector<unsigned char>& buf, std::
          2;
 }
 
+constexpr std::size_t kProbeBytes = 4096;
+constexpr std::size_t kFitBytes = 1 << 20;
+
+// On one host (measure_link's `values`): beta fitted to the ring's call of kFitBytes and alpha
+// the probe round less its bytes at that beta, then likewise the arena's throughput fitted to
+// its call of kFitBytes and its fixed cost its call of kProbeBytes less those bytes (each pair
+// moves each other a little: two passes).
+void fit_one_host(double* values, int n, double round_us, double ring_us, double arena_probe_us,
+                  double arena_us) {
+  cost::LinkParams p;
+  p.alpha_us = round_us;
+  p.reduce_gbps = values[2];
+  for (int pass = 0; pass < 2; ++pass) {
+    double gbps = cost::CostModel::fit_gbps(p, &cost::LinkParams::bandwidth_gbps, Algorithm::kRing,
+                                            n, kFitBytes, ring_us);
+    if (gbps <= 0) {  // the ring's latencies alone would exceed it: charge all of it per byte
+      const double sent = 2.0 * (n - 1) / n * kFitBytes;
+      gbps = sent / std::max(ring_us, 1e-3) / 1e3;
+    }
+    p.bandwidth_gbps = gbps;
+    p.alpha_us = std::max(round_us - kProbeBytes / gbps / 1e3, 0.1);
+  }
+  values[0] = p.alpha_us;
+  values[1] = p.bandwidth_gbps;
+  if (arena_us <= 0) return;
+  p.shm_call_us = arena_probe_us;
+  for (int pass = 0; pass < 2; ++pass) {
+    p.shm_gbps = cost::CostModel::fit_gbps(p, &cost::LinkParams::shm_gbps, Algorithm::kSharedMemory,
+                                           n, kFitBytes, arena_us);
+    const double bytes_us =
+        cost::CostModel(p).allreduce_us(Algorithm::kSharedMemory, n, kProbeBytes) - p.shm_call_us;
+    p.shm_call_us = std::max(arena_probe_us - bytes_us, 0.1);
+  }
+  values[3] = p.shm_call_us;
+  values[6] = p.shm_gbps;
+}
+
 // Every rank measures with rank 0, and rank 0 broadcasts the constants: every rank must choose
 // the same algorithm for the same call, so they must share one set.
-//  - beta: rank 0 and a peer ping-pong 1 MiB (one message's latency is under 1% of it).
 //  - alpha, on one host: a round of a dissemination exchange over all ranks with a small
 //    (kProbeBytes) message, less its bytes at beta. All ranks at once, so it includes what a
 //    two-rank ping-pong cannot see: ranks that share a core wait for each other to be
 //    scheduled. A small payload rather than none, because what latency-bound calls pay per
 //    message is the cache misses of moving a few KiB between cores as much as the signalling.
+//  - beta, on one host: fitted to a ring all-reduce of 1 MiB (kFitBytes), messages both ways
+//    at once as every all-reduce sends them; batches of two calls, since this fit and the
+//    arena's decide between the two algorithms around 1 MiB, where they run within 20% of
+//    each other. A one-way ping-pong prices some transports'
+//    messages at several times what they cost inside a collective (UCX's over shared memory:
+//    13-34 GB/s one way, about 10 in a ring: docs/performance-notes.md).
 //  - across hosts, alpha and beta twice, by ping-pongs: with a rank of rank 0's host (if it
 //    has another) for the link inside a host, with the first rank of the next host for the
 //    link between hosts (inter_alpha_us, inter_bandwidth_gbps).
 //  - gamma: rank 0 times the float32 sum kernel in cache.
-//  - shm_call_us: where the ranks share an arena, the shared-memory all-reduce of one element
-//    per rank, i.e. its three waits on every rank.
+//  - shm_call_us and shm_gbps: where the ranks share an arena, the shared-memory all-reduce of
+//    kProbeBytes, whose waits and cache misses make its fixed cost as alpha's probe makes
+//    alpha, and of 1 MiB, to which its throughput is fitted.
 cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
                               const collectives::Topology& topology) {
-  constexpr std::size_t kProbeBytes = 4096;
   const int n = c.size(), r = c.rank();
-  double values[6] = {0, 0, 0, 0, 0, 0};
+  // alpha, bandwidth, reduce, shm call, inter alpha, inter bandwidth, shm gbps
+  double values[7] = {0, 0, 0, 0, 0, 0, 0};
+  double round_us = 0, ring_us = 0, arena_probe_us = 0, arena_us = 0;
+  collectives::AlgorithmConfig cfg;
+  std::vector<float> fit_in(kFitBytes / sizeof(float), 1.0f), fit_out(fit_in.size());
   std::vector<unsigned char> buf(1 << 20);
   auto alpha_beta = [&](int peer, double* alpha, double* gbps) {
     const double big = pingpong_us(c, 0, peer, buf, buf.size(), 1);
@@ -98,28 +144,32 @@ cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
       values[1] = values[5];
     }
   } else {
-    double big_us = pingpong_us(c, 0, 1, buf, buf.size(), 1);
     int rounds = 0;
     for (int k = 1; k < n; k <<= 1) ++rounds;
     std::vector<unsigned char> probe_in(kProbeBytes);
-    const double round_us =
-        median_batch_us(5,
-                        [&] {
-                          for (int k = 1; k < n; k <<= 1) {
-                            c.sendrecv((r + k) % n, buf.data(), kProbeBytes, (r - k + n) % n,
-                                       probe_in.data(), kProbeBytes);
-                          }
-                        }) /
-        rounds;
-    values[1] = static_cast<double>(buf.size()) / std::max(big_us, 1e-3) / 1e3;
-    values[0] = std::max(round_us - kProbeBytes / values[1] / 1e3, 0.1);
+    round_us = median_batch_us(5,
+                               [&] {
+                                 for (int k = 1; k < n; k <<= 1) {
+                                   c.sendrecv((r + k) % n, buf.data(), kProbeBytes, (r - k + n) % n,
+                                              probe_in.data(), kProbeBytes);
+                                 }
+                               }) /
+               rounds;
+    ring_us = median_batch_us(2, [&] {
+      collectives::ring_allreduce(c, fit_in.data(), fit_out.data(), fit_in.size(),
+                                  DataType::kFloat32, ReduceOp::kSum, cfg);
+    });
   }
 
   if (arena && arena->members() == n) {
-    collectives::AlgorithmConfig cfg;
-    std::vector<float> in(static_cast<std::size_t>(n), 1.0f), out(in.size());
-    values[3] = median_batch_us(5, [&] {
-      collectives::shm_direct_allreduce(c, *arena, in.data(), out.data(), in.size(),
+    arena_probe_us = median_batch_us(5, [&] {
+      collectives::shm_direct_allreduce(c, *arena, fit_in.data(), fit_out.data(),
+                                        kProbeBytes / sizeof(float), DataType::kFloat32,
+                                        ReduceOp::kSum, cfg);
+    });
+    values[3] = arena_probe_us;  // across hosts (no arena there today), unfitted
+    arena_us = median_batch_us(2, [&] {
+      collectives::shm_direct_allreduce(c, *arena, fit_in.data(), fit_out.data(), fit_in.size(),
                                         DataType::kFloat32, ReduceOp::kSum, cfg);
     });
   }
@@ -130,13 +180,14 @@ cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
       kernels::reduce_into(a.data(), b.data(), a.size(), DataType::kFloat32, ReduceOp::kSum);
     });
     values[2] = static_cast<double>(a.size() * sizeof(float)) / std::max(reduce_us, 1e-3) / 1e3;
+    if (topology.hosts() == 1) fit_one_host(values, n, round_us, ring_us, arena_probe_us, arena_us);
   }
-  collectives::AlgorithmConfig cfg;
-  collectives::broadcast(c, values, 6, DataType::kFloat64, 0, cfg);
+  collectives::broadcast(c, values, 7, DataType::kFloat64, 0, cfg);
   cost::LinkParams p{values[0], values[1], values[2]};
   p.shm_call_us = values[3];
   p.inter_alpha_us = values[4];
   p.inter_bandwidth_gbps = values[5];
+  p.shm_gbps = values[6];
   return p;
 }
 

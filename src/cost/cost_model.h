@@ -24,10 +24,16 @@ struct LinkParams {
   double copy_gbps = 10.0;
   // Last-level cache the ranks of a host share, MiB: buffers beyond it go to main memory.
   double cache_mib = 32.0;
-  // The shared-memory all-reduce's fixed cost, us: one call on a tiny message, i.e. its three
-  // waits for every rank (where ranks share cores, for each of them to be scheduled). Measured
-  // at start-up where the ranks share an arena; 0 = unknown, then 3 log2(N) alpha.
+  // The shared-memory all-reduce's fixed cost, us: its three waits for every rank (where ranks
+  // share cores, for each of them to be scheduled) and the cache misses of a few KiB, as
+  // alpha_us counts them for a message. Fitted at start-up where the ranks share an arena, to
+  // a call of 4 KiB less its bytes; 0 = unknown, then 3 log2(N) alpha.
   double shm_call_us = 0.0;
+  // The shared-memory all-reduce's throughput beyond that fixed cost, 1e9 B/s: its copies run
+  // at the speed of the memory the ranks share, whatever the transport's messages cost (UCX's
+  // over shared memory are several times slower than the shm transport's). Fitted at start-up
+  // to one call of 1 MiB; 0 = unknown, then bandwidth_gbps.
+  double shm_gbps = 0.0;
   // Between hosts (ranks on different hosts), where the world spans several: latency and
   // point-to-point bandwidth of that link. 0 = the same as inside a host.
   double inter_alpha_us = 0.0;
@@ -54,12 +60,20 @@ class CostModel {
   Algorithm choose_allreduce(int ranks, std::size_t bytes, bool shared_memory = false,
                              int hosts = 1) const;
 
+  // The throughput (1e9 B/s) that `field` of `params` must have for the model to predict
+  // `measured_us` for algorithm `a` on one host, all else as in `params`: how a measured call
+  // calibrates a per-byte constant. The prediction is linear in the field's inverse. 0 where
+  // no throughput would do (the fixed costs alone exceed the measurement).
+  static double fit_gbps(LinkParams params, double LinkParams::*field, Algorithm a, int ranks,
+                         std::size_t bytes, double measured_us);
+
   // Predicted time of a ring all-gather after which every rank holds `total_bytes` (all ranks'
   // blocks together): N-1 steps, each moving one rank's share.
   double allgather_us(int ranks, std::size_t total_bytes, int hosts = 1) const;
 
   // "alpha_us=3,bandwidth_gbps=8,reduce_gbps=20,copy_gbps=10,cache_mib=32,shm_call_us=1,
-  // inter_alpha_us=50,inter_bandwidth_gbps=0.12" (any subset); nullopt if malformed.
+  // shm_gbps=12,inter_alpha_us=50,inter_bandwidth_gbps=0.12" (any subset); nullopt if
+  // malformed.
   static std::optional<LinkParams> parse(std::string_view spec, LinkParams base = {});
   std::string to_string() const;
 
