@@ -107,9 +107,9 @@ void fit_one_host(double* values, int n, double round_us, double ring_us, double
 //  - beta, on one host: fitted to a ring all-reduce of 1 MiB (kFitBytes), messages both ways
 //    at once as every all-reduce sends them; batches of two calls, since this fit and the
 //    arena's decide between the two algorithms around 1 MiB, where they run within 20% of
-//    each other. A one-way ping-pong prices some transports'
-//    messages at several times what they cost inside a collective (UCX's over shared memory:
-//    13-34 GB/s one way, about 10 in a ring: docs/performance-notes.md).
+//    each other. A one-way ping-pong prices some transports' messages at several times what
+//    they cost inside a collective (UCX's over shared memory: 13-34 GB/s one way, about 10 in
+//    a ring: docs/performance-notes.md).
 //  - across hosts, alpha and beta twice, by ping-pongs: with a rank of rank 0's host (if it
 //    has another) for the link inside a host, with the first rank of the next host for the
 //    link between hosts (inter_alpha_us, inter_bandwidth_gbps).
