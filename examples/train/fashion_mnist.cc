@@ -144,9 +144,10 @@ class GzipStream {
                       " a Fashion-MNIST file can be");
     };
     if (static_cast<std::uint64_t>(st.st_size) > kMaxFileBytes) too_large(st.st_size);
-    compressed_.resize(static_cast<std::size_t>(st.st_size));
-    // One read() per chunk of the known size; keep reading past it in case the file grew,
-    // up to the limit.
+    // One byte more than the known size, so that the read() that finds the end finds room
+    // (no regrowth, which would copy the whole file); keep reading past it in case the file
+    // grew, up to the limit.
+    compressed_.resize(static_cast<std::size_t>(st.st_size) + 1);
     std::size_t have = 0;
     for (;;) {
       if (have == compressed_.size()) compressed_.resize(std::max<std::size_t>(2 * have, 1 << 16));
@@ -210,7 +211,7 @@ class GzipStream {
   }
 
   std::string path_;
-  std::vector<std::uint8_t> compressed_;
+  LoadedBytes compressed_;
   std::size_t offset_ = 0;  // how much of compressed_ has been handed to zlib
   z_stream z_{};
   bool done_ = false;
@@ -264,9 +265,9 @@ std::uint64_t max_inflated(const GzipStream& in) {
 // The `promised` bytes after the header, and then the end of the file. The vector is sized
 // once (no regrowth) unless the file cannot possibly hold that much, in which case we only
 // count what it does hold, for the message.
-std::vector<std::uint8_t> read_payload(GzipStream& in, const std::string& path,
-                                       std::uint64_t promised, const char* what) {
-  std::vector<std::uint8_t> payload(promised <= max_inflated(in) ? promised : 0);
+LoadedBytes read_payload(GzipStream& in, const std::string& path, std::uint64_t promised,
+                         const char* what) {
+  LoadedBytes payload(promised <= max_inflated(in) ? promised : 0);
   std::vector<std::uint8_t> chunk(payload.empty() ? kChunk : 0);
   std::uint64_t have = 0;
   while (have < promised) {
@@ -301,13 +302,13 @@ void load_images(const std::string& path, Dataset& out) {
 void load_labels(const std::string& path, Dataset& out) {
   GzipStream in(path);
   const std::uint64_t promised = read_idx_header(in, path, 0x00000801, 1, "labels")[0];
-  std::vector<std::uint8_t> labels = read_payload(in, path, promised, "labels");
+  const LoadedBytes labels = read_payload(in, path, promised, "labels");
   const auto bad = std::find_if(labels.begin(), labels.end(), [](std::uint8_t l) { return l > 9; });
   if (bad != labels.end()) {
     fail(path, "label " + std::to_string(*bad) + " at index " +
                    std::to_string(bad - labels.begin()) + " is out of range 0..9");
   }
-  out.labels = std::move(labels);
+  out.labels.assign(labels.begin(), labels.end());
 }
 
 }  // namespace
