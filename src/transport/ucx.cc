@@ -93,6 +93,13 @@ OpPtr UcxTransport::post(int peer, bool send, const Tag& tag, void* data, std::s
   } else if (!op->done) {  // else the callback ran (and freed the request) inside the call
     op->request = request;
     inflight_.emplace(op.get(), op);
+    if (bytes >= kUnparkBytes && !same_machine_[static_cast<std::size_t>(peer)] &&
+        parked_.load(std::memory_order_seq_cst)) {
+      const std::uint64_t one = 1;
+      if (::write(unpark_fd_, &one, sizeof one) < 0) {
+        // Cannot happen on an eventfd below its limit; the thread looks again within kParkLook.
+      }
+    }
   }
   return op;
 }
@@ -268,6 +275,7 @@ bool UcxTransport::settle_locked(const std::vector<void*>& requests, Clock::time
 
 bool UcxTransport::test(Op& op) {
   std::lock_guard lock(mu_);
+  drives_.fetch_add(1, std::memory_order_relaxed);
   if (!op.done) progress_locked();
   if (op.done) return finish_locked(op);
   if (abort_) throw_failure_locked(op);
@@ -281,6 +289,12 @@ void UcxTransport::abandon(Op& op) {
 
 void UcxTransport::wait(Op& op, Clock::time_point deadline) {
   std::unique_lock lock(mu_);
+  drives_.fetch_add(1, std::memory_order_relaxed);
+  waiters_.fetch_add(1, std::memory_order_relaxed);
+  struct Leave {
+    std::atomic<int>& waiters;
+    ~Leave() { waiters.fetch_sub(1, std::memory_order_relaxed); }
+  } leave{waiters_};
   auto spin_until = Clock::now() + spin_.duration;
   Clock::duration backoff = 20us;
   for (;;) {

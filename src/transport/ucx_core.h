@@ -3,6 +3,7 @@
 // arena's mappings). See ucx.h for what it offers and ucx.cc for how it works.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -199,8 +200,21 @@ class UcxTransport final : public Transport, ucx::ArenaWaitChecks {
 
   // Background progress: a rank that waits on another transport (the shm ring of a
   // hierarchical job) still answers UCX's rendezvous for its large sends, as the tcp
-  // transport's epoll thread does. It sleeps on the worker's event fd.
+  // transport's epoll thread does. It sleeps on the worker's event fd, but only while no
+  // caller drives the worker: see progress_loop().
   void progress_loop();
+  // Whether callers drove the worker since the last look: one is in wait(), or some called
+  // wait() or test() since. Read without mu_, which a spinning waiter holds.
+  bool callers_drive();
+  std::atomic<int> waiters_{0};           // callers in wait()
+  std::atomic<std::uint64_t> drives_{0};  // wait() and test() calls so far
+  std::uint64_t drives_seen_ = 0;         // by the progress thread's last look
+  static constexpr int kParkLook = 10;    // milliseconds
+  // Messages from this size on, to or from another machine, unpark the thread.
+  static constexpr std::size_t kUnparkBytes = std::size_t{1} << 20;
+  std::atomic<bool> parked_{false};
+  int unpark_fd_ = -1;              // eventfd: written by post() to unpark
+  std::vector<bool> same_machine_;  // by peer
   std::thread progress_thread_;
   int stop_fd_ = -1;
   bool stopping_ = false;

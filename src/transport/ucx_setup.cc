@@ -34,6 +34,7 @@ UcxTransport::UcxTransport(int rank, int world_size, const std::vector<int>& gro
       peer_rkeys_(static_cast<std::size_t>(world_size)),
       peer_arenas_(static_cast<std::size_t>(world_size)) {
   for (int r : group) member_[static_cast<std::size_t>(r)] = true;
+  same_machine_.assign(static_cast<std::size_t>(world_size), false);
   auto fail = [&](const char* what, ucs_status_t status) {
     throw Error(ErrorKind::kSystem, ucx_error(what, status), rank_, Error::kNoPeer, "ucx setup");
   };
@@ -90,15 +91,44 @@ UcxTransport::UcxTransport(int rank, int world_size, const std::vector<int>& gro
   }
   stop_fd_ = ::eventfd(0, EFD_CLOEXEC);
   wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  unpark_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   progress_thread_ = std::thread([this] { progress_loop(); });
+}
+
+bool UcxTransport::callers_drive() {
+  const std::uint64_t drives = drives_.load(std::memory_order_relaxed);
+  const bool driven = waiters_.load(std::memory_order_relaxed) > 0 || drives != drives_seen_;
+  drives_seen_ = drives;
+  return driven;
 }
 
 void UcxTransport::progress_loop() {
   std::unique_lock lock(mu_);
+  bool unparked = false;
   while (!stopping_) {
     bool progressed = false;
     while (progress_locked() != 0) progressed = true;
     if (progressed) wake_waiter_locked(false);
+    // While callers drive the worker themselves, the thread keeps out of their way: parked,
+    // it looks again every kParkLook without the lock, until they have stopped, or a large
+    // message to or from another machine is posted (post() unparks it: that one needs
+    // progress while its caller may wait on another transport). Armed, it was woken by the
+    // very messages they waited for and then queued on mu_ behind them: a wake-up and a
+    // hand-over of the lock a message, which made 4 KiB messages between two ranks twice as
+    // slow. Looks every millisecond cost as much; every 10 ms, 3% (docs/performance-notes.md).
+    if (!unparked && callers_drive()) {
+      lock.unlock();
+      parked_.store(true, std::memory_order_seq_cst);
+      pollfd fds[2] = {{stop_fd_, POLLIN, 0}, {unpark_fd_, POLLIN, 0}};
+      while (::poll(fds, 2, kParkLook) == 0 && callers_drive()) {
+      }
+      parked_.store(false, std::memory_order_relaxed);
+      std::uint64_t count = 0;
+      unparked = (fds[1].revents & POLLIN) != 0 && ::read(unpark_fd_, &count, sizeof count) > 0;
+      lock.lock();
+      continue;
+    }
+    unparked = false;
     // Armed, the thread sleeps until UCX has something. UCX can refuse to arm while progress
     // finds nothing to do (seen with a lost peer's shared-memory endpoint): the thread then
     // naps a millisecond without the lock, which it would otherwise hold against every caller.
@@ -125,6 +155,7 @@ UcxTransport::~UcxTransport() {
   progress_thread_.join();
   ::close(stop_fd_);
   ::close(wake_fd_);
+  ::close(unpark_fd_);
   std::lock_guard lock(mu_);
   // The peers' arena memory is unmapped with their rkeys, which go before the endpoints they
   // were unpacked with.
@@ -217,6 +248,7 @@ void UcxTransport::connect(int peer, const Bytes& card) {
   if (same_machine) {
     params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
     if (pid != ::getpid()) watched_.push_back({peer, pid, shm::open_pidfd(pid)});
+    same_machine_[static_cast<std::size_t>(peer)] = true;
     if (header.rkey_bytes > 0) {
       const auto* rkey = card.data() + sizeof header + header.address_bytes;
       peer_rkeys_[static_cast<std::size_t>(peer)] =
