@@ -93,8 +93,7 @@ OpPtr UcxTransport::post(int peer, bool send, const Tag& tag, void* data, std::s
   } else if (!op->done) {  // else the callback ran (and freed the request) inside the call
     op->request = request;
     inflight_.emplace(op.get(), op);
-    if (bytes >= kUnparkBytes && !same_machine_[static_cast<std::size_t>(peer)] &&
-        parked_.load(std::memory_order_seq_cst)) {
+    if (bytes >= kUnparkBytes && parked_.load(std::memory_order_seq_cst)) {
       const std::uint64_t one = 1;
       if (::write(unpark_fd_, &one, sizeof one) < 0) {
         // Cannot happen on an eventfd below its limit; the thread looks again within kParkLook.

@@ -210,11 +210,10 @@ class UcxTransport final : public Transport, ucx::ArenaWaitChecks {
   std::atomic<std::uint64_t> drives_{0};  // wait() and test() calls so far
   std::uint64_t drives_seen_ = 0;         // by the progress thread's last look
   static constexpr int kParkLook = 10;    // milliseconds
-  // Messages from this size on, to or from another machine, unpark the thread.
+  // Messages from this size on unpark the thread: a wake-up each, little against their time.
   static constexpr std::size_t kUnparkBytes = std::size_t{1} << 20;
   std::atomic<bool> parked_{false};
-  int unpark_fd_ = -1;              // eventfd: written by post() to unpark
-  std::vector<bool> same_machine_;  // by peer
+  int unpark_fd_ = -1;  // eventfd: written by post() to unpark
   std::thread progress_thread_;
   int stop_fd_ = -1;
   bool stopping_ = false;

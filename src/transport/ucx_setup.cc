@@ -34,7 +34,6 @@ UcxTransport::UcxTransport(int rank, int world_size, const std::vector<int>& gro
       peer_rkeys_(static_cast<std::size_t>(world_size)),
       peer_arenas_(static_cast<std::size_t>(world_size)) {
   for (int r : group) member_[static_cast<std::size_t>(r)] = true;
-  same_machine_.assign(static_cast<std::size_t>(world_size), false);
   auto fail = [&](const char* what, ucs_status_t status) {
     throw Error(ErrorKind::kSystem, ucx_error(what, status), rank_, Error::kNoPeer, "ucx setup");
   };
@@ -111,11 +110,12 @@ void UcxTransport::progress_loop() {
     if (progressed) wake_waiter_locked(false);
     // While callers drive the worker themselves, the thread keeps out of their way: parked,
     // it looks again every kParkLook without the lock, until they have stopped, or a large
-    // message to or from another machine is posted (post() unparks it: that one needs
-    // progress while its caller may wait on another transport). Armed, it was woken by the
-    // very messages they waited for and then queued on mu_ behind them: a wake-up and a
-    // hand-over of the lock a message, which made 4 KiB messages between two ranks twice as
-    // slow. Looks every millisecond cost as much; every 10 ms, 3% (docs/performance-notes.md).
+    // message is posted (post() unparks it: over TCP a large message moves only while its
+    // sender or receiver progresses, and its caller may meanwhile wait on another transport,
+    // such as a router's shm side). Armed, it was woken by the very messages they waited for
+    // and then queued on mu_ behind them: a wake-up and a hand-over of the lock a message,
+    // which made 4 KiB messages between two ranks twice as slow. Looks every millisecond cost
+    // as much; every 10 ms, 3% (docs/performance-notes.md).
     if (!unparked && callers_drive()) {
       lock.unlock();
       parked_.store(true, std::memory_order_seq_cst);
@@ -248,7 +248,6 @@ void UcxTransport::connect(int peer, const Bytes& card) {
   if (same_machine) {
     params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
     if (pid != ::getpid()) watched_.push_back({peer, pid, shm::open_pidfd(pid)});
-    same_machine_[static_cast<std::size_t>(peer)] = true;
     if (header.rkey_bytes > 0) {
       const auto* rkey = card.data() + sizeof header + header.address_bytes;
       peer_rkeys_[static_cast<std::size_t>(peer)] =
