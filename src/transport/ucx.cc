@@ -37,10 +37,7 @@ void UcxTransport::wake_waiter_locked(bool always) {
   if (!always && !sleeping_on_->done && !lost_[static_cast<std::size_t>(sleeping_on_->peer)]) {
     return;
   }
-  const std::uint64_t one = 1;
-  if (::write(wake_fd_, &one, sizeof one) < 0) {
-    // Cannot happen on an eventfd below its limit; the waiter's nap ends anyway.
-  }
+  bump_eventfd(wake_fd_);  // (if it failed, the waiter's nap ends anyway)
 }
 
 void UcxTransport::check_peer(int peer, const char* what) const {
@@ -94,10 +91,7 @@ OpPtr UcxTransport::post(int peer, bool send, const Tag& tag, void* data, std::s
     op->request = request;
     inflight_.emplace(op.get(), op);
     if (bytes >= kUnparkBytes && parked_.load(std::memory_order_seq_cst)) {
-      const std::uint64_t one = 1;
-      if (::write(unpark_fd_, &one, sizeof one) < 0) {
-        // Cannot happen on an eventfd below its limit; the thread looks again within kParkLook.
-      }
+      bump_eventfd(unpark_fd_);  // (if it failed, the thread looks again within kParkLook)
     }
   }
   return op;

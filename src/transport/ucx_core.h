@@ -3,6 +3,8 @@
 // arena's mappings). See ucx.h for what it offers and ucx.cc for how it works.
 #pragma once
 
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -198,6 +200,12 @@ class UcxTransport final : public Transport, ucx::ArenaWaitChecks {
   // so nothing progresses the worker again and UCX never reads or fills them.
   bool frozen_ = false;
 
+  // Adds one to an eventfd, waking whoever polls it. A write to an eventfd below its limit
+  // does not fail; every caller has a bounded sleep behind it in case it did.
+  static void bump_eventfd(int fd) {
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const ssize_t n = ::write(fd, &one, sizeof one);
+  }
   // Background progress: a rank that waits on another transport (the shm ring of a
   // hierarchical job) still answers UCX's rendezvous for its large sends, as the tcp
   // transport's epoll thread does. It sleeps on the worker's event fd, but only while no

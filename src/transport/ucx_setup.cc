@@ -148,10 +148,7 @@ UcxTransport::~UcxTransport() {
     std::lock_guard lock(mu_);
     stopping_ = true;
   }
-  const std::uint64_t one = 1;
-  if (::write(stop_fd_, &one, sizeof one) < 0) {
-    // Cannot happen on an eventfd below its limit; the thread's 100 ms poll ends anyway.
-  }
+  bump_eventfd(stop_fd_);  // (if it failed, the thread's 100 ms poll ends anyway)
   progress_thread_.join();
   ::close(stop_fd_);
   ::close(wake_fd_);
