@@ -40,6 +40,32 @@ double median_batch_us(int calls, Body body) {
   return batches[3];
 }
 
+// Runs `body` (a call every rank makes) in batches of 32 until a batch is no longer 20% faster
+// than the one before, at most 8 batches: links whose first messages are slow are timed after
+// they have warmed up. UCX's shared memory pays page faults on its first ~64 messages a queue
+// (about 40 us each on this machine, 2 us after), and ranks that wait that long fall asleep and
+// then wake each other late for a while; the 4 KiB probe round over it came out at 40-230 us
+// instead of 2-10 (docs/performance-notes.md). Rank 0 decides and broadcasts, so every rank
+// makes the same calls; links that start warm stop after two batches.
+template <class Body>
+void warm_up(Comm& c, const collectives::AlgorithmConfig& cfg, Body body) {
+  constexpr int kBatchCalls = 32;
+  constexpr int kMaxBatches = 8;
+  double previous_us = 0;
+  for (int batch = 0; batch < kMaxBatches; ++batch) {
+    const auto t0 = Clock::now();
+    for (int i = 0; i < kBatchCalls; ++i) body();
+    double go_on = 0;
+    if (c.rank() == 0) {
+      const double us = seconds_since(t0) * 1e6;
+      go_on = batch == 0 || us < 0.8 * previous_us ? 1 : 0;
+      previous_us = us;
+    }
+    collectives::broadcast(c, &go_on, 1, DataType::kFloat64, 0, cfg);
+    if (go_on == 0) return;
+  }
+}
+
 // One-way microseconds of a `bytes` message between ranks a and b (a ping-pong, halved), as
 // measured on both; other ranks return 0 at once.
 double pingpong_us(Comm& c, int a, int b, std::vector<unsigned char>& buf, std::size_t bytes,
@@ -147,14 +173,14 @@ cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
     int rounds = 0;
     for (int k = 1; k < n; k <<= 1) ++rounds;
     std::vector<unsigned char> probe_in(kProbeBytes);
-    round_us = median_batch_us(5,
-                               [&] {
-                                 for (int k = 1; k < n; k <<= 1) {
-                                   c.sendrecv((r + k) % n, buf.data(), kProbeBytes, (r - k + n) % n,
-                                              probe_in.data(), kProbeBytes);
-                                 }
-                               }) /
-               rounds;
+    auto probe_round = [&] {
+      for (int k = 1; k < n; k <<= 1) {
+        c.sendrecv((r + k) % n, buf.data(), kProbeBytes, (r - k + n) % n, probe_in.data(),
+                   kProbeBytes);
+      }
+    };
+    warm_up(c, cfg, probe_round);
+    round_us = median_batch_us(5, probe_round) / rounds;
     ring_us = median_batch_us(2, [&] {
       collectives::ring_allreduce(c, fit_in.data(), fit_out.data(), fit_in.size(),
                                   DataType::kFloat32, ReduceOp::kSum, cfg);
