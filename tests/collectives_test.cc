@@ -381,16 +381,22 @@ TEST_P(SharedMemoryGrid, LargeAndPrimeCountsMatchReference) {
 }
 
 // Non-integer inputs make the result depend on the order of additions: the fixed member order
-// must give the same bits on every rank and in every run.
+// must give the same bits on every rank and in every run, and in both forms of the algorithm
+// (a one-shot call over the first elements gives the bits the chunked call gave them).
 TEST_P(SharedMemoryGrid, RoundedResultsAreIdenticalAcrossRanksAndRuns) {
   const int n = GetParam();
-  const std::size_t count = 300007;
+  const std::size_t count = 300007, one_shot_count = 9999;  // 1.2 MB and 40 KB of float32
   auto run_once = [&] {
     std::vector<std::uint64_t> fingerprints(static_cast<std::size_t>(n));
     testing::run_shm_contexts(n, [&](Context& ctx) {
       std::vector<float> v = rounded_input(ctx.rank(), count);
+      std::vector<float> head(v.begin(), v.begin() + one_shot_count);
       ctx.allreduce(v.data(), v.data(), count, DataType::kFloat32, ReduceOp::kAvg,
                     {.algorithm = Algorithm::kSharedMemory});
+      ctx.allreduce(head.data(), head.data(), one_shot_count, DataType::kFloat32, ReduceOp::kAvg,
+                    {.algorithm = Algorithm::kSharedMemory});
+      EXPECT_EQ(std::memcmp(head.data(), v.data(), one_shot_count * sizeof(float)), 0)
+          << "rank " << ctx.rank();
       Buffer bytes(count * 4);
       std::memcpy(bytes.data(), v.data(), bytes.size());
       fingerprints[static_cast<std::size_t>(ctx.rank())] = fingerprint(bytes);
@@ -408,8 +414,10 @@ TEST_P(SharedMemoryGrid, RoundedResultsAreIdenticalAcrossRanksAndRuns) {
 // between must all line up.
 TEST_P(SharedMemoryGrid, ConsecutiveCallsOfChangingSizesAndOtherCollectives) {
   const int n = GetParam();
-  const std::size_t counts[] = {(std::size_t{1} << 20) + 3,  0, 7, 3 * 65536 + 1, 1, 1031,
-                                (std::size_t{1} << 21) + 17, 2};
+  // 16384 float32 is the largest one-shot call, 16385 the smallest chunked one.
+  const std::size_t counts[] = {
+      (std::size_t{1} << 20) + 3,  0, 7, 3 * 65536 + 1, 1, 1031, 16384, 16385, 5, 6, 11,
+      (std::size_t{1} << 21) + 17, 2};
   testing::run_shm_contexts(n, [&](Context& ctx) {
     for (int round = 0; round < 2; ++round) {
       std::vector<Buffer> bufs;

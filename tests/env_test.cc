@@ -261,9 +261,9 @@ TEST(CostModel, SharedMemoryForLargeMessagesWhereRanksShareMemory) {
   for (const auto& params : {defaults, measured, oversubscribed}) {
     cost::CostModel m(params);
     for (int n : {2, 3, 4, 5, 8}) {
-      if ((n & (n - 1)) == 0) {
-        EXPECT_EQ(m.choose_allreduce(n, 1024, true), Algorithm::kRecursiveDoubling) << n;
-      }
+      // Small messages, the one-shot form: one wait for every rank (unmeasured, a barrier's
+      // log2(N) latencies) where recursive doubling makes log2(N) exchanges.
+      EXPECT_EQ(m.choose_allreduce(n, 1024, true), Algorithm::kSharedMemory) << n;
       EXPECT_EQ(m.choose_allreduce(n, 64 << 20, true), Algorithm::kSharedMemory) << n;
       EXPECT_EQ(m.choose_allreduce(n, 256 << 20, true), Algorithm::kSharedMemory) << n;
       for (std::size_t bytes : {std::size_t{1024}, std::size_t{1} << 20, std::size_t{256} << 20}) {
@@ -279,11 +279,12 @@ TEST(CostModel, SharedMemoryForLargeMessagesWhereRanksShareMemory) {
   }
 }
 
-// The shared-memory all-reduce's fixed cost, measured at start-up, decides small messages:
-// with 2 ranks on their own cores its three waits cost less than one message exchange; where 4
-// ranks share 2 cores each wait needs every rank scheduled, and recursive doubling's two
-// pairwise exchanges win. A message of one chunk is not pipelined, so the ring takes the
-// few-hundred-KiB range with 2 ranks. (Constants measured on the 2-core EPYC VM.)
+// The shared-memory all-reduce's fixed costs, measured at start-up, decide small messages: with
+// 2 ranks on their own cores its waits cost less than one message exchange. Where 4 ranks
+// share 2 cores each wait needs every rank scheduled: the one-shot form's single wait against
+// recursive doubling's two pairwise exchanges, whichever was measured cheaper. A message of
+// one chunk is not pipelined, so the ring takes the few-hundred-KiB range with 2 ranks.
+// (Constants measured on the 2-core EPYC VM.)
 TEST(CostModel, SharedMemoryFixedCostDecidesSmallMessages) {
   cost::LinkParams two{0.57, 29.0, 40.0};
   two.shm_call_us = 0.33;
@@ -292,10 +293,18 @@ TEST(CostModel, SharedMemoryFixedCostDecidesSmallMessages) {
   EXPECT_EQ(m2.choose_allreduce(2, 256 << 10, true), Algorithm::kRing);
   EXPECT_EQ(m2.choose_allreduce(2, 64 << 20, true), Algorithm::kSharedMemory);
 
-  cost::LinkParams four{3.0, 29.0, 40.0};
-  four.shm_call_us = 7.4;
-  cost::CostModel m4(four);
-  EXPECT_EQ(m4.choose_allreduce(4, 4096, true), Algorithm::kRecursiveDoubling);
+  cost::LinkParams four{7.0, 8.1, 48.5};
+  four.shm_call_us = 28.1;
+  four.shm_one_shot_us = 12.4;
+  EXPECT_EQ(cost::CostModel(four).choose_allreduce(4, 4096, true), Algorithm::kSharedMemory);
+  EXPECT_EQ(cost::CostModel(four).choose_allreduce(4, 64 << 10, true), Algorithm::kSharedMemory);
+  four.shm_one_shot_us = 20.0;
+  EXPECT_EQ(cost::CostModel(four).choose_allreduce(4, 4096, true), Algorithm::kRecursiveDoubling);
+
+  cost::LinkParams large{3.0, 29.0, 40.0};
+  large.shm_call_us = 7.4;
+  large.shm_one_shot_us = 5.5;
+  cost::CostModel m4(large);
   EXPECT_EQ(m4.choose_allreduce(4, 1 << 20, true), Algorithm::kSharedMemory);
   EXPECT_EQ(m4.choose_allreduce(4, 64 << 20, true), Algorithm::kSharedMemory);
 
@@ -303,7 +312,26 @@ TEST(CostModel, SharedMemoryFixedCostDecidesSmallMessages) {
   auto parsed = cost::CostModel::parse(m4.to_string());
   ASSERT_TRUE(parsed.has_value());
   EXPECT_DOUBLE_EQ(parsed->shm_call_us, 7.4);
-  EXPECT_EQ(cost::CostModel(cost::LinkParams{}).to_string().find("shm_call_us"), std::string::npos);
+  EXPECT_DOUBLE_EQ(parsed->shm_one_shot_us, 5.5);
+  const std::string unmeasured = cost::CostModel(cost::LinkParams{}).to_string();
+  EXPECT_EQ(unmeasured.find("shm_call_us"), std::string::npos);
+  EXPECT_EQ(unmeasured.find("shm_one_shot_us"), std::string::npos);
+}
+
+// Unmeasured, the one-shot form's single wait is priced at a third of the three the chunked
+// form's measured fixed cost holds: a pinned model that keeps the arena away from every call
+// (shm_call_us=100000, as the trainer's checkpoint tests pin it) keeps it away from small ones.
+TEST(CostModel, OneShotFormFollowsAPinnedFixedCost) {
+  auto pinned =
+      cost::CostModel::parse("alpha_us=500,bandwidth_gbps=0.5,reduce_gbps=1,shm_call_us=100000");
+  ASSERT_TRUE(pinned.has_value());
+  for (int n : {2, 3, 4}) {
+    for (std::size_t bytes : {std::size_t{4}, std::size_t{4} << 10, std::size_t{64} << 10}) {
+      EXPECT_NE(cost::CostModel(*pinned).choose_allreduce(n, bytes, true), Algorithm::kSharedMemory)
+          << n << " " << bytes;
+    }
+  }
+  EXPECT_DOUBLE_EQ(cost::CostModel(*pinned).shared_memory_us(2, 0, true), 100000.0 / 3);
 }
 
 // A measured call calibrates a per-byte constant: the fitted throughput makes the model predict

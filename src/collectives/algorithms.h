@@ -28,6 +28,11 @@ struct AlgorithmConfig {
   // cache anyway, and streaming saves the read-for-ownership of every output line; smaller
   // ones are faster left in cache (docs/performance-notes.md).
   std::size_t shared_memory_streaming_bytes = std::size_t{16} << 20;
+  // Messages up to this size take the shared-memory all-reduce's one-shot form: every rank
+  // stages its whole input and reduces the whole message itself, one wait for every rank
+  // instead of three. Faster up to 64 KiB at 2 and 4 ranks (docs/performance-notes.md), and
+  // capped there: the space the arena keeps for it. 0: never.
+  std::size_t shared_memory_one_shot_bytes = 64 * 1024;
 };
 
 // All-reduce. kAvg is finished inside (division applied once per element).

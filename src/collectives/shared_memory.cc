@@ -26,6 +26,15 @@
 //
 // Mismatch safety: before its first publish a rank writes its call's tag into its region
 // header; a rank compares every member's tag before it reads any of that member's data.
+//
+// One-shot form, for messages up to AlgorithmConfig::shared_memory_one_shot_bytes, where the
+// three waits for every member cost more than the bytes: each rank copies its whole input into
+// its one-shot buffer, publishes base + 1, waits for every member's base + 1, and reduces the
+// whole message itself, in member order (so every rank computes the same bits). Two buffers at
+// the end of the region, used by turns (base % 2): a rank writes a buffer again only two
+// one-shot calls later, and it finished the call in between only after every member had
+// started it, hence had finished reading that buffer. Nothing else in the region is touched,
+// so neither form waits for the other's readers; each buffer carries its call's tag.
 #include <emmintrin.h>
 
 #include <algorithm>
@@ -55,6 +64,10 @@ constexpr std::size_t kLineBytes = 64;
 // stays in L1 (32 KiB on the x86 cores the benchmarks run on) along with the tiles of all
 // inputs.
 constexpr std::size_t kTileBytes = 8 * 1024;
+// The one-shot buffers at the end of each region: a line for the call's tag, then the data.
+constexpr std::size_t kOneShotMaxBytes = 64 * 1024;
+constexpr std::size_t kOneShotStride = kLineBytes + kOneShotMaxBytes;
+constexpr std::size_t kOneShotReserve = 2 * kOneShotStride;
 
 struct RegionHeader {
   transport::Tag signature;  // of the call this member's slots currently belong to
@@ -107,7 +120,8 @@ class SharedMemoryAllreduce {
         non_finite_(dtype == DataType::kFloat32 ? extras.non_finite : nullptr),
         float_sum_(dtype == DataType::kFloat32 && (op == ReduceOp::kSum || op == ReduceOp::kAvg)),
         sums_in_recv_(!streaming_ && round_through_ == DataType::kFloat32 &&
-                      (send != recv || non_finite_ == nullptr)) {
+                      (send != recv || non_finite_ == nullptr)),
+        one_shot_(bytes_ <= std::min(cfg.shared_memory_one_shot_bytes, kOneShotMaxBytes)) {
     if (n_ != c.size() || me_ != c.rank()) {
       throw Error(ErrorKind::kInvalidArgument,
                   "shared arena of " + std::to_string(n_) + " members (this rank member " +
@@ -118,6 +132,10 @@ class SharedMemoryAllreduce {
   }
 
   void run() {
+    if (one_shot_) {
+      run_one_shot();
+      return;
+    }
     base_ = arena_.progress(me_);
     wait_all(base_);  // every member left the previous call: our slots and header are free
     header(me_).signature = c_.tag();
@@ -147,8 +165,43 @@ class SharedMemoryAllreduce {
   }
 
  private:
+  // See the one-shot form at the top of the file.
+  void run_one_shot() {
+    base_ = arena_.progress(me_);
+    // Every member left the previous call: at once after a one-shot one (this rank saw as much
+    // in it), and first, so that peers see which call this rank is in before its progress
+    // moves (SharedArena::wait_for).
+    wait_all(base_);
+    const std::size_t turn = base_ % 2;
+    auto buffer = [&](int member) {
+      return arena_.region(member) + arena_.region_bytes() - kOneShotReserve +
+             turn * kOneShotStride;
+    };
+    // The tag in the region header too, for a member in the other form to name this call.
+    header(me_).signature = c_.tag();
+    *reinterpret_cast<transport::Tag*>(buffer(me_)) = c_.tag();
+    if (bytes_) std::memcpy(buffer(me_) + kLineBytes, send_, bytes_);
+    arena_.publish(base_ + 1);
+    wait_all(base_ + 1);
+    for (int m = 0; m < n_; ++m) {
+      // A mismatch names the member's latest call, whichever form it took.
+      if (m != me_ && *reinterpret_cast<const transport::Tag*>(buffer(m)) != c_.tag()) {
+        check_signature(m, header(m).signature);
+        throw Error(ErrorKind::kMismatch,
+                    "rank " + std::to_string(arena_.member_rank(m)) + " runs " +
+                        describe_tag(c_.tag()) +
+                        " in the shared-memory all-reduce's other form (a different "
+                        "one-shot limit)",
+                    c_.rank(), arena_.member_rank(m), "shm allreduce", bytes_);
+      }
+    }
+    reduce_tiles(0, bytes_, nullptr, [&](int m, std::size_t offset) {
+      return (m == me_ ? send_ : buffer(m) + kLineBytes) + offset;
+    });
+  }
+
   static std::size_t chunk_size(std::size_t wanted, std::size_t region_bytes) {
-    const std::size_t fits = (region_bytes - kHeaderBytes) / kSlots;
+    const std::size_t fits = (region_bytes - kHeaderBytes - kOneShotReserve) / kSlots;
     return std::max<std::size_t>(4096, std::min(wanted, fits) / 4096 * 4096);
   }
 
@@ -185,13 +238,15 @@ class SharedMemoryAllreduce {
 
   void check_signatures() {
     for (int m = 0; m < n_; ++m) {
-      const transport::Tag theirs = header(m).signature;
-      if (m == me_ || theirs == c_.tag()) continue;
-      throw Error(ErrorKind::kMismatch,
-                  "expected " + describe_tag(c_.tag()) + " but rank " +
-                      std::to_string(arena_.member_rank(m)) + " called " + describe_tag(theirs),
-                  c_.rank(), arena_.member_rank(m), "shm allreduce", bytes_);
+      if (m != me_) check_signature(m, header(m).signature);
     }
+  }
+  void check_signature(int member, const transport::Tag& theirs) const {
+    if (theirs == c_.tag()) return;
+    throw Error(ErrorKind::kMismatch,
+                "expected " + describe_tag(c_.tag()) + " but rank " +
+                    std::to_string(arena_.member_rank(member)) + " called " + describe_tag(theirs),
+                c_.rank(), arena_.member_rank(member), "shm allreduce", bytes_);
   }
 
   // Only the sub-blocks other members reduce: this rank reads its own straight from `send`.
@@ -218,17 +273,23 @@ class SharedMemoryAllreduce {
     // Plain variables, not a structured binding: the lambda below captures `first`, and
     // Debian 12's clang 14 refuses to capture bindings (C++20 allows it; clang 16 does).
     const auto block = sub_block(k, me_);
-    const std::size_t first = block.first, last = block.second;
-    unsigned char* shared = slot(me_, k) + first;
-    unsigned char* out = recv_ + chunk_offset(k) + first;
+    const std::size_t first = block.first;
     const unsigned char* own_input = send_ + chunk_offset(k) + first;
-    auto input = [&](int m, std::size_t offset) {
-      return (m == me_ ? own_input : slot(m, k) + first) + offset;
-    };
+    reduce_tiles(chunk_offset(k) + first, block.second - first, slot(me_, k) + first,
+                 [&](int m, std::size_t offset) {
+                   return (m == me_ ? own_input : slot(m, k) + first) + offset;
+                 });
+  }
+
+  // Reduces `length` bytes of the message from byte `at` on, member m's input at input(m,
+  // offset), as reduce() describes, into `recv` and (unless null) `shared`.
+  template <typename Input>
+  void reduce_tiles(std::size_t at, std::size_t length, unsigned char* shared, const Input& input) {
+    unsigned char* out = recv_ + at;
     alignas(64) unsigned char accumulator[kTileBytes];
     alignas(64) unsigned char tile[kTileBytes];
-    for (std::size_t offset = 0; offset < last - first; offset += kTileBytes) {
-      const std::size_t count = std::min(kTileBytes, last - first - offset) / es_;
+    for (std::size_t offset = 0; offset < length; offset += kTileBytes) {
+      const std::size_t count = std::min(kTileBytes, length - offset) / es_;
       // Every member's input but the last goes into `partial` (the first two straight, when
       // there are only two); the last step adds the last input and finishes.
       const unsigned char* partial = input(0, offset);
@@ -243,19 +304,18 @@ class SharedMemoryAllreduce {
       // kernels allow their output to alias an input).
       unsigned char* sums = sums_in_recv_ ? out + offset : tile;
       if (float_sum_) {
-        finish_float_sum(sums, partial, input(n_ - 1, offset), count,
-                         chunk_offset(k) + first + offset, offset, input);
+        finish_float_sum(sums, partial, input(n_ - 1, offset), count, at + offset, offset, input);
       } else {
         kernels::reduce(sums, partial, input(n_ - 1, offset), count, dtype_, op_);
         if (op_ == ReduceOp::kAvg) kernels::scale_for_average(sums, count, dtype_, n_);
       }
       if (sums_in_recv_) {
-        std::memcpy(shared + offset, sums, count * es_);
+        if (shared) std::memcpy(shared + offset, sums, count * es_);
       } else if (narrow_results()) {
-        std::memcpy(shared + offset / 2, tile, count * 2);
+        if (shared) std::memcpy(shared + offset / 2, tile, count * 2);
         widen(reinterpret_cast<const std::uint16_t*>(tile), out + offset, count);
       } else {
-        std::memcpy(shared + offset, tile, count * es_);
+        if (shared) std::memcpy(shared + offset, tile, count * es_);
         copy(out + offset, tile, count * es_);
       }
     }
@@ -352,6 +412,7 @@ class SharedMemoryAllreduce {
   // sums, nor in place where a non-finite sum must be traced back to the inputs it
   // overwrote.
   const bool sums_in_recv_;
+  const bool one_shot_;  // see the one-shot form at the top of the file
   std::uint64_t base_ = 0;
 };
 

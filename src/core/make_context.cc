@@ -94,7 +94,7 @@ constexpr std::size_t kFitBytes = 1 << 20;
 // its call of kFitBytes and its fixed cost its call of kProbeBytes less those bytes (each pair
 // moves each other a little: two passes).
 void fit_one_host(double* values, int n, double round_us, double ring_us, double arena_probe_us,
-                  double arena_us) {
+                  double one_shot_probe_us, double arena_us) {
   cost::LinkParams p;
   p.alpha_us = round_us;
   p.reduce_gbps = values[2];
@@ -116,11 +116,16 @@ void fit_one_host(double* values, int n, double round_us, double ring_us, double
     p.shm_gbps = cost::CostModel::fit_gbps(p, &cost::LinkParams::shm_gbps, Algorithm::kSharedMemory,
                                            n, kFitBytes, arena_us);
     const double bytes_us =
-        cost::CostModel(p).allreduce_us(Algorithm::kSharedMemory, n, kProbeBytes) - p.shm_call_us;
+        cost::CostModel(p).shared_memory_us(n, kProbeBytes, false) - p.shm_call_us;
     p.shm_call_us = std::max(arena_probe_us - bytes_us, 0.1);
   }
+  p.shm_one_shot_us = 0.1;  // known, so that what the model adds to it is the bytes' share
+  const cost::CostModel bytes_only(p);
+  p.shm_one_shot_us =
+      std::max(one_shot_probe_us - (bytes_only.shared_memory_us(n, kProbeBytes, true) - 0.1), 0.1);
   values[3] = p.shm_call_us;
   values[6] = p.shm_gbps;
+  values[7] = p.shm_one_shot_us;
 }
 
 // Every rank measures with rank 0, and rank 0 broadcasts the constants: every rank must choose
@@ -140,15 +145,16 @@ void fit_one_host(double* values, int n, double round_us, double ring_us, double
 //    has another) for the link inside a host, with the first rank of the next host for the
 //    link between hosts (inter_alpha_us, inter_bandwidth_gbps).
 //  - gamma: rank 0 times the float32 sum kernel in cache.
-//  - shm_call_us and shm_gbps: where the ranks share an arena, the shared-memory all-reduce of
-//    kProbeBytes, whose waits and cache misses make its fixed cost as alpha's probe makes
-//    alpha, and of 1 MiB, to which its throughput is fitted.
+//  - shm_call_us, shm_one_shot_us and shm_gbps: where the ranks share an arena, the
+//    shared-memory all-reduce of kProbeBytes in each of its forms, whose waits and cache misses
+//    make their fixed costs as alpha's probe makes alpha, and of 1 MiB, to which its
+//    throughput is fitted.
 cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
                               const collectives::Topology& topology) {
   const int n = c.size(), r = c.rank();
-  // alpha, bandwidth, reduce, shm call, inter alpha, inter bandwidth, shm gbps
-  double values[7] = {0, 0, 0, 0, 0, 0, 0};
-  double round_us = 0, ring_us = 0, arena_probe_us = 0, arena_us = 0;
+  // alpha, bandwidth, reduce, shm call, inter alpha, inter bandwidth, shm gbps, shm one-shot
+  double values[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  double round_us = 0, ring_us = 0, arena_probe_us = 0, one_shot_probe_us = 0, arena_us = 0;
   collectives::AlgorithmConfig cfg;
   std::vector<float> fit_in(kFitBytes / sizeof(float), 1.0f), fit_out(fit_in.size());
   std::vector<unsigned char> buf(1 << 20);
@@ -188,12 +194,19 @@ cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
   }
 
   if (arena && arena->members() == n) {
-    arena_probe_us = median_batch_us(5, [&] {
-      collectives::shm_direct_allreduce(c, *arena, fit_in.data(), fit_out.data(),
-                                        kProbeBytes / sizeof(float), DataType::kFloat32,
-                                        ReduceOp::kSum, cfg);
-    });
+    auto arena_probe = [&](const collectives::AlgorithmConfig& form) {
+      return median_batch_us(5, [&] {
+        collectives::shm_direct_allreduce(c, *arena, fit_in.data(), fit_out.data(),
+                                          kProbeBytes / sizeof(float), DataType::kFloat32,
+                                          ReduceOp::kSum, form);
+      });
+    };
+    collectives::AlgorithmConfig chunked = cfg;
+    chunked.shared_memory_one_shot_bytes = 0;
+    arena_probe_us = arena_probe(chunked);
+    one_shot_probe_us = arena_probe(cfg);
     values[3] = arena_probe_us;  // across hosts (no arena there today), unfitted
+    values[7] = one_shot_probe_us;
     arena_us = median_batch_us(2, [&] {
       collectives::shm_direct_allreduce(c, *arena, fit_in.data(), fit_out.data(), fit_in.size(),
                                         DataType::kFloat32, ReduceOp::kSum, cfg);
@@ -206,14 +219,17 @@ cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
       kernels::reduce_into(a.data(), b.data(), a.size(), DataType::kFloat32, ReduceOp::kSum);
     });
     values[2] = static_cast<double>(a.size() * sizeof(float)) / std::max(reduce_us, 1e-3) / 1e3;
-    if (topology.hosts() == 1) fit_one_host(values, n, round_us, ring_us, arena_probe_us, arena_us);
+    if (topology.hosts() == 1) {
+      fit_one_host(values, n, round_us, ring_us, arena_probe_us, one_shot_probe_us, arena_us);
+    }
   }
-  collectives::broadcast(c, values, 7, DataType::kFloat64, 0, cfg);
+  collectives::broadcast(c, values, 8, DataType::kFloat64, 0, cfg);
   cost::LinkParams p{values[0], values[1], values[2]};
   p.shm_call_us = values[3];
   p.inter_alpha_us = values[4];
   p.inter_bandwidth_gbps = values[5];
   p.shm_gbps = values[6];
+  p.shm_one_shot_us = values[7];
   return p;
 }
 

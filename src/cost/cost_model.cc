@@ -28,8 +28,10 @@ int log2_int(int p) {
   while ((1 << k) < p) ++k;
   return k;
 }
-// The shared-memory all-reduce's chunk (AlgorithmConfig::shared_memory_chunk_bytes).
+// The shared-memory all-reduce's chunk (AlgorithmConfig::shared_memory_chunk_bytes), and its
+// one-shot form's limit (AlgorithmConfig::shared_memory_one_shot_bytes).
 constexpr double kSharedMemoryChunkBytes = 512 * 1024;
+constexpr std::size_t kSharedMemoryOneShotBytes = 64 * 1024;
 // Reading a cache line another core has just written, on current x86 (a zero-byte message
 // over the shm transport, one such transfer plus bookkeeping, costs a little more:
 // docs/performance-notes.md).
@@ -162,36 +164,50 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes, int hosts)
     case Algorithm::kParameterServer:
       // The server receives and then sends N-1 full copies, one after another.
       return 2 * (n - 1) * (alpha + S * beta) + (n - 1) * S * gamma + memory;
-    case Algorithm::kSharedMemory: {
-      // No messages: each rank copies its input into shared memory and the result out of it,
-      // once each, at the speed fitted at start-up (shm_gbps; else a message's, beta), and reduces
-      // its 1/N of every chunk over N inputs (the ring's reduction work). Each chunk passes three
-      // steps (stage, reduce, copy out), each ending in a wait for every other rank. The first
-      // chunk's three steps depend on each other: the fixed cost measured at start-up, or else
-      // three barriers' worth of latencies (log2(N) each). Later chunks find the others mostly
-      // done (a spare staging slot gives each rank a chunk of slack), so their waits cost the
-      // reads of the N-1 counters.
-      const double frac = static_cast<double>(n - 1) / n;
-      const double chunks = std::max(1.0, std::ceil(S / kSharedMemoryChunkBytes));
-      const double first = p_.shm_call_us > 0 ? p_.shm_call_us : 3 * log2_int(n) * alpha;
-      const double copy = p_.shm_gbps > 0 ? 1e-3 / p_.shm_gbps : beta;
-      const double sync = first + 3 * (chunks - 1) * (n - 1) * kCacheLineTransferUs;
-      // The steps form a pipeline three chunks deep: the first chunk's bytes pass the three
-      // steps one after another, later chunks overlap. So a message of one chunk is not
-      // overlapped at all, which is why the ring (pipelined in smaller pieces) beats this
-      // algorithm on messages of a few hundred KiB with 2 ranks (docs/performance-notes.md). The
-      // reduce and copy-out steps handle 1/N and (N-1)/N of a chunk per rank: together about
-      // one more pass over it. A fitted throughput (shm_gbps) is already the average per byte
-      // of a call of two chunks, the first unpipelined: measured, the algorithm's time grows in
-      // proportion to the bytes from 256 KiB up, as the ring's does (docs/performance-notes.md).
-      const double fill = p_.shm_gbps > 0 ? 0.0 : std::min(S, kSharedMemoryChunkBytes) * copy;
-      return sync + fill + S * copy + frac * S * gamma + memory;
-    }
+    case Algorithm::kSharedMemory:
+      return shared_memory_us(n, bytes, bytes <= kSharedMemoryOneShotBytes) + memory;
     case Algorithm::kHierarchical:  // mapped to the ring above
     case Algorithm::kAuto:
       return allreduce_us(choose_allreduce(n, bytes), n, bytes);
   }
   return 0.0;
+}
+
+double CostModel::shared_memory_us(int n, std::size_t bytes, bool one_shot) const {
+  const double S = static_cast<double>(bytes);
+  const double alpha = p_.alpha_us, beta = p_.beta_us_per_byte(), gamma = p_.gamma_us_per_byte();
+  const double copy = p_.shm_gbps > 0 ? 1e-3 / p_.shm_gbps : beta;
+  if (one_shot) {
+    // One wait for every rank; each rank copies its input in once and reduces the whole
+    // message over N inputs itself (N - 1 additions of S bytes, the others' inputs read
+    // straight out of their buffers while in cache).
+    const double fixed = p_.shm_one_shot_us > 0 ? p_.shm_one_shot_us
+                         : p_.shm_call_us > 0   ? p_.shm_call_us / 3
+                                                : log2_int(n) * alpha;
+    return fixed + S * copy + (n - 1) * S * gamma;
+  }
+  // No messages: each rank copies its input into shared memory and the result out of it,
+  // once each, at the speed fitted at start-up (shm_gbps; else a message's, beta), and reduces
+  // its 1/N of every chunk over N inputs (the ring's reduction work). Each chunk passes three
+  // steps (stage, reduce, copy out), each ending in a wait for every other rank. The first
+  // chunk's three steps depend on each other: the fixed cost measured at start-up, or else
+  // three barriers' worth of latencies (log2(N) each). Later chunks find the others mostly
+  // done (a spare staging slot gives each rank a chunk of slack), so their waits cost the
+  // reads of the N-1 counters.
+  const double frac = static_cast<double>(n - 1) / n;
+  const double chunks = std::max(1.0, std::ceil(S / kSharedMemoryChunkBytes));
+  const double first = p_.shm_call_us > 0 ? p_.shm_call_us : 3 * log2_int(n) * alpha;
+  const double sync = first + 3 * (chunks - 1) * (n - 1) * kCacheLineTransferUs;
+  // The steps form a pipeline three chunks deep: the first chunk's bytes pass the three
+  // steps one after another, later chunks overlap. So a message of one chunk is not
+  // overlapped at all, which is why the ring (pipelined in smaller pieces) beats this
+  // algorithm on messages of a few hundred KiB with 2 ranks (docs/performance-notes.md). The
+  // reduce and copy-out steps handle 1/N and (N-1)/N of a chunk per rank: together about
+  // one more pass over it. A fitted throughput (shm_gbps) is already the average per byte
+  // of a call of two chunks, the first unpipelined: measured, the algorithm's time grows in
+  // proportion to the bytes from 256 KiB up, as the ring's does (docs/performance-notes.md).
+  const double fill = p_.shm_gbps > 0 ? 0.0 : std::min(S, kSharedMemoryChunkBytes) * copy;
+  return sync + fill + S * copy + frac * S * gamma;
 }
 
 double CostModel::fit_gbps(LinkParams params, double LinkParams::*field, Algorithm a, int ranks,
@@ -249,6 +265,8 @@ std::optional<LinkParams> CostModel::parse(std::string_view spec, LinkParams bas
       p.cache_mib = v;
     } else if (key == "shm_call_us") {
       p.shm_call_us = v;
+    } else if (key == "shm_one_shot_us") {
+      p.shm_one_shot_us = v;
     } else if (key == "shm_gbps") {
       p.shm_gbps = v;
     } else if (key == "inter_alpha_us") {
@@ -271,6 +289,7 @@ std::string CostModel::to_string() const {
     << ",reduce_gbps=" << p_.reduce_gbps << ",copy_gbps=" << p_.copy_gbps
     << ",cache_mib=" << p_.cache_mib;
   if (p_.shm_call_us > 0) o << ",shm_call_us=" << p_.shm_call_us;
+  if (p_.shm_one_shot_us > 0) o << ",shm_one_shot_us=" << p_.shm_one_shot_us;
   if (p_.shm_gbps > 0) o << ",shm_gbps=" << p_.shm_gbps;
   if (p_.inter_alpha_us > 0) o << ",inter_alpha_us=" << p_.inter_alpha_us;
   if (p_.inter_bandwidth_gbps > 0) o << ",inter_bandwidth_gbps=" << p_.inter_bandwidth_gbps;

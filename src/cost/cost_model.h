@@ -27,8 +27,11 @@ struct LinkParams {
   // The shared-memory all-reduce's fixed cost, us: its three waits for every rank (where ranks
   // share cores, for each of them to be scheduled) and the cache misses of a few KiB, as
   // alpha_us counts them for a message. Fitted at start-up where the ranks share an arena, to
-  // a call of 4 KiB less its bytes; 0 = unknown, then 3 log2(N) alpha.
+  // a call of 4 KiB in this form less its bytes; 0 = unknown, then 3 log2(N) alpha.
   double shm_call_us = 0.0;
+  // The same for its one-shot form (messages up to 64 KiB): one wait for every rank. Fitted
+  // likewise; 0 = unknown, then a third of shm_call_us, or log2(N) alpha.
+  double shm_one_shot_us = 0.0;
   // The shared-memory all-reduce's throughput beyond that fixed cost, 1e9 B/s: its copies run
   // at the speed of the memory the ranks share, whatever the transport's messages cost (UCX's
   // over shared memory are several times slower than the shm transport's). Fitted at start-up
@@ -54,6 +57,9 @@ class CostModel {
   // Predicted time of one all-reduce of `bytes` over `ranks` ranks spread evenly over `hosts`
   // hosts (flat algorithms then run at the speed of the links between hosts).
   double allreduce_us(Algorithm a, int ranks, std::size_t bytes, int hosts = 1) const;
+  // The shared-memory all-reduce on one host in either form, whatever its size (allreduce_us
+  // takes the one-shot form up to 64 KiB, as the algorithm does).
+  double shared_memory_us(int ranks, std::size_t bytes, bool one_shot) const;
   // The fastest of ring, recursive doubling and halving-doubling (never the baseline), of the
   // shared-memory algorithm when `shared_memory` says the ranks can use it, and of the
   // hierarchical algorithm when the ranks are spread evenly over several hosts.
@@ -72,8 +78,8 @@ class CostModel {
   double allgather_us(int ranks, std::size_t total_bytes, int hosts = 1) const;
 
   // "alpha_us=3,bandwidth_gbps=8,reduce_gbps=20,copy_gbps=10,cache_mib=32,shm_call_us=1,
-  // shm_gbps=12,inter_alpha_us=50,inter_bandwidth_gbps=0.12" (any subset); nullopt if
-  // malformed.
+  // shm_one_shot_us=0.5,shm_gbps=12,inter_alpha_us=50,inter_bandwidth_gbps=0.12" (any subset);
+  // nullopt if malformed.
   static std::optional<LinkParams> parse(std::string_view spec, LinkParams base = {});
   std::string to_string() const;
 
