@@ -385,7 +385,7 @@ TEST_P(SharedMemoryGrid, LargeAndPrimeCountsMatchReference) {
 // (a one-shot call over the first elements gives the bits the chunked call gave them).
 TEST_P(SharedMemoryGrid, RoundedResultsAreIdenticalAcrossRanksAndRuns) {
   const int n = GetParam();
-  const std::size_t count = 300007, one_shot_count = 9999;  // 1.2 MB and 40 KB of float32
+  const std::size_t count = 300007, one_shot_count = 7999;  // 1.2 MB and 32 KB of float32
   auto run_once = [&] {
     std::vector<std::uint64_t> fingerprints(static_cast<std::size_t>(n));
     testing::run_shm_contexts(n, [&](Context& ctx) {
@@ -414,9 +414,9 @@ TEST_P(SharedMemoryGrid, RoundedResultsAreIdenticalAcrossRanksAndRuns) {
 // between must all line up.
 TEST_P(SharedMemoryGrid, ConsecutiveCallsOfChangingSizesAndOtherCollectives) {
   const int n = GetParam();
-  // 16384 float32 is the largest one-shot call, 16385 the smallest chunked one.
+  // 8192 float32 is the largest one-shot call, 8193 the smallest chunked one.
   const std::size_t counts[] = {
-      (std::size_t{1} << 20) + 3,  0, 7, 3 * 65536 + 1, 1, 1031, 16384, 16385, 5, 6, 11,
+      (std::size_t{1} << 20) + 3,  0, 7, 3 * 65536 + 1, 1, 1031, 8192, 8193, 5, 6, 11,
       (std::size_t{1} << 21) + 17, 2};
   testing::run_shm_contexts(n, [&](Context& ctx) {
     for (int round = 0; round < 2; ++round) {

@@ -297,7 +297,7 @@ TEST(CostModel, SharedMemoryFixedCostDecidesSmallMessages) {
   four.shm_call_us = 28.1;
   four.shm_one_shot_us = 12.4;
   EXPECT_EQ(cost::CostModel(four).choose_allreduce(4, 4096, true), Algorithm::kSharedMemory);
-  EXPECT_EQ(cost::CostModel(four).choose_allreduce(4, 64 << 10, true), Algorithm::kSharedMemory);
+  EXPECT_EQ(cost::CostModel(four).choose_allreduce(4, 32 << 10, true), Algorithm::kSharedMemory);
   four.shm_one_shot_us = 20.0;
   EXPECT_EQ(cost::CostModel(four).choose_allreduce(4, 4096, true), Algorithm::kRecursiveDoubling);
 
@@ -326,7 +326,7 @@ TEST(CostModel, OneShotFormFollowsAPinnedFixedCost) {
       cost::CostModel::parse("alpha_us=500,bandwidth_gbps=0.5,reduce_gbps=1,shm_call_us=100000");
   ASSERT_TRUE(pinned.has_value());
   for (int n : {2, 3, 4}) {
-    for (std::size_t bytes : {std::size_t{4}, std::size_t{4} << 10, std::size_t{64} << 10}) {
+    for (std::size_t bytes : {std::size_t{4}, std::size_t{4} << 10, std::size_t{32} << 10}) {
       EXPECT_NE(cost::CostModel(*pinned).choose_allreduce(n, bytes, true), Algorithm::kSharedMemory)
           << n << " " << bytes;
     }

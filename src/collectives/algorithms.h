@@ -30,9 +30,9 @@ struct AlgorithmConfig {
   std::size_t shared_memory_streaming_bytes = std::size_t{16} << 20;
   // Messages up to this size take the shared-memory all-reduce's one-shot form: every rank
   // stages its whole input and reduces the whole message itself, one wait for every rank
-  // instead of three. Faster up to 64 KiB at 2 and 4 ranks (docs/performance-notes.md), and
-  // capped there: the space the arena keeps for it. 0: never.
-  std::size_t shared_memory_one_shot_bytes = 64 * 1024;
+  // instead of three. Faster up to 32 KiB at 2 and 4 ranks, slower from 64 KiB with 2
+  // (docs/performance-notes.md); capped there, the space the arena keeps for it. 0: never.
+  std::size_t shared_memory_one_shot_bytes = 32 * 1024;
 };
 
 // All-reduce. kAvg is finished inside (division applied once per element).

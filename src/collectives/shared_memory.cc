@@ -65,7 +65,7 @@ constexpr std::size_t kLineBytes = 64;
 // inputs.
 constexpr std::size_t kTileBytes = 8 * 1024;
 // The one-shot buffers at the end of each region: a line for the call's tag, then the data.
-constexpr std::size_t kOneShotMaxBytes = 64 * 1024;
+constexpr std::size_t kOneShotMaxBytes = 32 * 1024;
 constexpr std::size_t kOneShotStride = kLineBytes + kOneShotMaxBytes;
 constexpr std::size_t kOneShotReserve = 2 * kOneShotStride;
 

@@ -31,7 +31,7 @@ int log2_int(int p) {
 // The shared-memory all-reduce's chunk (AlgorithmConfig::shared_memory_chunk_bytes), and its
 // one-shot form's limit (AlgorithmConfig::shared_memory_one_shot_bytes).
 constexpr double kSharedMemoryChunkBytes = 512 * 1024;
-constexpr std::size_t kSharedMemoryOneShotBytes = 64 * 1024;
+constexpr std::size_t kSharedMemoryOneShotBytes = 32 * 1024;
 // Reading a cache line another core has just written, on current x86 (a zero-byte message
 // over the shm transport, one such transfer plus bookkeeping, costs a little more:
 // docs/performance-notes.md).

@@ -29,7 +29,7 @@ struct LinkParams {
   // alpha_us counts them for a message. Fitted at start-up where the ranks share an arena, to
   // a call of 4 KiB in this form less its bytes; 0 = unknown, then 3 log2(N) alpha.
   double shm_call_us = 0.0;
-  // The same for its one-shot form (messages up to 64 KiB): one wait for every rank. Fitted
+  // The same for its one-shot form (messages up to 32 KiB): one wait for every rank. Fitted
   // likewise; 0 = unknown, then a third of shm_call_us, or log2(N) alpha.
   double shm_one_shot_us = 0.0;
   // The shared-memory all-reduce's throughput beyond that fixed cost, 1e9 B/s: its copies run
@@ -58,7 +58,7 @@ class CostModel {
   // hosts (flat algorithms then run at the speed of the links between hosts).
   double allreduce_us(Algorithm a, int ranks, std::size_t bytes, int hosts = 1) const;
   // The shared-memory all-reduce on one host in either form, whatever its size (allreduce_us
-  // takes the one-shot form up to 64 KiB, as the algorithm does).
+  // takes the one-shot form up to 32 KiB, as the algorithm does).
   double shared_memory_us(int ranks, std::size_t bytes, bool one_shot) const;
   // The fastest of ring, recursive doubling and halving-doubling (never the baseline), of the
   // shared-memory algorithm when `shared_memory` says the ranks can use it, and of the
