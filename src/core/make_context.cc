@@ -89,40 +89,56 @@ double pingpong_us(Comm& c, int a, int b, std::vector<unsigned char>& buf, std::
 constexpr std::size_t kProbeBytes = 4096;
 constexpr std::size_t kFitBytes = 1 << 20;
 
+// What measure_link times on one host, us per call (a round, for the probe round).
+struct OneHostProbes {
+  double round_us = 0;     // the dissemination round of kProbeBytes
+  double ring_us = 0;      // the ring all-reduce of kFitBytes
+  double arena_us = 0;     // the shared-memory all-reduce of kFitBytes (0: no arena)
+  double chunked_us = 0;   // ... of kProbeBytes, chunked form
+  double one_shot_us = 0;  // ... of kProbeBytes, one-shot form
+  double doubling_us = 0;  // recursive doubling of kProbeBytes, where there is an arena
+};
+
 // On one host (measure_link's `values`): beta fitted to the ring's call of kFitBytes and alpha
 // the probe round less its bytes at that beta, then likewise the arena's throughput fitted to
-// its call of kFitBytes and its fixed cost its call of kProbeBytes less those bytes (each pair
-// moves each other a little: two passes).
-void fit_one_host(double* values, int n, double round_us, double ring_us, double arena_probe_us,
-                  double one_shot_probe_us, double arena_us) {
+// its call of kFitBytes and its chunked form's fixed cost its call of kProbeBytes less those
+// bytes (each pair moves each other a little: two passes). The one-shot form's fixed cost is
+// fitted against recursive doubling, its rival at that size: so that the model's two prices at
+// kProbeBytes differ as the two calls measured did. Priced on its own, it lost or won by what
+// recursive doubling's model gets wrong there (its staging pass, which the shm and tcp
+// transports' consuming receives skip for small messages: 0.2-0.3 us between 2 ranks).
+void fit_one_host(double* values, int n, const OneHostProbes& probes) {
   cost::LinkParams p;
+  const double round_us = probes.round_us;
   p.alpha_us = round_us;
   p.reduce_gbps = values[2];
   for (int pass = 0; pass < 2; ++pass) {
     double gbps = cost::CostModel::fit_gbps(p, &cost::LinkParams::bandwidth_gbps, Algorithm::kRing,
-                                            n, kFitBytes, ring_us);
+                                            n, kFitBytes, probes.ring_us);
     if (gbps <= 0) {  // the ring's latencies alone would exceed it: charge all of it per byte
       const double sent = 2.0 * (n - 1) / n * kFitBytes;
-      gbps = sent / std::max(ring_us, 1e-3) / 1e3;
+      gbps = sent / std::max(probes.ring_us, 1e-3) / 1e3;
     }
     p.bandwidth_gbps = gbps;
     p.alpha_us = std::max(round_us - kProbeBytes / gbps / 1e3, 0.1);
   }
   values[0] = p.alpha_us;
   values[1] = p.bandwidth_gbps;
-  if (arena_us <= 0) return;
-  p.shm_call_us = arena_probe_us;
+  if (probes.arena_us <= 0) return;
+  p.shm_call_us = probes.chunked_us;
   for (int pass = 0; pass < 2; ++pass) {
     p.shm_gbps = cost::CostModel::fit_gbps(p, &cost::LinkParams::shm_gbps, Algorithm::kSharedMemory,
-                                           n, kFitBytes, arena_us);
+                                           n, kFitBytes, probes.arena_us);
     const double bytes_us =
         cost::CostModel(p).shared_memory_us(n, kProbeBytes, false) - p.shm_call_us;
-    p.shm_call_us = std::max(arena_probe_us - bytes_us, 0.1);
+    p.shm_call_us = std::max(probes.chunked_us - bytes_us, 0.1);
   }
   p.shm_one_shot_us = 0.1;  // known, so that what the model adds to it is the bytes' share
-  const cost::CostModel bytes_only(p);
+  const cost::CostModel fitted(p);
+  const double wanted_us = fitted.allreduce_us(Algorithm::kRecursiveDoubling, n, kProbeBytes) +
+                           probes.one_shot_us - probes.doubling_us;
   p.shm_one_shot_us =
-      std::max(one_shot_probe_us - (bytes_only.shared_memory_us(n, kProbeBytes, true) - 0.1), 0.1);
+      std::max(wanted_us - (fitted.shared_memory_us(n, kProbeBytes, true) - 0.1), 0.1);
   values[3] = p.shm_call_us;
   values[6] = p.shm_gbps;
   values[7] = p.shm_one_shot_us;
@@ -147,14 +163,15 @@ void fit_one_host(double* values, int n, double round_us, double ring_us, double
 //  - gamma: rank 0 times the float32 sum kernel in cache.
 //  - shm_call_us, shm_one_shot_us and shm_gbps: where the ranks share an arena, the
 //    shared-memory all-reduce of kProbeBytes in each of its forms, whose waits and cache misses
-//    make their fixed costs as alpha's probe makes alpha, and of 1 MiB, to which its
-//    throughput is fitted.
+//    make their fixed costs as alpha's probe makes alpha (the one-shot's against recursive
+//    doubling's call of kProbeBytes, see fit_one_host), and of 1 MiB, to which its throughput
+//    is fitted.
 cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
                               const collectives::Topology& topology) {
   const int n = c.size(), r = c.rank();
   // alpha, bandwidth, reduce, shm call, inter alpha, inter bandwidth, shm gbps, shm one-shot
   double values[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  double round_us = 0, ring_us = 0, arena_probe_us = 0, one_shot_probe_us = 0, arena_us = 0;
+  OneHostProbes probes;
   collectives::AlgorithmConfig cfg;
   std::vector<float> fit_in(kFitBytes / sizeof(float), 1.0f), fit_out(fit_in.size());
   std::vector<unsigned char> buf(1 << 20);
@@ -186,8 +203,8 @@ cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
       }
     };
     warm_up(c, cfg, probe_round);
-    round_us = median_batch_us(5, probe_round) / rounds;
-    ring_us = median_batch_us(2, [&] {
+    probes.round_us = median_batch_us(5, probe_round) / rounds;
+    probes.ring_us = median_batch_us(2, [&] {
       collectives::ring_allreduce(c, fit_in.data(), fit_out.data(), fit_in.size(),
                                   DataType::kFloat32, ReduceOp::kSum, cfg);
     });
@@ -203,11 +220,16 @@ cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
     };
     collectives::AlgorithmConfig chunked = cfg;
     chunked.shared_memory_one_shot_bytes = 0;
-    arena_probe_us = arena_probe(chunked);
-    one_shot_probe_us = arena_probe(cfg);
-    values[3] = arena_probe_us;  // across hosts (no arena there today), unfitted
-    values[7] = one_shot_probe_us;
-    arena_us = median_batch_us(2, [&] {
+    probes.chunked_us = arena_probe(chunked);
+    probes.one_shot_us = arena_probe(cfg);
+    probes.doubling_us = median_batch_us(5, [&] {
+      collectives::recursive_doubling_allreduce(c, fit_in.data(), fit_out.data(),
+                                                kProbeBytes / sizeof(float), DataType::kFloat32,
+                                                ReduceOp::kSum);
+    });
+    values[3] = probes.chunked_us;  // across hosts (no arena there today), unfitted
+    values[7] = probes.one_shot_us;
+    probes.arena_us = median_batch_us(2, [&] {
       collectives::shm_direct_allreduce(c, *arena, fit_in.data(), fit_out.data(), fit_in.size(),
                                         DataType::kFloat32, ReduceOp::kSum, cfg);
     });
@@ -219,9 +241,7 @@ cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
       kernels::reduce_into(a.data(), b.data(), a.size(), DataType::kFloat32, ReduceOp::kSum);
     });
     values[2] = static_cast<double>(a.size() * sizeof(float)) / std::max(reduce_us, 1e-3) / 1e3;
-    if (topology.hosts() == 1) {
-      fit_one_host(values, n, round_us, ring_us, arena_probe_us, one_shot_probe_us, arena_us);
-    }
+    if (topology.hosts() == 1) fit_one_host(values, n, probes);
   }
   collectives::broadcast(c, values, 8, DataType::kFloat64, 0, cfg);
   cost::LinkParams p{values[0], values[1], values[2]};

@@ -178,13 +178,15 @@ double CostModel::shared_memory_us(int n, std::size_t bytes, bool one_shot) cons
   const double alpha = p_.alpha_us, beta = p_.beta_us_per_byte(), gamma = p_.gamma_us_per_byte();
   const double copy = p_.shm_gbps > 0 ? 1e-3 / p_.shm_gbps : beta;
   if (one_shot) {
-    // One wait for every rank; each rank copies its input in once, reads the N - 1 others'
-    // out of the cores that wrote them, and reduces the whole message over N inputs itself
-    // (N - 1 additions of S bytes).
+    // One wait for every rank; each rank copies its input in once and reduces the whole
+    // message over N inputs itself (N - 1 additions of S bytes; reading the others' inputs
+    // out of the cores that wrote them is part of those). Measured, its time grows by about
+    // S at the arena's copy speed plus those additions, from 4 to 32 KiB at 2 and 4 ranks
+    // (docs/performance-notes.md); charged N copies, it lost to the ring at 32 KiB over UCX.
     const double fixed = p_.shm_one_shot_us > 0 ? p_.shm_one_shot_us
                          : p_.shm_call_us > 0   ? p_.shm_call_us / 3
                                                 : log2_int(n) * alpha;
-    return fixed + n * S * copy + (n - 1) * S * gamma;
+    return fixed + S * copy + (n - 1) * S * gamma;
   }
   // No messages: each rank copies its input into shared memory and the result out of it,
   // once each, at the speed fitted at start-up (shm_gbps; else a message's, beta), and reduces
