@@ -106,7 +106,7 @@ struct OneHostProbes {
 // fitted against recursive doubling, its rival at that size: so that the model's two prices at
 // kProbeBytes differ as the two calls measured did. Priced on its own, it lost or won by what
 // recursive doubling's model gets wrong there (its staging pass, which the shm and tcp
-// transports' consuming receives skip for small messages: 0.2-0.3 us between 2 ranks).
+// transports' consuming receives skip for small messages).
 void fit_one_host(double* values, int n, const OneHostProbes& probes) {
   cost::LinkParams p;
   const double round_us = probes.round_us;

@@ -180,9 +180,8 @@ double CostModel::shared_memory_us(int n, std::size_t bytes, bool one_shot) cons
   if (one_shot) {
     // One wait for every rank; each rank copies its input in once and reduces the whole
     // message over N inputs itself (N - 1 additions of S bytes; reading the others' inputs
-    // out of the cores that wrote them is part of those). Measured, its time grows by about
-    // S at the arena's copy speed plus those additions, from 4 to 32 KiB at 2 and 4 ranks
-    // (docs/performance-notes.md); charged N copies, it lost to the ring at 32 KiB over UCX.
+    // out of the cores that wrote them is part of those): what its measured time grows by
+    // from 4 to 32 KiB (docs/performance-notes.md, session 30).
     const double fixed = p_.shm_one_shot_us > 0 ? p_.shm_one_shot_us
                          : p_.shm_call_us > 0   ? p_.shm_call_us / 3
                                                 : log2_int(n) * alpha;
