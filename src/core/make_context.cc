@@ -22,6 +22,17 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// Under a sanitizer the timings mean nothing (its checks cost more than the work they time),
+// and every job of the test suites calibrates: there the probes make the same calls, in fewer
+// batches and with smaller throughput probes (a 1 MiB ring all-reduce takes ~35 ms under TSan).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr int kMedianBatches = 3;
+constexpr std::size_t kFitBytes = 64 << 10;
+#else
+constexpr int kMedianBatches = 7;
+constexpr std::size_t kFitBytes = 1 << 20;
+#endif
+
 // The median of several batches of `calls` calls of `body`, in microseconds per call: a rank
 // still finishing its start-up (or another process passing through) slows a batch or two down,
 // while ranks that must share cores slow down every batch, since no step that involves all
@@ -31,13 +42,13 @@ template <class Body>
 double median_batch_us(int calls, Body body) {
   body();  // warm-up: page in buffers, wake every rank
   std::vector<double> batches;
-  for (int batch = 0; batch < 7; ++batch) {
+  for (int batch = 0; batch < kMedianBatches; ++batch) {
     const auto t0 = Clock::now();
     for (int i = 0; i < calls; ++i) body();
     batches.push_back(seconds_since(t0) * 1e6 / calls);
   }
-  std::nth_element(batches.begin(), batches.begin() + 3, batches.end());
-  return batches[3];
+  std::nth_element(batches.begin(), batches.begin() + kMedianBatches / 2, batches.end());
+  return batches[kMedianBatches / 2];
 }
 
 // Runs `body` (a call every rank makes) in batches of 32 until a batch is no longer 20% faster
@@ -87,7 +98,6 @@ double pingpong_us(Comm& c, int a, int b, std::vector<unsigned char>& buf, std::
 }
 
 constexpr std::size_t kProbeBytes = 4096;
-constexpr std::size_t kFitBytes = 1 << 20;
 
 // What measure_link times on one host, us per call (a round, for the probe round).
 struct OneHostProbes {
@@ -174,7 +184,7 @@ cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
   OneHostProbes probes;
   collectives::AlgorithmConfig cfg;
   std::vector<float> fit_in(kFitBytes / sizeof(float), 1.0f), fit_out(fit_in.size());
-  std::vector<unsigned char> buf(1 << 20);
+  std::vector<unsigned char> buf(kFitBytes);
   auto alpha_beta = [&](int peer, double* alpha, double* gbps) {
     const double big = pingpong_us(c, 0, peer, buf, buf.size(), 1);
     const double small = pingpong_us(c, 0, peer, buf, kProbeBytes, 5);
@@ -236,7 +246,7 @@ cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
   }
 
   if (r == 0) {
-    std::vector<float> a(1 << 18, 1.0f), b(1 << 18, 2.0f);
+    std::vector<float> a(kFitBytes / sizeof(float), 1.0f), b(a.size(), 2.0f);
     const double reduce_us = median_batch_us(2, [&] {
       kernels::reduce_into(a.data(), b.data(), a.size(), DataType::kFloat32, ReduceOp::kSum);
     });
