@@ -63,7 +63,9 @@ struct ArenaTransport {
   ErrorKind message_side;
 };
 
-void PrintTo(const ArenaTransport& transport, std::ostream* os) { *os << transport.name; }
+void PrintTo(const ArenaTransport& transport, std::ostream* os) {
+  *os << transport.name;
+}
 
 class SharedArenaSuite : public ::testing::TestWithParam<ArenaTransport> {
  protected:
@@ -245,8 +247,11 @@ TEST(SharedArena, OfferedOnlyWhereOneSharedMemoryTransportReachesEveryone) {
     transports.push_back(
         make_shm_transport(*store, prefix, rank, 2, all_ranks(2), {}, kSetupTimeout));
     SharedArena* arena = transports[0]->shared_arena();
+    const std::size_t buffered = transports[0]->buffered_send_bytes();
+    EXPECT_GT(buffered, 0u);
     RouterTransport all_shm(rank, 2, std::move(transports), {0, 0});
     EXPECT_EQ(all_shm.shared_arena(), arena);
+    EXPECT_EQ(all_shm.buffered_send_bytes(), buffered);
   });
   testing::run_threads(2, [&](int i) {
     // World of 3: ranks 0 and 1 share memory, rank 2 is elsewhere (routed to inproc here).
@@ -257,6 +262,8 @@ TEST(SharedArena, OfferedOnlyWhereOneSharedMemoryTransportReachesEveryone) {
     transports.push_back(make_inproc_transport(inproc_group, i));
     RouterTransport partial(i, 3, std::move(transports), {0, 0, 1});
     EXPECT_EQ(partial.shared_arena(), nullptr);
+    // What every peer's transport buffers: inproc promises nothing.
+    EXPECT_EQ(partial.buffered_send_bytes(), 0u);
   });
 }
 

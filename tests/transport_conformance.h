@@ -24,6 +24,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -205,6 +207,31 @@ TEST_P(TransportConformance, ZeroLengthMessagesCarryTheirTag) {
       Error e = expect_error(ErrorKind::kMismatch,
                              [&] { t.irecv(0, tag_of(5), nullptr, 0)->wait(deadline()); });
       EXPECT_TRUE(contains(e.what(), default_format_tag(tag_of(4)))) << e.what();
+    }
+  });
+}
+
+// What buffered_send_bytes promises: a send of that size, to a peer with nothing else queued,
+// has left the caller's buffer when isend returns (the buffer is overwritten at once here), and
+// arrives intact. The receiver posts only after that test, so it frees no room meanwhile.
+TEST_P(TransportConformance, BufferedSendsLeaveTheCallersBufferAtOnce) {
+  using namespace conformance;
+  std::atomic<bool> tested{false};
+  run(2, [&](int rank, Transport& t) {
+    const std::size_t bytes = t.buffered_send_bytes();
+    if (bytes == 0) return;  // no promise to check
+    if (rank == 0) {
+      auto payload = pattern(5, bytes);
+      auto sent = t.isend(1, tag_of(5), payload.data(), bytes);
+      EXPECT_TRUE(sent->test());
+      tested = true;
+      std::fill(payload.begin(), payload.end(), 0);
+      sent->wait(deadline());
+    } else {
+      while (!tested) std::this_thread::sleep_for(1ms);
+      std::vector<unsigned char> got(bytes);
+      t.irecv(0, tag_of(5), got.data(), bytes)->wait(deadline());
+      EXPECT_EQ(first_pattern_error(got, 5), bytes);
     }
   });
 }

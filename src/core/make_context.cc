@@ -114,11 +114,11 @@ struct OneHostProbes {
 // its call of kFitBytes and its chunked form's fixed cost its call of kProbeBytes less those
 // bytes (each pair moves each other a little: two passes). The one-shot form's fixed cost is
 // fitted against recursive doubling, its rival at that size: so that the model's two prices at
-// kProbeBytes differ as the two calls measured did. Priced on its own, it lost or won by what
-// recursive doubling's model gets wrong there (its staging pass, which the shm and tcp
-// transports' consuming receives skip for small messages).
+// kProbeBytes differ as the two calls measured did: the choice between them at small sizes is
+// the one the two calls measured, whatever either model gets wrong there.
 void fit_one_host(double* values, int n, const OneHostProbes& probes) {
   cost::LinkParams p;
+  p.buffered_send_bytes = values[8];
   const double round_us = probes.round_us;
   p.alpha_us = round_us;
   p.reduce_gbps = values[2];
@@ -176,11 +176,17 @@ void fit_one_host(double* values, int n, const OneHostProbes& probes) {
 //    make their fixed costs as alpha's probe makes alpha (the one-shot's against recursive
 //    doubling's call of kProbeBytes, see fit_one_host), and of 1 MiB, to which its throughput
 //    is fitted.
+//  - buffered_send_bytes: not measured, the least over the ranks of what their transports
+//    promise (Transport::buffered_send_bytes).
 cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
-                              const collectives::Topology& topology) {
+                              const collectives::Topology& topology, std::size_t buffered_send) {
   const int n = c.size(), r = c.rank();
-  // alpha, bandwidth, reduce, shm call, inter alpha, inter bandwidth, shm gbps, shm one-shot
-  double values[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  // alpha, bandwidth, reduce, shm call, inter alpha, inter bandwidth, shm gbps, shm one-shot,
+  // buffered send bytes
+  double values[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
+  const auto mine = static_cast<double>(buffered_send);
+  collectives::recursive_doubling_allreduce(c, &mine, &values[8], 1, DataType::kFloat64,
+                                            ReduceOp::kMin);
   OneHostProbes probes;
   collectives::AlgorithmConfig cfg;
   std::vector<float> fit_in(kFitBytes / sizeof(float), 1.0f), fit_out(fit_in.size());
@@ -253,13 +259,14 @@ cost::LinkParams measure_link(Comm& c, transport::SharedArena* arena,
     values[2] = static_cast<double>(a.size() * sizeof(float)) / std::max(reduce_us, 1e-3) / 1e3;
     if (topology.hosts() == 1) fit_one_host(values, n, probes);
   }
-  collectives::broadcast(c, values, 8, DataType::kFloat64, 0, cfg);
+  collectives::broadcast(c, values, 9, DataType::kFloat64, 0, cfg);
   cost::LinkParams p{values[0], values[1], values[2]};
   p.shm_call_us = values[3];
   p.inter_alpha_us = values[4];
   p.inter_bandwidth_gbps = values[5];
   p.shm_gbps = values[6];
   p.shm_one_shot_us = values[7];
+  p.buffered_send_bytes = values[8];
   return p;
 }
 
@@ -354,8 +361,10 @@ std::unique_ptr<Context> make_context(std::unique_ptr<transport::Transport> tran
     CallSignature sig{
         0, CollectiveKind::kInternal, DataType::kFloat64, ReduceOp::kSum, Algorithm::kAuto, 0, 6};
     transport::SharedArena* arena = impl->transport->shared_arena();
+    const std::size_t buffered_send = impl->transport->buffered_send_bytes();
     impl->submit(
-            sig, [&](Comm& c) { measured = measure_link(c, arena, impl->topology); }, true)
+            sig, [&](Comm& c) { measured = measure_link(c, arena, impl->topology, buffered_send); },
+            true)
         .wait();
     cost = measured;
   }

@@ -121,8 +121,10 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes, int hosts)
       const double hfrac = (hosts - 1.0) / hosts;
       const double local = p_.beta_us_per_byte() + p_.gamma_us_per_byte();  // stage and reduce
       if (a == Algorithm::kRecursiveDoubling) {
+        // Reduced straight out of the transport's buffer where it buffered the send (below).
+        const double here = S <= p_.buffered_send_bytes / 2 ? p_.gamma_us_per_byte() : local;
         return allreduce_us(a, L, bytes, 1) +
-               steps_across * (across.alpha_us + L * S * across.beta_us_per_byte() + S * local);
+               steps_across * (across.alpha_us + L * S * across.beta_us_per_byte() + S * here);
       }
       return allreduce_us(a, L, static_cast<std::size_t>(S / hosts), 1) +
              2 * steps_across * across.alpha_us + 2 * L * hfrac * S * across.beta_us_per_byte() +
@@ -141,8 +143,11 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes, int hosts)
   // Recursive doubling and halving-doubling receive each step whole into a scratch buffer
   // and only then reduce it: one more pass over the received bytes, at transfer speed,
   // that the ring avoids by reducing each piece straight out of the transport's buffer
-  // while the next one is in flight.
+  // while the next one is in flight. Recursive doubling avoids it too where its send left
+  // the user's buffer at once (a message the transport buffers); half the buffer, since the
+  // previous call's message to the same partner may still hold the rest.
   const double staged = beta;
+  const double doubling_staged = S <= p_.buffered_send_bytes / 2 ? 0.0 : beta;
   // Large messages are bound by main memory as much as by the transfers: beta and gamma are
   // measured on buffers that fit in cache. The share of the ranks' send and receive buffers
   // that the shared last-level cache cannot hold goes to memory, whose traffic a rank moves
@@ -156,7 +161,7 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes, int hosts)
       return 2 * (n - 1) * alpha + 2 * frac * S * beta + frac * S * gamma + memory;
     }
     case Algorithm::kRecursiveDoubling:
-      return steps * (alpha + S * (beta + staged) + S * gamma) + fold + memory;
+      return steps * (alpha + S * (beta + doubling_staged) + S * gamma) + fold + memory;
     case Algorithm::kHalvingDoubling: {
       const double frac = static_cast<double>(p - 1) / p;
       return 2 * steps * alpha + 2 * frac * S * beta + frac * S * (gamma + staged) + fold + memory;
@@ -270,6 +275,8 @@ std::optional<LinkParams> CostModel::parse(std::string_view spec, LinkParams bas
       p.shm_one_shot_us = v;
     } else if (key == "shm_gbps") {
       p.shm_gbps = v;
+    } else if (key == "buffered_send_bytes") {
+      p.buffered_send_bytes = v;
     } else if (key == "inter_alpha_us") {
       p.inter_alpha_us = v;
     } else if (key == "inter_bandwidth_gbps") {
@@ -292,6 +299,7 @@ std::string CostModel::to_string() const {
   if (p_.shm_call_us > 0) o << ",shm_call_us=" << p_.shm_call_us;
   if (p_.shm_one_shot_us > 0) o << ",shm_one_shot_us=" << p_.shm_one_shot_us;
   if (p_.shm_gbps > 0) o << ",shm_gbps=" << p_.shm_gbps;
+  if (p_.buffered_send_bytes > 0) o << ",buffered_send_bytes=" << p_.buffered_send_bytes;
   if (p_.inter_alpha_us > 0) o << ",inter_alpha_us=" << p_.inter_alpha_us;
   if (p_.inter_bandwidth_gbps > 0) o << ",inter_bandwidth_gbps=" << p_.inter_bandwidth_gbps;
   return o.str();

@@ -37,6 +37,10 @@ struct LinkParams {
   // over shared memory are several times slower than the shm transport's). Fitted at start-up
   // to one call of 1 MiB; 0 = unknown, then bandwidth_gbps.
   double shm_gbps = 0.0;
+  // The largest message every rank's transport copies out of the sender's buffer before isend
+  // returns (Transport::buffered_send_bytes; the least over the ranks at start-up): recursive
+  // doubling reduces such messages straight out of the transport's buffer. 0 = none.
+  double buffered_send_bytes = 0.0;
   // Between hosts (ranks on different hosts), where the world spans several: latency and
   // point-to-point bandwidth of that link. 0 = the same as inside a host.
   double inter_alpha_us = 0.0;

@@ -1,6 +1,8 @@
 // Per-peer dispatch to the underlying transports.
 #include "transport/router.h"
 
+#include <algorithm>
+
 #include "transport/shared_arena.h"
 
 namespace gradsync::transport {
@@ -68,6 +70,18 @@ void RouterTransport::abort(const std::string& reason) {
 const Transport* RouterTransport::channel(int peer) const {
   if (peer == rank_) return this;
   return to(peer).channel(peer);
+}
+
+std::size_t RouterTransport::buffered_send_bytes() const {
+  std::size_t least = 0;
+  bool any = false;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_ || route_[static_cast<std::size_t>(peer)] < 0) continue;
+    const std::size_t bytes = to(peer).buffered_send_bytes();
+    least = any ? std::min(least, bytes) : bytes;
+    any = true;
+  }
+  return least;
 }
 
 PeerTraffic RouterTransport::traffic(int peer) const {

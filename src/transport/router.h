@@ -29,6 +29,8 @@ class RouterTransport final : public Transport {
   const Transport* channel(int peer) const override;
   // The arena of the one transport every peer routes to, if it offers one for the whole world.
   SharedArena* shared_arena() override { return arena_; }
+  // The least of the transports the peers route to.
+  std::size_t buffered_send_bytes() const override;
 
  private:
   Transport& to(int peer) const;

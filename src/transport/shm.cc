@@ -65,6 +65,10 @@ class ShmTransport final : public Transport {
   int size() const override { return group_.world_size; }
   const char* name() const override { return "shm"; }
   SharedArena* shared_arena() override { return &arena_; }
+  // Eager: a message that fits in an empty ring is copied in by isend itself.
+  std::size_t buffered_send_bytes() const override {
+    return kSlotCount * group_.layout.slot_bytes;
+  }
 
   // A stopped peer process keeps its futexes and rings as they were, so only its state says
   // why nothing moves. Threads of this process and other pid namespaces cannot be looked at.

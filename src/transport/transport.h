@@ -98,6 +98,12 @@ class Transport {
     return this;
   }
 
+  // The largest message isend copies out of the caller's buffer before it returns, where
+  // nothing else is queued to that peer: its request then tests complete at once, and an
+  // algorithm may reduce the peer's message straight out of the transport's buffer (recursive
+  // doubling does). 0: no such promise (the default).
+  virtual std::size_t buffered_send_bytes() const { return 0; }
+
   // Optional capability: memory every rank of the whole world has mapped, for collectives
   // that reduce straight out of each other's buffers. Null unless all ranks share this host
   // through one transport that offers it. Lives as long as the transport.
