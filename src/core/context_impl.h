@@ -104,7 +104,8 @@ struct Context::Impl {
   Algorithm pick_allreduce(std::size_t bytes, Algorithm requested) const;
 
   // Runs the queued call of `state` on the calling thread, as the worker would, if it is next
-  // in the queue and the worker is idle; true if it did. A thread about to wait for a call
+  // in the queue and the worker is idle (a point-to-point call: if it is the only one queued);
+  // true if it did. A thread about to wait for a call
   // spares the hand-off to the worker and back: two wake-ups, each a wait for a core where
   // ranks outnumber cores. Calls still run one at a time and in issue order.
   bool run_if_next(const Work::State* state);
@@ -146,11 +147,17 @@ struct Context::Impl {
   // the rank the job waits for; then the communicator fails for good and every peer is told.
   // Caller holds exec_mu_.
   Error fail_call(const Error& e, const std::string& what, std::chrono::milliseconds limit);
-  // Point-to-point calls on the worker (context_p2p.cc); caller holds exec_mu_.
+  // Point-to-point calls (context_p2p.cc); caller holds exec_mu_. Posts the task's request;
+  // nullopt where that failed (its Work is settled then).
+  std::optional<InFlight> post_p2p(Task& task);
+  // The worker's: posts the task and keeps it in flight.
   void start_p2p(Task& task);
   // `block`: waits for every call in flight (no call that could be posted now is queued);
   // else one test of each. True if any completed or moved bytes.
   bool progress_p2p(bool block);
+  // Tests one call, or waits for it (`block`, or past its deadline); settles its Work and
+  // returns true once it completed.
+  bool settle_p2p(InFlight& call, bool block);
   void finish_p2p(InFlight& call, std::optional<Error> error, std::exception_ptr other = nullptr);
 
   std::uint64_t next_seq_ = 1;

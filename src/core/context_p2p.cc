@@ -11,7 +11,9 @@
 // them in between; it waits on them inside the transport only once nothing could be posted
 // before they complete (a collective is next, a blocking call or the destructor drains).
 // Transport requests offer no wait for "any of these, or a new call": the worker tests
-// instead, backing off while nothing moves (context.cc, PollBackoff).
+// instead, backing off while nothing moves (context_worker.cc, PollBackoff). A call that is
+// the only one, waited for by its issuer (a blocking send or recv), is posted and waited for
+// in the transport by that thread (run_if_next): nothing can be posted before it completes.
 #include <string>
 
 #include "core/context_impl.h"
@@ -42,56 +44,63 @@ Work Context::Impl::submit_p2p(CallSignature sig, bool is_send, int peer, PostP2
   return Work(state);
 }
 
-void Context::Impl::start_p2p(Task& task) {
+std::optional<Context::Impl::InFlight> Context::Impl::post_p2p(Task& task) {
   const auto limit = task.timeout.count() > 0 ? task.timeout : timeout;
   InFlight call{nullptr, task.state, transport::Clock::now() + limit,
                 limit,   task.peer,  std::move(task.what)};
   if (failure_) {
     finish_p2p(call, Error(ErrorKind::kAborted, "communicator failed earlier: " + *failure_, rank,
                            Error::kNoPeer, call.what));
-    return;
+    return std::nullopt;
   }
   try {
     call.request = task.post(*transport, collectives::encode(task.sig));
   } catch (const Error& e) {
     finish_p2p(call, fail_call(e, call.what, limit));
-    return;
+    return std::nullopt;
   } catch (...) {
     finish_p2p(call, std::nullopt, std::current_exception());
-    return;
+    return std::nullopt;
   }
-  in_flight_.push_back(std::move(call));
+  return call;
+}
+
+void Context::Impl::start_p2p(Task& task) {
+  if (auto call = post_p2p(task)) in_flight_.push_back(std::move(*call));
+}
+
+bool Context::Impl::settle_p2p(InFlight& call, bool block) {
+  bool done = true;
+  std::optional<Error> error;
+  std::exception_ptr other;
+  if (failure_) {
+    // Another call failed and aborted the transport: this one cannot complete.
+    error = Error(ErrorKind::kAborted, "communicator failed earlier: " + *failure_, rank,
+                  Error::kNoPeer, call.what);
+  } else {
+    try {
+      if (block || transport::Clock::now() >= call.deadline) {
+        call.request->wait(call.deadline);  // past the deadline: the transport's own timeout
+      } else {
+        done = call.request->test();
+      }
+    } catch (const Error& e) {
+      error = fail_call(e, call.what, call.limit);
+    } catch (...) {
+      other = std::current_exception();
+    }
+  }
+  if (done) finish_p2p(call, std::move(error), other);
+  return done;
 }
 
 bool Context::Impl::progress_p2p(bool block) {
   bool progressed = false;
   for (auto it = in_flight_.begin(); it != in_flight_.end();) {
-    InFlight& call = *it;
-    bool done = true;
-    std::optional<Error> error;
-    std::exception_ptr other;
-    if (failure_) {
-      // Another call failed and aborted the transport: this one cannot complete.
-      error = Error(ErrorKind::kAborted, "communicator failed earlier: " + *failure_, rank,
-                    Error::kNoPeer, call.what);
-    } else {
-      try {
-        if (block || transport::Clock::now() >= call.deadline) {
-          call.request->wait(call.deadline);  // past the deadline: the transport's own timeout
-        } else {
-          done = call.request->test();
-        }
-      } catch (const Error& e) {
-        error = fail_call(e, call.what, call.limit);
-      } catch (...) {
-        other = std::current_exception();
-      }
-    }
-    if (!done) {
+    if (!settle_p2p(*it, block)) {
       ++it;
       continue;
     }
-    finish_p2p(call, std::move(error), other);
     it = in_flight_.erase(it);
     progressed = true;
   }
