@@ -105,9 +105,9 @@ struct Context::Impl {
 
   // Runs the queued call of `state` on the calling thread, as the worker would, if it is next
   // in the queue and the worker is idle (a point-to-point call: if it is the only one queued);
-  // true if it did. A thread about to wait for a call
-  // spares the hand-off to the worker and back: two wake-ups, each a wait for a core where
-  // ranks outnumber cores. Calls still run one at a time and in issue order.
+  // true if it did. A thread about to wait for a call spares the hand-off to the worker and
+  // back: two wake-ups, each a wait for a core where ranks outnumber cores. Calls still run one
+  // at a time and in issue order.
   bool run_if_next(const Work::State* state);
   // Whether run_if_next may: only where this host has a core per rank. With more ranks than
   // cores the worker, woken for every call, competes with the waiter for a core and waiting

@@ -121,8 +121,7 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes, int hosts)
       const double hfrac = (hosts - 1.0) / hosts;
       const double local = p_.beta_us_per_byte() + p_.gamma_us_per_byte();  // stage and reduce
       if (a == Algorithm::kRecursiveDoubling) {
-        // Reduced straight out of the transport's buffer where it buffered the send (below).
-        const double here = S <= p_.buffered_send_bytes / 2 ? p_.gamma_us_per_byte() : local;
+        const double here = doubling_in_place(S) ? p_.gamma_us_per_byte() : local;
         return allreduce_us(a, L, bytes, 1) +
                steps_across * (across.alpha_us + L * S * across.beta_us_per_byte() + S * here);
       }
@@ -144,10 +143,9 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes, int hosts)
   // and only then reduce it: one more pass over the received bytes, at transfer speed,
   // that the ring avoids by reducing each piece straight out of the transport's buffer
   // while the next one is in flight. Recursive doubling avoids it too where its send left
-  // the user's buffer at once (a message the transport buffers); half the buffer, since the
-  // previous call's message to the same partner may still hold the rest.
+  // the user's buffer at once (doubling_in_place).
   const double staged = beta;
-  const double doubling_staged = S <= p_.buffered_send_bytes / 2 ? 0.0 : beta;
+  const double doubling_staged = doubling_in_place(S) ? 0.0 : beta;
   // Large messages are bound by main memory as much as by the transfers: beta and gamma are
   // measured on buffers that fit in cache. The share of the ranks' send and receive buffers
   // that the shared last-level cache cannot hold goes to memory, whose traffic a rank moves
@@ -176,6 +174,12 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes, int hosts)
       return allreduce_us(choose_allreduce(n, bytes), n, bytes);
   }
   return 0.0;
+}
+
+// A message the transport buffers at once: up to half the buffer, since the previous call's
+// message to the same partner may still hold the rest.
+bool CostModel::doubling_in_place(double bytes) const {
+  return bytes <= p_.buffered_send_bytes / 2;
 }
 
 double CostModel::shared_memory_us(int n, std::size_t bytes, bool one_shot) const {

@@ -88,6 +88,9 @@ class CostModel {
   std::string to_string() const;
 
  private:
+  // Whether recursive doubling reduces a step of `bytes` straight out of the transport's
+  // buffer, skipping the staging pass (see allreduce_us).
+  bool doubling_in_place(double bytes) const;
   LinkParams p_;
 };
 
