@@ -92,13 +92,20 @@ struct Context::Impl {
   // A call of one collective, `sig` itself, with the caller's timeout and fingerprint.
   Work submit(collectives::CallSignature sig, std::function<void(collectives::Comm&)> body,
               bool blocking, const CallOptions& options = {});
-  // Queues a send to or a receive from `peer` (see context_p2p.cc), which `post` hands to the
-  // transport tagged `sig`. `sig` gets the pair's next message number, not a call number, as
-  // only the two ranks issue it. Always async: the worker posts it in issue order, but does
-  // not wait for it before posting the point-to-point calls queued behind it.
-  using PostP2p =
-      std::function<transport::RequestPtr(transport::Transport&, const transport::Tag&)>;
-  Work submit_p2p(collectives::CallSignature sig, bool is_send, int peer, PostP2p post,
+  // A point-to-point call: which way, with whom, and its buffer (read for a send).
+  struct P2p {
+    bool is_send = false;
+    int peer = -1;
+    void* data = nullptr;
+    std::size_t bytes = 0;
+  };
+  // Queues a send to or a receive from a peer (see context_p2p.cc), handed to the transport
+  // tagged `sig`. `sig` gets the pair's next message number, not a call number, as only the
+  // two ranks issue it. The worker posts it in issue order, but does not wait for it before
+  // posting the point-to-point calls queued behind it. `blocking`: its issuer waits for it
+  // next, so where the worker is idle and nothing is queued it runs on the issuing thread at
+  // once (as run_if_next would, without showing it to the worker first).
+  Work submit_p2p(collectives::CallSignature sig, P2p p2p, bool blocking,
                   std::chrono::milliseconds timeout);
 
   Algorithm pick_allreduce(std::size_t bytes, Algorithm requested) const;
@@ -126,9 +133,7 @@ struct Context::Impl {
     std::shared_ptr<Work::State> state;
     std::chrono::milliseconds timeout{0};
     // A point-to-point call instead of `body`: posts its one transport request, tagged `sig`.
-    PostP2p post{};
-    int peer = -1;
-    std::string what{};  // "send to rank 3: p2p #2 (...)", for its errors
+    std::optional<P2p> p2p{};
   };
   // A point-to-point call whose request is posted and not yet complete (worker thread only).
   struct InFlight {
@@ -136,9 +141,13 @@ struct Context::Impl {
     std::shared_ptr<Work::State> state;
     transport::Clock::time_point deadline;
     std::chrono::milliseconds limit;
-    int peer;
-    std::string what;
+    P2p p2p;
+    collectives::CallSignature sig;
   };
+  // "send to rank 3: p2p #2 (...)", for its errors: built only for one.
+  static std::string describe(const InFlight& call);
+  // Runs `task` on this thread, which has set running_here_, and clears it.
+  void run_here(Task& task);
   void execute(Task& task);  // caller holds exec_mu_
   void enqueue(Task task);   // for the worker; issuing thread
   void worker_loop();

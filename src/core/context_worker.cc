@@ -63,7 +63,7 @@ void Context::Impl::worker_loop() {
       // A point-to-point call is posted even while others are in flight; any other call
       // runs once they are all complete (they were issued before it).
       // Not while a waiting thread runs a call (run_if_next): the next one must wait for it.
-      if (!queue_.empty() && !running_here_ && (in_flight_.empty() || queue_.front().post)) {
+      if (!queue_.empty() && !running_here_ && (in_flight_.empty() || queue_.front().p2p)) {
         task = std::move(queue_.front());
         queue_.pop_front();
         have_task = true;
@@ -78,7 +78,7 @@ void Context::Impl::worker_loop() {
       std::lock_guard exec(exec_mu_);
       if (!have_task) {
         backoff.record(progress_p2p(block));
-      } else if (task.post) {
+      } else if (task.p2p) {
         start_p2p(task);
         backoff.record(true);  // test the new call at once, however long the others idled
       } else {
@@ -117,14 +117,19 @@ bool Context::Impl::run_if_next(const Work::State* state) {
     }
     // A point-to-point call only alone: the calls behind it must be posted while it waits
     // (the peer may send to us only once it has received what we post after it).
-    if (queue_.front().post && queue_.size() > 1) return false;
+    if (queue_.front().p2p && queue_.size() > 1) return false;
     task = std::move(queue_.front());
     queue_.pop_front();
     running_here_ = true;
   }
+  run_here(task);
+  return true;
+}
+
+void Context::Impl::run_here(Task& task) {
   {
     std::lock_guard exec(exec_mu_);
-    if (task.post) {
+    if (task.p2p) {
       // A point-to-point call alone, nothing in flight, its issuer waiting for it: nothing can
       // be posted before it completes, so it waits in the transport, as the worker does once
       // nothing could be posted (context_p2p.cc), not between the worker's backed-off tests
@@ -139,7 +144,6 @@ bool Context::Impl::run_if_next(const Work::State* state) {
     running_here_ = false;
   }
   queue_cv_.notify_all();  // the worker and drain() wait for running_here_
-  return true;
 }
 
 void Context::Impl::enqueue(Task task) {
