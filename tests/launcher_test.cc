@@ -710,6 +710,32 @@ TEST(Bench, UnwritableJsonFailsBeforeTheRun) {
                                           "\"bytes\": 1024"));
 }
 
+// pingpong: what rank 1 echoes back is what rank 0 sent, byte for byte (--check on both), in
+// the blocking and the async form, with a third rank idle; its flags are its own.
+TEST(Bench, PingPongEchoesExactlyAndTakesOnlyItsFlags) {
+  for (const std::string form : {"", "--async"}) {
+    std::vector<std::string> args = {
+        "-n",          "3",   "--",       bench_path(), "pingpong", "--check", "--min-bytes", "1",
+        "--max-bytes", "64K", "--factor", "16",         "--iters",  "3",       "--warmup",    "1"};
+    if (!form.empty()) args.push_back(form);
+    Result r = run_launcher(args);
+    EXPECT_EQ(r.exit_code(), 0) << form << ": " << r.out << r.err;
+    EXPECT_NE(r.out.find("# out of bounds values: 0 OK"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(form.empty() ? "blocking" : "async"), std::string::npos) << r.out;
+  }
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {" pingpong --dtype float32", "pingpong takes sizes, --iters"},
+      {" pingpong --per-call", "pingpong takes sizes, --iters"},
+      {" allreduce --async", "--async applies to pingpong only"},
+      {" pingpong --min-bytes 8 --max-bytes 8", "pingpong needs 2 ranks or more"},
+  };
+  for (const auto& [args, want] : refused) {
+    auto r = gradsync::testing::run_shell(bench_path() + args + " 2>&1");
+    EXPECT_EQ(r.exit_code(), 2) << args << ": " << r.output;
+    EXPECT_TRUE(gradsync::testing::contains(r.output, want)) << r.output;
+  }
+}
+
 // Before init() knows the rank, an error names none: not "rank -1".
 TEST(Bench, ErrorsBeforeTheRankIsKnownNameNoRank) {
   for (const std::string env : {"GRADSYNC_ALGO=foo", "RANK=4294967296 WORLD_SIZE=1"}) {

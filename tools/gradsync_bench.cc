@@ -1,5 +1,7 @@
 // gradsync-bench: sweeps message sizes for one collective and reports time, algorithm and bus
-// bandwidth in the nccl-tests convention, plus the bytes each rank really sent.
+// bandwidth in the nccl-tests convention, plus the bytes each rank really sent; or, as
+// `pingpong`, the one-way time of a send/recv round trip between ranks 0 and 1 (the OSU
+// latency benchmark's measure).
 // Run it under gradsync-run:  gradsync-run -n 4 -- gradsync-bench allreduce --check
 
 #include <gradsync/compress.h>
@@ -27,10 +29,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-enum class Collective { kAllreduce, kReduceScatter, kAllgather, kBroadcast };
+enum class Collective { kAllreduce, kReduceScatter, kAllgather, kBroadcast, kPingPong };
 
 constexpr const char* kUsage =
-    "usage: gradsync-bench <allreduce|reduce_scatter|allgather|broadcast> [options]\n"
+    "usage: gradsync-bench <allreduce|reduce_scatter|allgather|broadcast|pingpong> [options]\n"
     "       gradsync-bench --version\n"
     "Run every rank under gradsync-run (or any launcher that sets RANK/WORLD_SIZE/...).\n"
     "\n"
@@ -57,12 +59,17 @@ constexpr const char* kUsage =
     "                    to compare plain calls with codec calls like for like\n"
     "  --non-finite P    --codec calls: throw (default), skip or propagate on NaN/Inf\n"
     "  --json FILE       rank 0 writes one record per size to FILE\n"
+    "  --async           pingpong: send_async/recv_async and wait (the worker's path), not\n"
+    "                    the blocking send/recv\n"
     "\n"
     "size(B) is the whole buffer: for reduce_scatter the input, for allgather the output\n"
     "(ranks x block), as in nccl-tests; counts are rounded down to a multiple of the ranks.\n"
     "time(us) is the mean time per call of a loop of --iters calls, max over ranks.\n"
     "busbw = algbw x 2(n-1)/n for allreduce, (n-1)/n for reduce_scatter/allgather, 1 for\n"
-    "broadcast; GB/s = 1e9 bytes/s. sent/rank(B) is bytes handed to the transports per\n"
+    "broadcast; GB/s = 1e9 bytes/s. pingpong: rank 0 sends size bytes to rank 1, which sends\n"
+    "them back (other ranks wait); time(us) is half the round trip, algbw = busbw = size over\n"
+    "it; --check compares what each of the two received with what rank 0 sent; dtype uint8.\n"
+    "All: sent/rank(B) is bytes handed to the transports per\n"
     "call, max over ranks. --check inputs are small integers ((rank+1)*(i%7+1))%16 (1 or 2\n"
     "for prod) so results are exact: sums stay exact up to 17 ranks even in bfloat16.\n";
 
@@ -82,6 +89,7 @@ struct Config {
   int warmup = 5;
   bool check = false;
   bool per_call = false;  // time each call alone, after a barrier (as --codec always does)
+  bool async = false;     // pingpong through the _async calls
   gradsync::compress::NonFinite non_finite = gradsync::compress::NonFinite::kThrow;
   std::string json;
   std::string codec;  // empty: plain allreduce
@@ -134,7 +142,10 @@ Config parse_args(int argc, char** argv) {
     c.coll = Collective::kAllgather;
   else if (c.coll_name == "broadcast")
     c.coll = Collective::kBroadcast;
-  else
+  else if (c.coll_name == "pingpong") {
+    c.coll = Collective::kPingPong;
+    c.dtype = gradsync::DataType::kUInt8;  // any size is whole elements
+  } else
     usage_error("unknown collective '" + c.coll_name + "'");
   for (int i = 2; i < argc; ++i) {
     std::string a = argv[i];
@@ -173,6 +184,8 @@ Config parse_args(int argc, char** argv) {
       c.check = true;
     else if (a == "--per-call")
       c.per_call = true;
+    else if (a == "--async")
+      c.async = true;
     else if (a == "--non-finite") {
       const std::string v = value();
       if (v == "throw") {
@@ -200,6 +213,12 @@ Config parse_args(int argc, char** argv) {
       usage_error("unknown option '" + a + "'");
   }
   if (c.min_bytes > c.max_bytes) usage_error("--min-bytes is larger than --max-bytes");
+  if (c.async && c.coll != Collective::kPingPong) usage_error("--async applies to pingpong only");
+  if (c.coll == Collective::kPingPong &&
+      (c.dtype != gradsync::DataType::kUInt8 || c.op != gradsync::ReduceOp::kSum ||
+       !c.codec.empty() || c.root != 0 || c.per_call)) {
+    usage_error("pingpong takes sizes, --iters, --warmup, --check, --async, --transport, --json");
+  }
   if (c.algo != gradsync::Algorithm::kAuto && c.coll != Collective::kAllreduce) {
     usage_error("--algo applies to allreduce only");
   }
@@ -420,6 +439,7 @@ double bus_factor(Collective c, int n) {
     case Collective::kAllgather:
       return static_cast<double>(n - 1) / n;
     case Collective::kBroadcast:
+    case Collective::kPingPong:
       return 1.0;
   }
   return 1.0;
@@ -505,10 +525,13 @@ class Bench {
     ctx_.allreduce(&wrong_total, &wrong_total, 1, gradsync::DataType::kInt64,
                    gradsync::ReduceOp::kSum);
 
-    rec.time_us = stats[0] * 1e6;
+    // A ping-pong reports one way: half the round trip.
+    const double seconds_per_call = c_.coll == Collective::kPingPong ? stats[0] / 2 : stats[0];
+    rec.time_us = seconds_per_call * 1e6;
     rec.bytes_sent_per_rank = stats[1];
     rec.wrong = static_cast<std::uint64_t>(wrong_total);
-    rec.algbw_gbps = stats[0] > 0 ? static_cast<double>(rec.bytes) / stats[0] / 1e9 : 0;
+    rec.algbw_gbps =
+        seconds_per_call > 0 ? static_cast<double>(rec.bytes) / seconds_per_call / 1e9 : 0;
     rec.busbw_gbps = rec.algbw_gbps * bus_factor(c_.coll, n_);
     return rec;
   }
@@ -522,6 +545,7 @@ class Bench {
   }
 
   std::string algorithm_name(std::size_t bytes) const {
+    if (c_.coll == Collective::kPingPong) return c_.async ? "async" : "blocking";
     if (c_.coll != Collective::kAllreduce) return "default";
     if (codec_) return codec_->spec();
     auto a =
@@ -561,6 +585,32 @@ class Bench {
       case Collective::kBroadcast:
         ctx_.broadcast(send_.data(), count, c_.dtype, c_.root);
         break;
+      case Collective::kPingPong:
+        ping_pong(count);
+        break;
+    }
+  }
+
+  // One round trip: rank 0 sends its input, rank 1 sends back what it received.
+  void ping_pong(std::size_t count) {
+    const auto dtype = c_.dtype;
+    if (rank_ == 0) {
+      if (c_.async) {
+        gradsync::Work back = ctx_.recv_async(recv_.data(), count, dtype, 1);
+        ctx_.send_async(send_.data(), count, dtype, 1).wait();
+        back.wait();
+      } else {
+        ctx_.send(send_.data(), count, dtype, 1);
+        ctx_.recv(recv_.data(), count, dtype, 1);
+      }
+    } else if (rank_ == 1) {
+      if (c_.async) {
+        ctx_.recv_async(recv_.data(), count, dtype, 0).wait();
+        ctx_.send_async(recv_.data(), count, dtype, 0).wait();
+      } else {
+        ctx_.recv(recv_.data(), count, dtype, 0);
+        ctx_.send(recv_.data(), count, dtype, 0);
+      }
     }
   }
 
@@ -578,6 +628,7 @@ class Bench {
         blank(recv_.data(), block);
         break;
       case Collective::kAllgather:
+      case Collective::kPingPong:
         blank(recv_.data(), count);
         break;
       case Collective::kBroadcast:
@@ -605,6 +656,10 @@ class Bench {
         return count_wrong(send_.data(), count, 0,
                            input_table(c_, c_.root, gradsync::ReduceOp::kSum), es_);
       }
+      case Collective::kPingPong:
+        if (rank_ > 1) return 0;
+        return count_wrong(recv_.data(), count, 0, input_table(c_, 0, gradsync::ReduceOp::kSum),
+                           es_);
     }
     return 0;
   }
@@ -711,6 +766,7 @@ int main(int argc, char** argv) {
     auto ctx = gradsync::init(opts);
     rank = ctx->rank();
     const int n = ctx->size();
+    if (c.coll == Collective::kPingPong && n < 2) usage_error("pingpong needs 2 ranks or more");
     if (c.coll == Collective::kBroadcast && c.root >= n) {
       usage_error(gradsync::flags::refusal("--root", std::to_string(c.root), "a rank",
                                            "[0, " + std::to_string(n - 1) + "]"));

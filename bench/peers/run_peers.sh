@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Compares gradsync's all-reduce with Open MPI's and Gloo's on this machine and prints a
-# markdown table for BENCHMARKS.md. Builds nothing: point it at a build directory.
+# Compares gradsync's all-reduce with Open MPI's and Gloo's on this machine (or, with
+# --collective pingpong, its point-to-point latency with Open MPI's) and prints a markdown
+# table for BENCHMARKS.md. Builds nothing: point it at a build directory.
 #
 # Benchmarks are alternated (every repeat runs each of them once per size and rank count,
 # in a rotated order) so that a slow phase of a shared machine hurts all of them alike;
@@ -18,6 +19,9 @@ usage: bench/peers/run_peers.sh [options]
   --sizes "4K 1M 64M 256M"
                      message sizes (K/M/G = powers of 1024)
   --repeats R        runs of every benchmark per point (default 3)
+  --collective C     allreduce (default) or pingpong: ranks 0 and 1 send each size back and
+                     forth (gradsync-bench pingpong, mpi_pingpong_bench; no Gloo); time is
+                     one way, half the round trip, and busbw = size / that time
   --transport T      shm (default): gradsync shm, MPI vader, Gloo tcp (Gloo has no shm);
                      tcp: gradsync tcp, MPI btl tcp, Gloo tcp, all over loopback;
                      ucx: gradsync ucx and Open MPI's pml ucx, both over UCX's shared
@@ -42,6 +46,7 @@ ranks="2 4"
 sizes="4K 1M 64M 256M"
 repeats=3
 transport=shm
+collective=allreduce
 gloo_algos="ring_chunked halving_doubling"
 iters_bytes=256M
 max_iters=200
@@ -56,6 +61,7 @@ while [[ $# -gt 0 ]]; do
     --sizes) sizes=$2; shift 2 ;;
     --repeats) repeats=$2; shift 2 ;;
     --transport) transport=$2; shift 2 ;;
+    --collective) collective=$2; shift 2 ;;
     --gloo-algos) gloo_algos=$2; shift 2 ;;
     --iters-bytes) iters_bytes=$2; shift 2 ;;
     --max-iters) max_iters=$2; shift 2 ;;
@@ -67,6 +73,10 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $transport =~ ^(shm|tcp|ucx)$ ]] || { echo "run_peers.sh: --transport shm|tcp|ucx" >&2; exit 2; }
+[[ $collective =~ ^(allreduce|pingpong)$ ]] || {
+  echo "run_peers.sh: --collective allreduce|pingpong" >&2
+  exit 2
+}
 peers_dir=${peers_dir:-$build/bench/peers}
 
 to_bytes() {
@@ -81,7 +91,7 @@ to_bytes() {
 
 launcher=$build/tools/gradsync-run
 gbench=$build/tools/gradsync-bench
-mpi_bench=$peers_dir/mpi_allreduce_bench
+mpi_bench=$peers_dir/mpi_${collective}_bench
 gloo_bench=$peers_dir/gloo_allreduce_bench
 for f in "$launcher" "$gbench"; do
   [[ -x $f ]] || { echo "run_peers.sh: $f not built" >&2; exit 1; }
@@ -91,11 +101,19 @@ done
 benches=(gradsync)
 [[ $transport == ucx ]] && benches+=(gradsync-shm)
 if [[ -x $mpi_bench ]] && command -v mpirun >/dev/null; then
-  if [[ $transport == ucx ]]; then benches+=(mpi-ucx); else benches+=(mpi-default mpi-ring); fi
+  if [[ $transport == ucx ]]; then
+    benches+=(mpi-ucx)
+  elif [[ $collective == pingpong ]]; then
+    benches+=(mpi-default)
+  else
+    benches+=(mpi-default mpi-ring)
+  fi
 else
   echo "run_peers.sh: no $mpi_bench or mpirun; skipping MPI" >&2
 fi
-if [[ -x $gloo_bench && $transport != ucx ]]; then
+if [[ $collective == pingpong ]]; then
+  :  # gloo_allreduce_bench has no point-to-point mode
+elif [[ -x $gloo_bench && $transport != ucx ]]; then
   for a in $gloo_algos; do benches+=("gloo-$a"); done
 else
   echo "run_peers.sh: no $gloo_bench; skipping Gloo" >&2
@@ -129,10 +147,10 @@ run_one() {
   case "$bench" in
     gradsync)
       timeout "$run_timeout" "$launcher" -n "$n" --timeout-s "$run_timeout" -- \
-        "$gbench" allreduce --transport "$transport" "${sweep[@]}" ;;
+        "$gbench" "$collective" --transport "$transport" "${sweep[@]}" ;;
     gradsync-shm)
       timeout "$run_timeout" "$launcher" -n "$n" --timeout-s "$run_timeout" -- \
-        "$gbench" allreduce --transport shm "${sweep[@]}" ;;
+        "$gbench" "$collective" --transport shm "${sweep[@]}" ;;
     mpi-ucx)
       timeout "$run_timeout" mpirun "${mpirun_args[@]}" -np "$n" "$mpi_bench" --label "$bench" "${sweep[@]}" ;;
     mpi-default)
@@ -175,9 +193,9 @@ done
 
 # Medians and the markdown table. Records are read from the per-run JSON files, so the
 # table never depends on the benchmarks' human-readable output.
-table=$(python3 - "$results" "$transport" "$(nproc)" <<'PY'
+table=$(python3 - "$results" "$transport" "$(nproc)" "$collective" <<'PY'
 import glob, json, os, statistics, sys
-results, transport, cores = sys.argv[1], sys.argv[2], sys.argv[3]
+results, transport, cores, collective = sys.argv[1:5]
 points = {}  # (ranks, bytes) -> impl -> list of records
 for path in glob.glob(os.path.join(results, "*.json")):
     impl = os.path.basename(path).split("-n")[0]
@@ -197,7 +215,9 @@ def med(recs, key):
 peer_note = {"shm": "MPI over vader (shared memory), Gloo over tcp",
              "tcp": "all over loopback TCP",
              "ucx": "UCX_TLS=sm: gradsync ucx and Open MPI pml ucx; gradsync's shm transport"}[transport]
-print(f"All-reduce float32 sum, gradsync transport {transport} ({peer_note}); {cores} cores; "
+what = ("Ping-pong between ranks 0 and 1, time one way (half the round trip), busbw = size / "
+        "that time" if collective == "pingpong" else "All-reduce float32 sum")
+print(f"{what}, gradsync transport {transport} ({peer_note}); {cores} cores; "
       "busbw in GB/s (1e9 B/s), median over repeats.\n")
 print("| size | ranks | gradsync busbw | best peer busbw | best peer | ratio |")
 print("|---:|---:|---:|---:|:---|---:|")
@@ -219,7 +239,8 @@ for (n, b) in sorted(points, key=lambda p: (p[1], p[0])):
     for k in names:
         recs = points[(n, b)].get(k)
         row.append("-" if not recs else
-                   f"{med(recs, 'time_us'):.1f} / {med(recs, 'busbw_gbps'):.3f} ({len(recs)})")
+                   f"{med(recs, 'time_us'):.{2 if med(recs, 'time_us') < 10 else 1}f} / "
+                   f"{med(recs, 'busbw_gbps'):.3f} ({len(recs)})")
     print(f"| {human(b)} | {n} | " + " | ".join(row) + " |")
 PY
 )

@@ -171,7 +171,8 @@ inline void print_row(const Sweep& s, const Record& r) {
 
 // Same fields as gradsync-bench's records, plus "impl".
 inline void write_json(const Sweep& s, const std::vector<Record>& recs, const std::string& algo,
-                       const std::string& transport, int ranks) {
+                       const std::string& transport, int ranks,
+                       const char* collective = "allreduce", const char* dtype = "float32") {
   std::ofstream f(s.json);
   if (!f) {
     std::fprintf(stderr, "cannot write %s\n", s.json.c_str());
@@ -181,14 +182,14 @@ inline void write_json(const Sweep& s, const std::vector<Record>& recs, const st
   w.begin_array();
   for (const Record& r : recs) {
     w.begin_object()
-        .field("collective", "allreduce")
+        .field("collective", collective)
         .field("impl", s.label)
         .field("algo", algo)
         .field("transport", transport)
         .field("ranks", ranks)
         .field("bytes", r.bytes)
         .field("count", r.count)
-        .field("dtype", "float32")
+        .field("dtype", dtype)
         .field("time_us", r.time_us)
         .field("algbw_gbps", r.algbw_gbps)
         .field("busbw_gbps", r.busbw_gbps)
