@@ -44,6 +44,9 @@ struct Work::State {
   // The context whose async queue holds the call until it completes: Work::wait may run it
   // there (Context::Impl::run_if_next). Null for calls that never queue.
   Context::Impl* queued_in = nullptr;
+  // A thread waits for the call while the worker has it in flight: the worker then tests its
+  // calls in flight longer before it backs off into sleeps (PollBackoff).
+  std::atomic<bool> awaited{false};
   void rethrow_if_failed() const {
     if (error) throw unshared_copy(*error);
     if (other_error) std::rethrow_exception(other_error);
@@ -115,7 +118,8 @@ struct Context::Impl {
   // true if it did. A thread about to wait for a call spares the hand-off to the worker and
   // back: two wake-ups, each a wait for a core where ranks outnumber cores. Calls still run one
   // at a time and in issue order.
-  bool run_if_next(const Work::State* state);
+  // Where it cannot because the worker has the call in flight, it marks the call awaited.
+  bool run_if_next(Work::State* state);
   // Whether run_if_next may: only where this host has a core per rank. With more ranks than
   // cores the worker, woken for every call, competes with the waiter for a core and waiting
   // calls measured slower than hand-offs (docs/performance-notes.md).
@@ -146,6 +150,8 @@ struct Context::Impl {
   };
   // "send to rank 3: p2p #2 (...)", for its errors: built only for one.
   static std::string describe(const InFlight& call);
+  // Whether a thread waits for one of the calls in flight (worker thread only).
+  bool flight_awaited() const;
   // Runs `task` on this thread, which has set running_here_, and clears it.
   void run_here(Task& task);
   void execute(Task& task);  // caller holds exec_mu_
@@ -184,6 +190,7 @@ struct Context::Impl {
   bool busy_ = false;
   int draining_ = 0;           // threads in drain(), guarded by queue_mu_
   bool running_here_ = false;  // a waiting thread runs a call (run_if_next); queue_mu_
+  bool awaited_news_ = false;  // a call in flight became awaited; queue_mu_
   bool stopping_ = false;
   std::thread worker_;
 };

@@ -16,20 +16,29 @@ namespace {
 // inside tests (a ring of 2 MiB takes a few hundred microseconds to drain); idle calls back
 // off towards a millisecond, so a receive posted long before its send costs next to nothing.
 // A new call ends the sleep at once (queue_cv_).
+// While a thread waits for one of the calls in flight (`awaited`), the worker is that thread's
+// only way forward, so it tests longer before it sleeps: a message that needs both ranks to
+// progress it several times (UCX's rendezvous) otherwise paid a sleep of up to 1 ms per step.
 class PollBackoff {
  public:
-  void record(bool progressed) { idle_ = progressed ? 0 : idle_ + 1; }
+  void record(bool progressed, bool awaited) {
+    idle_ = progressed ? 0 : idle_ + 1;
+    retries_ = awaited ? kAwaitedRetries : kRetries;
+  }
   // Zero: test again at once (after a yield).
   std::chrono::microseconds next() const {
-    if (idle_ < kRetries) return std::chrono::microseconds(0);
-    const int doublings = std::min(idle_ - kRetries, 5);
+    if (idle_ < retries_) return std::chrono::microseconds(0);
+    const int doublings = std::min(idle_ - retries_, 5);
     return kShortest * (1 << doublings);  // 32 us .. 1 ms
   }
 
  private:
   static constexpr int kRetries = 16;
+  // A test and a yield each: a few hundred microseconds in all.
+  static constexpr int kAwaitedRetries = 256;
   static constexpr std::chrono::microseconds kShortest{32};
   int idle_ = 0;
+  int retries_ = kRetries;
 };
 }  // namespace
 
@@ -53,7 +62,8 @@ void Context::Impl::worker_loop() {
       } else if (!something_to_do()) {
         const auto pause = backoff.next();
         if (pause.count() > 0) {
-          queue_cv_.wait_for(lock, pause, something_to_do);
+          queue_cv_.wait_for(lock, pause, [&] { return something_to_do() || awaited_news_; });
+          awaited_news_ = false;
         } else {
           lock.unlock();
           std::this_thread::yield();
@@ -77,10 +87,12 @@ void Context::Impl::worker_loop() {
     {
       std::lock_guard exec(exec_mu_);
       if (!have_task) {
-        backoff.record(progress_p2p(block));
+        const bool progressed = progress_p2p(block);
+        backoff.record(progressed, flight_awaited());
       } else if (task.p2p) {
         start_p2p(task);
-        backoff.record(true);  // test the new call at once, however long the others idled
+        // Test the new call at once, however long the others idled.
+        backoff.record(true, flight_awaited());
       } else {
         execute(task);
       }
@@ -105,11 +117,21 @@ void Context::Impl::drain() {
   --draining_;
 }
 
-bool Context::Impl::run_if_next(const Work::State* state) {
-  if (!waiters_run_calls) return false;
+bool Context::Impl::flight_awaited() const {
+  return std::any_of(in_flight_.begin(), in_flight_.end(), [](const InFlight& call) {
+    return call.state->awaited.load(std::memory_order_relaxed);
+  });
+}
+
+bool Context::Impl::run_if_next(Work::State* state) {
   Task task;
   {
     std::lock_guard lock(queue_mu_);
+    if (busy_ && !state->awaited.exchange(true, std::memory_order_relaxed)) {
+      awaited_news_ = true;  // (if it is one of the calls in flight)
+      queue_cv_.notify_all();
+    }
+    if (!waiters_run_calls) return false;
     // busy_ false: the worker runs nothing and has no point-to-point call in flight; while
     // running_here_, it takes no call.
     if (busy_ || running_here_ || queue_.empty() || queue_.front().state.get() != state) {
