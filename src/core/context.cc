@@ -268,25 +268,27 @@ void run_allreduce(Comm& c, const Context::Impl& context, const void* send, void
 
 // ---- Context ----
 
-void require(bool ok, const std::string& what, int rank, const char* op, std::size_t bytes) {
-  if (!ok) throw Error(ErrorKind::kInvalidArgument, what, rank, Error::kNoPeer, op, bytes);
-}
-
 void check_buffer(const void* p, std::size_t count, const char* name, int rank, const char* op) {
-  require(p != nullptr || count == 0, std::string(name) + " buffer is null", rank, op);
+  require(
+      p != nullptr || count == 0, [&] { return std::string(name) + " buffer is null"; }, rank, op);
 }
 
 void check_dtype_op(DataType dtype, ReduceOp op, int rank, const char* name) {
-  require(dtype_size(dtype) != 0, "unknown dtype " + std::to_string(static_cast<int>(dtype)), rank,
-          name);
-  require(static_cast<int>(op) <= static_cast<int>(ReduceOp::kBxor),
-          "unknown reduce op " + std::to_string(static_cast<int>(op)), rank, name);
+  require(
+      dtype_size(dtype) != 0,
+      [&] { return "unknown dtype " + std::to_string(static_cast<int>(dtype)); }, rank, name);
+  require(
+      static_cast<int>(op) <= static_cast<int>(ReduceOp::kBxor),
+      [&] { return "unknown reduce op " + std::to_string(static_cast<int>(op)); }, rank, name);
   // Refused here, on the calling thread, before any rank sends: a bitwise op on float bits
   // would be meaningless, and every rank makes the same call, so every rank refuses it.
-  require(dtype_op_valid(dtype, op),
-          std::string("reduce op ") + to_string(op) + " is bitwise: it takes an integer or bool " +
-              "dtype, not " + to_string(dtype),
-          rank, name);
+  require(
+      dtype_op_valid(dtype, op),
+      [&] {
+        return std::string("reduce op ") + to_string(op) +
+               " is bitwise: it takes an integer or bool dtype, not " + to_string(dtype);
+      },
+      rank, name);
 }
 
 namespace {
@@ -330,10 +332,13 @@ Work allgatherv_impl(Context::Impl& impl, const void* send, void* recv,
                      const CallOptions& options, bool blocking) {
   const char* name = collectives::to_string(kind);
   check_dtype_op(dtype, ReduceOp::kSum, impl.rank, name);
-  require(counts.size() == static_cast<std::size_t>(impl.size),
-          "recv_counts has " + std::to_string(counts.size()) + " entries for " +
-              std::to_string(impl.size) + " ranks",
-          impl.rank, name);
+  require(
+      counts.size() == static_cast<std::size_t>(impl.size),
+      [&] {
+        return "recv_counts has " + std::to_string(counts.size()) + " entries for " +
+               std::to_string(impl.size) + " ranks";
+      },
+      impl.rank, name);
   const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
   check_buffer(send, counts[static_cast<std::size_t>(impl.rank)], "send", impl.rank, name);
   check_buffer(recv, total, "recv", impl.rank, name);
@@ -349,8 +354,9 @@ Work broadcast_impl(Context::Impl& impl, void* data, std::size_t count, DataType
                     const CallOptions& options, bool blocking) {
   const char* name = "broadcast";
   check_dtype_op(dtype, ReduceOp::kSum, impl.rank, name);
-  require(root >= 0 && root < impl.size, "root " + std::to_string(root) + " is not a rank",
-          impl.rank, name);
+  require(
+      root >= 0 && root < impl.size,
+      [&] { return "root " + std::to_string(root) + " is not a rank"; }, impl.rank, name);
   check_buffer(data, count, "data", impl.rank, name);
   CallSignature sig{0,    CollectiveKind::kBroadcast, dtype, ReduceOp::kSum, Algorithm::kAuto, root,
                     count};
@@ -364,8 +370,9 @@ Work reduce_impl(Context::Impl& impl, const void* send, void* recv, std::size_t 
                  DataType dtype, ReduceOp op, int root, const CallOptions& options, bool blocking) {
   const char* name = "reduce";
   check_dtype_op(dtype, op, impl.rank, name);
-  require(root >= 0 && root < impl.size, "root " + std::to_string(root) + " is not a rank",
-          impl.rank, name);
+  require(
+      root >= 0 && root < impl.size,
+      [&] { return "root " + std::to_string(root) + " is not a rank"; }, impl.rank, name);
   check_buffer(send, count, "send", impl.rank, name);
   if (impl.rank == root) check_buffer(recv, count, "recv", impl.rank, name);
   CallSignature sig{0, CollectiveKind::kReduce, dtype, op, Algorithm::kAuto, root, count};

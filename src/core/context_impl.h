@@ -237,7 +237,15 @@ class CallSteps {
 };
 
 // Argument checks of the public calls: each throws kInvalidArgument naming the call `op`.
-void require(bool ok, const std::string& what, int rank, const char* op, std::size_t bytes = 0);
+// `what()` makes the message, only for a check that fails: every call runs these checks, and
+// building their messages up front took a few allocations each, longer than the rest of a
+// small call's path on this side of the transport.
+template <class What>
+void require(bool ok, const What& what, int rank, const char* op, std::size_t bytes = 0) {
+  if (!ok) [[unlikely]] {
+    throw Error(ErrorKind::kInvalidArgument, what(), rank, Error::kNoPeer, op, bytes);
+  }
+}
 void check_buffer(const void* p, std::size_t count, const char* name, int rank, const char* op);
 void check_dtype_op(DataType dtype, ReduceOp op, int rank, const char* name);
 

@@ -152,13 +152,20 @@ Work p2p_impl(Context::Impl& impl, bool is_send, int peer, const void* data, std
               DataType dtype, int tag, const CallOptions& options, bool blocking) {
   const char* name = is_send ? "send" : "recv";
   check_dtype_op(dtype, ReduceOp::kSum, impl.rank, name);
-  require(peer != impl.rank,
-          "peer " + std::to_string(peer) + " is this rank itself (send and recv need another rank)",
-          impl.rank, name);
-  require(peer >= 0 && peer < impl.size,
-          "peer " + std::to_string(peer) + " is not a rank (ranks are 0.." +
-              std::to_string(impl.size - 1) + ")",
-          impl.rank, name);
+  require(
+      peer != impl.rank,
+      [&] {
+        return "peer " + std::to_string(peer) +
+               " is this rank itself (send and recv need another rank)";
+      },
+      impl.rank, name);
+  require(
+      peer >= 0 && peer < impl.size,
+      [&] {
+        return "peer " + std::to_string(peer) + " is not a rank (ranks are 0.." +
+               std::to_string(impl.size - 1) + ")";
+      },
+      impl.rank, name);
   check_buffer(data, count, "data", impl.rank, name);
   CallSignature sig{
       0, CollectiveKind::kPointToPoint, dtype, ReduceOp::kSum, Algorithm::kAuto, tag, count};

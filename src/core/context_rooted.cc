@@ -16,8 +16,9 @@ using collectives::Comm;
 namespace {
 
 void check_root(int root, const Context::Impl& impl, const char* name) {
-  require(root >= 0 && root < impl.size, "root " + std::to_string(root) + " is not a rank",
-          impl.rank, name);
+  require(
+      root >= 0 && root < impl.size,
+      [&] { return "root " + std::to_string(root) + " is not a rank"; }, impl.rank, name);
 }
 
 Work gather_impl(Context::Impl& impl, const void* send, void* recv, std::size_t count,
@@ -69,10 +70,14 @@ Work alltoallv_impl(Context::Impl& impl, const void* send, std::vector<std::size
   const char* name = collectives::to_string(kind);
   check_dtype_op(dtype, ReduceOp::kSum, impl.rank, name);
   const auto n = static_cast<std::size_t>(impl.size);
-  require(send_counts.size() == n, show_counts_size("send_counts", send_counts.size(), impl.size),
-          impl.rank, name);
-  require(recv_counts.size() == n, show_counts_size("recv_counts", recv_counts.size(), impl.size),
-          impl.rank, name);
+  require(
+      send_counts.size() == n,
+      [&] { return show_counts_size("send_counts", send_counts.size(), impl.size); }, impl.rank,
+      name);
+  require(
+      recv_counts.size() == n,
+      [&] { return show_counts_size("recv_counts", recv_counts.size(), impl.size); }, impl.rank,
+      name);
   const std::size_t send_total =
       std::accumulate(send_counts.begin(), send_counts.end(), std::size_t{0});
   const std::size_t recv_total =
