@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "mpi_job.h"
 #include "sweep.h"
 
 namespace {
@@ -16,15 +17,6 @@ namespace {
 constexpr const char* kUsage =
     "usage: mpi_allreduce_bench [options]   (run under mpirun; --mca btl/coll_tuned_* choose\n"
     "the transport and algorithm and are echoed in the output)\n";
-
-void die_on(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return;
-  char msg[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, msg, &len);
-  std::fprintf(stderr, "mpi_allreduce_bench: %s failed: %s\n", what, msg);
-  MPI_Abort(MPI_COMM_WORLD, 1);
-}
 
 // mpirun passes --mca settings to the ranks as OMPI_MCA_* variables; reading them back makes
 // the output say which byte transport and all-reduce algorithm were measured.
@@ -46,26 +38,12 @@ std::string tuned_algorithm() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-  int rank = 0, n = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-
   peers::Sweep s;
   s.label = "mpi";
   const std::string usage = std::string(kUsage) + peers::kSweepUsage;
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "-h" || std::string(argv[i]) == "--help") {
-      if (rank == 0) std::fputs(usage.c_str(), stdout);
-      MPI_Finalize();
-      return 0;
-    }
-    if (!peers::parse_sweep_flag(argc, argv, i, s, "mpi_allreduce_bench", usage.c_str())) {
-      peers::usage_error("mpi_allreduce_bench", std::string("unknown option '") + argv[i] + "'",
-                         usage.c_str());
-    }
-  }
+  const peers::MpiJob job = peers::start_mpi(argc, argv, s, "mpi_allreduce_bench", usage);
+  if (job.help_printed) return 0;
+  const int rank = job.rank, n = job.ranks;
 
   const std::size_t max_count = s.max_bytes / sizeof(float);
   // Out of place, like gradsync-bench's allreduce: the input stays valid for every call.
@@ -87,15 +65,19 @@ int main(int argc, char** argv) {
   for (std::size_t bytes : peers::sizes(s)) {
     const int count = static_cast<int>(bytes / sizeof(float));  // MPI counts are int
     for (int k = 0; k < s.warmup; ++k) {
-      die_on(MPI_Allreduce(send.data(), recv.data(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD),
-             "MPI_Allreduce");
+      peers::die_on(
+          "mpi_allreduce_bench",
+          MPI_Allreduce(send.data(), recv.data(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD),
+          "MPI_Allreduce");
     }
     if (s.check) std::fill(recv.begin(), recv.begin() + count, -1.0f);
     MPI_Barrier(MPI_COMM_WORLD);  // outside the timed loop: ranks start it together
     double t0 = MPI_Wtime();
     for (int k = 0; k < s.iters; ++k) {
-      die_on(MPI_Allreduce(send.data(), recv.data(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD),
-             "MPI_Allreduce");
+      peers::die_on(
+          "mpi_allreduce_bench",
+          MPI_Allreduce(send.data(), recv.data(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD),
+          "MPI_Allreduce");
     }
     double per_call = (MPI_Wtime() - t0) / s.iters;
     // The slowest rank defines the collective's time.

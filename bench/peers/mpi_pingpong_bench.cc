@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "mpi_job.h"
 #include "sweep.h"
 
 namespace {
@@ -18,39 +19,16 @@ constexpr const char* kUsage =
     "usage: mpi_pingpong_bench [options]   (run under mpirun with 2 ranks or more; rank 0\n"
     "sends each size to rank 1, which sends it back; time(us) is half the round trip)\n";
 
-void die_on(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return;
-  char msg[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, msg, &len);
-  std::fprintf(stderr, "mpi_pingpong_bench: %s failed: %s\n", what, msg);
-  MPI_Abort(MPI_COMM_WORLD, 1);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-  int rank = 0, n = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-
   peers::Sweep s;
   s.label = "mpi";
   s.min_bytes = 8;
   const std::string usage = std::string(kUsage) + peers::kSweepUsage;
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "-h" || std::string(argv[i]) == "--help") {
-      if (rank == 0) std::fputs(usage.c_str(), stdout);
-      MPI_Finalize();
-      return 0;
-    }
-    if (!peers::parse_sweep_flag(argc, argv, i, s, "mpi_pingpong_bench", usage.c_str())) {
-      peers::usage_error("mpi_pingpong_bench", std::string("unknown option '") + argv[i] + "'",
-                         usage.c_str());
-    }
-  }
+  const peers::MpiJob job = peers::start_mpi(argc, argv, s, "mpi_pingpong_bench", usage);
+  if (job.help_printed) return 0;
+  const int rank = job.rank, n = job.ranks;
   if (n < 2) peers::usage_error("mpi_pingpong_bench", "needs 2 ranks or more", usage.c_str());
 
   // Rank 0 sends the sweep's exact inputs; rank 1 echoes what it received, so --check
@@ -68,13 +46,17 @@ int main(int argc, char** argv) {
 
   auto round_trip = [&](int bytes) {
     if (rank == 0) {
-      die_on(MPI_Send(send.data(), bytes, MPI_BYTE, 1, 0, MPI_COMM_WORLD), "MPI_Send");
-      die_on(MPI_Recv(recv.data(), bytes, MPI_BYTE, 1, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE),
-             "MPI_Recv");
+      peers::die_on("mpi_pingpong_bench",
+                    MPI_Send(send.data(), bytes, MPI_BYTE, 1, 0, MPI_COMM_WORLD), "MPI_Send");
+      peers::die_on("mpi_pingpong_bench",
+                    MPI_Recv(recv.data(), bytes, MPI_BYTE, 1, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE),
+                    "MPI_Recv");
     } else if (rank == 1) {
-      die_on(MPI_Recv(recv.data(), bytes, MPI_BYTE, 0, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE),
-             "MPI_Recv");
-      die_on(MPI_Send(recv.data(), bytes, MPI_BYTE, 0, 0, MPI_COMM_WORLD), "MPI_Send");
+      peers::die_on("mpi_pingpong_bench",
+                    MPI_Recv(recv.data(), bytes, MPI_BYTE, 0, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE),
+                    "MPI_Recv");
+      peers::die_on("mpi_pingpong_bench",
+                    MPI_Send(recv.data(), bytes, MPI_BYTE, 0, 0, MPI_COMM_WORLD), "MPI_Send");
     }
   };
 
