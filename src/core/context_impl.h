@@ -44,8 +44,8 @@ struct Work::State {
   // The context whose async queue holds the call until it completes: Work::wait may run it
   // there (Context::Impl::run_if_next). Null for calls that never queue.
   Context::Impl* queued_in = nullptr;
-  // A thread waits for the call while the worker has it in flight: the worker then tests its
-  // calls in flight longer before it backs off into sleeps (PollBackoff).
+  // A thread waits for the call (Work::wait found the worker busy): once the call is in
+  // flight, the worker tests its calls in flight longer before it sleeps (PollBackoff).
   std::atomic<bool> awaited{false};
   void rethrow_if_failed() const {
     if (error) throw unshared_copy(*error);
@@ -118,7 +118,8 @@ struct Context::Impl {
   // true if it did. A thread about to wait for a call spares the hand-off to the worker and
   // back: two wake-ups, each a wait for a core where ranks outnumber cores. Calls still run one
   // at a time and in issue order.
-  // Where it cannot because the worker has the call in flight, it marks the call awaited.
+  // Where it cannot because the worker is busy, it marks the call awaited and wakes the worker
+  // from a sleep between tests.
   bool run_if_next(Work::State* state);
   // Whether run_if_next may: only where this host has a core per rank. With more ranks than
   // cores the worker, woken for every call, competes with the waiter for a core and waiting
