@@ -66,12 +66,12 @@ constexpr const char* kUsage =
     "(ranks x block), as in nccl-tests; counts are rounded down to a multiple of the ranks.\n"
     "time(us) is the mean time per call of a loop of --iters calls, max over ranks.\n"
     "busbw = algbw x 2(n-1)/n for allreduce, (n-1)/n for reduce_scatter/allgather, 1 for\n"
-    "broadcast; GB/s = 1e9 bytes/s. pingpong: rank 0 sends size bytes to rank 1, which sends\n"
-    "them back (other ranks wait); time(us) is half the round trip, algbw = busbw = size over\n"
-    "it; --check compares what each of the two received with what rank 0 sent; dtype uint8.\n"
-    "All: sent/rank(B) is bytes handed to the transports per\n"
+    "broadcast; GB/s = 1e9 bytes/s. sent/rank(B) is bytes handed to the transports per\n"
     "call, max over ranks. --check inputs are small integers ((rank+1)*(i%7+1))%16 (1 or 2\n"
-    "for prod) so results are exact: sums stay exact up to 17 ranks even in bfloat16.\n";
+    "for prod) so results are exact: sums stay exact up to 17 ranks even in bfloat16.\n"
+    "pingpong: rank 0 sends size bytes to rank 1, which sends them back (other ranks wait);\n"
+    "time(us) is half the round trip, algbw = busbw = size over it; --check compares what\n"
+    "each of the two received with what rank 0 sent; dtype uint8.\n";
 
 struct Config {
   Collective coll = Collective::kAllreduce;
