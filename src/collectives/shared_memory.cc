@@ -257,14 +257,16 @@ class SharedMemoryAllreduce {
   }
 
   // Reduces this rank's sub-block of chunk k in member order 0, 1, ..., n-1 (the same order on
-  // every rank and run, so results are bitwise reproducible), tile by tile, and copies each
-  // finished tile into its own slot, where the other members copy it from. Not straight into
+  // every rank and run, so results are bitwise reproducible), tile by tile, and copies the
+  // finished sums into its own slot, where the other members copy them from. Not straight into
   // the slot: a store to a line another core has read first fetches it from that core (read
   // for ownership), while memcpy's string copy claims whole lines without reading them; the
   // reduce step took twice as long where cores are far apart (docs/performance-notes.md).
   // The sums go straight into `recv` (this rank's own memory, and the own sub-block's
-  // copy-out comes for free), or, where that will not do (see sums_in_recv_), into a private
-  // buffer copied to both.
+  // copy-out comes for free) and reach the slot in one copy of the whole sub-block once all are
+  // summed: copied tile by tile, each 8 KiB copy between two tiles' sums, the reduce step took
+  // 1.2-1.3x as long between 2 ranks (docs/performance-notes.md, session 33). Where that will
+  // not do (see sums_in_recv_), the sums go into a private tile copied to both.
   void reduce(std::size_t k) {
     // Plain variables, not a structured binding: the lambda below captures `first`, and
     // Debian 12's clang 14 refuses to capture bindings (C++20 allows it; clang 16 does).
@@ -305,9 +307,8 @@ class SharedMemoryAllreduce {
         kernels::reduce(sums, partial, input(n_ - 1, offset), count, dtype_, op_);
         if (op_ == ReduceOp::kAvg) kernels::scale_for_average(sums, count, dtype_, n_);
       }
-      if (sums_in_recv_) {
-        if (shared) std::memcpy(shared + offset, sums, count * es_);
-      } else if (narrow_results()) {
+      if (sums_in_recv_) continue;  // copied to `shared` whole, after the loop
+      if (narrow_results()) {
         if (shared) std::memcpy(shared + offset / 2, tile, count * 2);
         widen(reinterpret_cast<const std::uint16_t*>(tile), out + offset, count);
       } else {
@@ -315,6 +316,7 @@ class SharedMemoryAllreduce {
         copy(out + offset, tile, count * es_);
       }
     }
+    if (sums_in_recv_ && shared && length) std::memcpy(shared, out, length);
   }
 
   // A float32 sum or average: the last addition, the division and the NaN/Inf search are one
