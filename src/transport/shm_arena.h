@@ -25,6 +25,9 @@ class ShmArena final : public SharedArena {
   unsigned char* region(int member) override { return group_.regions[checked_member(member)]; }
   std::size_t region_bytes() const override { return group_.layout.arena_bytes; }
   std::uint64_t progress(int member) const override {
+    // Its own counter from the copy it keeps: peers poll the shared line, so loading it back
+    // would miss the cache in every call.
+    if (member == group_.my_member) return published_;
     return group_.headers[checked_member(member)]->arena_progress.load(std::memory_order_acquire);
   }
 

@@ -113,6 +113,7 @@ class Arena final : public SharedArena {
   }
   std::size_t region_bytes() const override { return shm::kArenaRegionBytes; }
   std::uint64_t progress(int member) const override {
+    if (member == member_) return published_;  // see shm::ShmArena::progress
     return header(static_cast<int>(checked(member))).progress.load(std::memory_order_acquire);
   }
   void publish(std::uint64_t value) override;
