@@ -1,18 +1,21 @@
 // The shared arena (regions, progress counters, waits that fail instead of hanging) of every
 // transport that offers one: shm, and ucx over UCX's shared memory; and the shared-memory
-// all-reduce across real processes, including kill -9. The algorithm's grid over thread ranks
-// lives in collectives_test.cc.
+// all-reduce across real processes, including kill -9; the copy into shared memory. The
+// algorithm's grid over thread ranks lives in collectives_test.cc.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <stdexcept>
 #include <thread>
+#include <vector>
 
 #include "collectives/signature.h"
 #include "gradsync/gradsync.h"
@@ -234,6 +237,33 @@ std::vector<ArenaTransport> arena_transports() {
 
 INSTANTIATE_TEST_SUITE_P(Transports, SharedArenaSuite, ::testing::ValuesIn(arena_transports()),
                          [](const auto& p) { return p.param.name; });
+
+// Every distance between source and destination modulo a page, the 1-63 bytes that go
+// through the private buffer among them, and sizes around the page and that buffer's chunk.
+TEST(CopyToShared, CopiesExactlyTheBytesAtEveryDistance) {
+  constexpr std::size_t kPage = 4096;
+  const std::size_t sizes[] = {0, 1, 63, 4095, 4096, 4097, 32 * 1024, 32 * 1024 + 17, 100003};
+  std::vector<unsigned char> src_memory(2 * kPage + 100003), dst_memory(3 * kPage + 100003);
+  for (std::size_t i = 0; i < src_memory.size(); ++i) {
+    src_memory[i] = static_cast<unsigned char>(i * 131 + 7);
+  }
+  auto page_start = [&](std::vector<unsigned char>& memory) {
+    const auto address = reinterpret_cast<std::uintptr_t>(memory.data());
+    return memory.data() + (kPage - address % kPage) % kPage;
+  };
+  const unsigned char* src = page_start(src_memory) + 100;
+  for (std::size_t distance = 0; distance <= 130; ++distance) {
+    unsigned char* dst = page_start(dst_memory) + 100 + distance;
+    for (const std::size_t bytes : sizes) {
+      std::fill(dst_memory.begin(), dst_memory.end(), 0xEE);
+      copy_to_shared(dst, src, bytes);
+      ASSERT_EQ(std::memcmp(dst, src, bytes), 0)
+          << "distance " << distance << ", " << bytes << " B";
+      EXPECT_EQ(dst[-1], 0xEE) << "distance " << distance << ", " << bytes << " B";
+      EXPECT_EQ(dst[bytes], 0xEE) << "distance " << distance << ", " << bytes << " B";
+    }
+  }
+}
 
 TEST(SharedArena, OfferedOnlyWhereOneSharedMemoryTransportReachesEveryone) {
   auto group = make_inproc_group(2);

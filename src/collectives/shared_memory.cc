@@ -180,7 +180,7 @@ class SharedMemoryAllreduce {
     // The tag in the region header too, for a member in the other form to name this call.
     header(me_).signature = c_.tag();
     *reinterpret_cast<transport::Tag*>(buffer(me_)) = c_.tag();
-    if (bytes_) std::memcpy(buffer(me_) + kLineBytes, send_, bytes_);
+    if (bytes_) transport::copy_to_shared(buffer(me_) + kLineBytes, send_, bytes_);
     arena_.publish(base_ + 1);
     wait_all(base_ + 1);
     for (int m = 0; m < n_; ++m) {
@@ -250,9 +250,9 @@ class SharedMemoryAllreduce {
     const auto [first, last] = sub_block(k, me_);
     const unsigned char* in = send_ + chunk_offset(k);
     unsigned char* out = slot(me_, k);
-    if (first > 0) std::memcpy(out, in, first);
+    if (first > 0) transport::copy_to_shared(out, in, first);
     if (const std::size_t length = chunk_length(k); last < length) {
-      std::memcpy(out + last, in + last, length - last);
+      transport::copy_to_shared(out + last, in + last, length - last);
     }
   }
 
@@ -316,7 +316,7 @@ class SharedMemoryAllreduce {
         copy(out + offset, tile, count * es_);
       }
     }
-    if (sums_in_recv_ && shared && length) std::memcpy(shared, out, length);
+    if (sums_in_recv_ && shared && length) transport::copy_to_shared(shared, out, length);
   }
 
   // A float32 sum or average: the last addition, the division and the NaN/Inf search are one

@@ -66,9 +66,7 @@ class ShmTransport final : public Transport {
   const char* name() const override { return "shm"; }
   SharedArena* shared_arena() override { return &arena_; }
   // Eager: a message that fits in an empty ring is copied in by isend itself.
-  std::size_t buffered_send_bytes() const override {
-    return kSlotCount * group_.layout.slot_bytes;
-  }
+  std::size_t buffered_send_bytes() const override { return kSlotCount * group_.layout.slot_bytes; }
 
   // A stopped peer process keeps its futexes and rings as they were, so only its state says
   // why nothing moves. Threads of this process and other pid namespaces cannot be looked at.
@@ -274,7 +272,7 @@ class ShmTransport final : public Transport {
       d.offset = op.done_bytes;
       d.length = length;
       if (length)
-        std::memcpy(link.out_slots + slot * slot_bytes, op.send_data + op.done_bytes, length);
+        copy_to_shared(link.out_slots + slot * slot_bytes, op.send_data + op.done_bytes, length);
       link.out_ring->head.store(++link.out_head, std::memory_order_seq_cst);
       wake_if_sleeping(*link.segment);
       moved = true;
