@@ -736,6 +736,24 @@ TEST(Bench, PingPongEchoesExactlyAndTakesOnlyItsFlags) {
   }
 }
 
+// --offset places both buffers past a page boundary; at 4080 every copy into shared memory
+// takes the private-buffer path (transport::copy_to_shared), and results stay exact.
+TEST(Bench, OffsetBuffersGiveExactResults) {
+  for (const std::string algo : {"shm", "ring"}) {
+    Result r = run_launcher(
+        {"-n",       "2",  "--",       bench_path(), "allreduce",   "--check", "--transport", "shm",
+         "--algo",   algo, "--offset", "4080",       "--min-bytes", "4K",      "--max-bytes", "1M",
+         "--factor", "16", "--iters",  "3",          "--warmup",    "1"});
+    EXPECT_EQ(r.exit_code(), 0) << algo << ": " << r.out << r.err;
+    EXPECT_NE(r.out.find("# out of bounds values: 0 OK"), std::string::npos) << r.out;
+  }
+  auto r = gradsync::testing::run_shell(bench_path() + " allreduce --offset 4096 2>&1");
+  EXPECT_EQ(r.exit_code(), 2) << r.output;
+  EXPECT_TRUE(
+      gradsync::testing::contains(r.output, "--offset: '4096' is not an integer in [0, 4095]"))
+      << r.output;
+}
+
 // Before init() knows the rank, an error names none: not "rank -1".
 TEST(Bench, ErrorsBeforeTheRankIsKnownNameNoRank) {
   for (const std::string env : {"GRADSYNC_ALGO=foo", "RANK=4294967296 WORLD_SIZE=1"}) {

@@ -24,6 +24,7 @@
 
 #include "flag_numbers.h"
 #include "json_writer.h"
+#include "placed_buffer.h"
 
 namespace {
 
@@ -59,6 +60,9 @@ constexpr const char* kUsage =
     "                    to compare plain calls with codec calls like for like\n"
     "  --non-finite P    --codec calls: throw (default), skip or propagate on NaN/Inf\n"
     "  --json FILE       rank 0 writes one record per size to FILE\n"
+    "  --offset B        send and receive buffers start B bytes (0-4095) past a page\n"
+    "                    boundary (default 0: where malloc puts them changes some copies'\n"
+    "                    speed, so every run starts them on a page)\n"
     "  --async           pingpong: send_async/recv_async and wait (the worker's path), not\n"
     "                    the blocking send/recv\n"
     "\n"
@@ -92,7 +96,8 @@ struct Config {
   bool async = false;     // pingpong through the _async calls
   gradsync::compress::NonFinite non_finite = gradsync::compress::NonFinite::kThrow;
   std::string json;
-  std::string codec;  // empty: plain allreduce
+  std::string codec;       // empty: plain allreduce
+  std::size_t offset = 0;  // of both buffers past a page boundary
 };
 
 [[noreturn]] void usage_error(const std::string& msg) {
@@ -117,6 +122,7 @@ std::size_t parse_bytes(const std::string& flag, const std::string& v) {
 constexpr long long kMaxCalls = 1000000;
 // Ranks gradsync accepts (RANK and WORLD_SIZE in README's launcher table).
 constexpr long long kMaxRoot = (1 << 20) - 1;
+using Buffer = gradsync::tools::PlacedBuffer<std::uint8_t>;
 
 int parse_count(const std::string& flag, const std::string& v, long long lo, long long hi) {
   return static_cast<int>(gradsync::flags::integer(flag, v, lo, hi, usage_error));
@@ -199,6 +205,9 @@ Config parse_args(int argc, char** argv) {
       }
     } else if (a == "--json")
       c.json = value();
+    else if (a == "--offset")
+      c.offset = static_cast<std::size_t>(
+          parse_count(a, value(), 0, static_cast<long long>(Buffer::kPageBytes) - 1));
     else if (a == "--codec") {
       c.codec = value();
       try {
@@ -217,7 +226,9 @@ Config parse_args(int argc, char** argv) {
   if (c.coll == Collective::kPingPong &&
       (c.dtype != gradsync::DataType::kUInt8 || c.op != gradsync::ReduceOp::kSum ||
        !c.codec.empty() || c.root != 0 || c.per_call)) {
-    usage_error("pingpong takes sizes, --iters, --warmup, --check, --async, --transport, --json");
+    usage_error(
+        "pingpong takes sizes, --iters, --warmup, --check, --async, --transport, --json, "
+        "--offset");
   }
   if (c.algo != gradsync::Algorithm::kAuto && c.coll != Collective::kAllreduce) {
     usage_error("--algo applies to allreduce only");
@@ -455,8 +466,8 @@ class Bench {
     std::size_t send_elems = max_count, recv_elems = max_count;
     if (c.coll == Collective::kReduceScatter) recv_elems = max_count / static_cast<std::size_t>(n_);
     if (c.coll == Collective::kAllgather) send_elems = max_count / static_cast<std::size_t>(n_);
-    send_.assign(send_elems * es_, 0);
-    if (c.coll != Collective::kBroadcast) recv_.assign(recv_elems * es_, 0);
+    send_.assign(send_elems * es_, c.offset);
+    if (c.coll != Collective::kBroadcast) recv_.assign(recv_elems * es_, c.offset);
     const gradsync::ReduceOp in_op =
         (c.coll == Collective::kAllreduce || c.coll == Collective::kReduceScatter)
             ? c.op
@@ -669,7 +680,7 @@ class Bench {
   int n_;
   int rank_;
   std::size_t es_;
-  std::vector<std::uint8_t> send_, recv_;
+  Buffer send_, recv_;
   std::unique_ptr<gradsync::compress::Codec> codec_ =
       c_.codec.empty() ? nullptr : gradsync::compress::make_codec(c_.codec);
 };

@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
 
   const std::size_t max_count = s.max_bytes / sizeof(float);
   // Out of place, like gradsync-bench's allreduce: the input stays valid for every call.
-  std::vector<float> send(max_count), recv(max_count);
+  gradsync::tools::PlacedBuffer<float> send(max_count), recv(max_count);
   peers::fill_input(send.data(), max_count, rank);
 
   int version_len = 0;
@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
           MPI_Allreduce(send.data(), recv.data(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD),
           "MPI_Allreduce");
     }
-    if (s.check) std::fill(recv.begin(), recv.begin() + count, -1.0f);
+    if (s.check) std::fill(recv.data(), recv.data() + count, -1.0f);
     MPI_Barrier(MPI_COMM_WORLD);  // outside the timed loop: ranks start it together
     double t0 = MPI_Wtime();
     for (int k = 0; k < s.iters; ++k) {

@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
 
   // Rank 0 sends the sweep's exact inputs; rank 1 echoes what it received, so --check
   // compares the round trip's result with what was sent, byte for byte.
-  std::vector<unsigned char> send(s.max_bytes), recv(s.max_bytes);
+  gradsync::tools::PlacedBuffer<unsigned char> send(s.max_bytes), recv(s.max_bytes);
   for (std::size_t i = 0; i < send.size(); ++i) {
     send[i] = static_cast<unsigned char>(peers::input_value(0, i));
   }
@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
   for (std::size_t size : peers::sizes(s)) {
     const int bytes = static_cast<int>(size);  // MPI counts are int
     for (int k = 0; k < s.warmup; ++k) round_trip(bytes);
-    std::fill(recv.begin(), recv.begin() + bytes, 0xff);
+    std::fill(recv.data(), recv.data() + bytes, 0xff);
     MPI_Barrier(MPI_COMM_WORLD);  // outside the timed loop: ranks start it together
     const double t0 = MPI_Wtime();
     for (int k = 0; k < s.iters; ++k) round_trip(bytes);

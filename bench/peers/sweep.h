@@ -1,6 +1,7 @@
 // What the peer benchmarks (MPI, Gloo) share with gradsync-bench: the size sweep and its
-// flags, the timing rule, the exact float32 inputs, and the table and JSON records they print
-// (through gradsync-bench's JSON writer), so that run_peers.sh compares like with like.
+// flags, the timing rule, the exact float32 inputs, buffers placed on a page (placed_buffer.h),
+// and the table and JSON records they print (through gradsync-bench's JSON writer), so that
+// run_peers.sh compares like with like.
 // Header-only; depends on no communication library.
 #pragma once
 
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "json_writer.h"
+#include "placed_buffer.h"
 
 namespace peers {
 
