@@ -184,7 +184,7 @@ int main(int argc, char** argv) {
     std::shared_ptr<gloo::Context> base = ctx;
 
     const std::size_t max_count = s.max_bytes / sizeof(float);
-    gradsync::tools::PlacedBuffer<float> buf(max_count);
+    gradsync::tools::PlacedBuffer<float> buf(max_count, s.offset);
     if (rank == 0) {
       peers::print_header("gloo_allreduce_bench", s, n, "gloo " + algo + ", tcp " + host);
     }

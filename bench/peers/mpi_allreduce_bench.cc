@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
 
   const std::size_t max_count = s.max_bytes / sizeof(float);
   // Out of place, like gradsync-bench's allreduce: the input stays valid for every call.
-  gradsync::tools::PlacedBuffer<float> send(max_count), recv(max_count);
+  gradsync::tools::PlacedBuffer<float> send(max_count, s.offset), recv(max_count, s.offset);
   peers::fill_input(send.data(), max_count, rank);
 
   int version_len = 0;

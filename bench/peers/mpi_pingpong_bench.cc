@@ -33,7 +33,8 @@ int main(int argc, char** argv) {
 
   // Rank 0 sends the sweep's exact inputs; rank 1 echoes what it received, so --check
   // compares the round trip's result with what was sent, byte for byte.
-  gradsync::tools::PlacedBuffer<unsigned char> send(s.max_bytes), recv(s.max_bytes);
+  gradsync::tools::PlacedBuffer<unsigned char> send(s.max_bytes, s.offset),
+      recv(s.max_bytes, s.offset);
   for (std::size_t i = 0; i < send.size(); ++i) {
     send[i] = static_cast<unsigned char>(peers::input_value(0, i));
   }

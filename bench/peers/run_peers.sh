@@ -33,6 +33,8 @@ usage: bench/peers/run_peers.sh [options]
                      wants thousands: a 200-call loop of 1 us calls is at the mercy of
                      one scheduling blip)
   --timeout-s S      limit for one run (default 300)
+  --offset B         every benchmark's buffers start B bytes past a page (default 0; a
+                     multiple of 4 below 4096)
   --out FILE         also write the markdown to FILE
   --keep DIR         keep the per-run JSON in DIR (default: a temporary directory, removed)
 Timing of every benchmark: per rank, a loop of `iters` calls after iters/5 warm-up calls,
@@ -51,6 +53,7 @@ gloo_algos="ring_chunked halving_doubling"
 iters_bytes=256M
 max_iters=200
 run_timeout=300
+offset=0
 out=""
 keep=""
 while [[ $# -gt 0 ]]; do
@@ -66,6 +69,7 @@ while [[ $# -gt 0 ]]; do
     --iters-bytes) iters_bytes=$2; shift 2 ;;
     --max-iters) max_iters=$2; shift 2 ;;
     --timeout-s) run_timeout=$2; shift 2 ;;
+    --offset) offset=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     --keep) keep=$2; shift 2 ;;
     -h|--help) usage; exit 0 ;;
@@ -143,7 +147,8 @@ fi
 # run_one BENCH N BYTES ITERS WARMUP JSON
 run_one() {
   local bench=$1 n=$2 bytes=$3 iters=$4 warmup=$5 json=$6
-  local sweep=(--min-bytes "$bytes" --max-bytes "$bytes" --iters "$iters" --warmup "$warmup" --json "$json")
+  local sweep=(--min-bytes "$bytes" --max-bytes "$bytes" --iters "$iters" --warmup "$warmup" --json "$json"
+    --offset "$offset")
   case "$bench" in
     gradsync)
       timeout "$run_timeout" "$launcher" -n "$n" --timeout-s "$run_timeout" -- \

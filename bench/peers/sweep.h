@@ -30,6 +30,7 @@ struct Sweep {
   bool check = false;
   std::string json;   // rank 0 writes records here
   std::string label;  // names the implementation in the table and JSON ("mpi", "gloo-ring", ...)
+  std::size_t offset = 0;  // buffers start this many bytes past a page (gradsync-bench --offset)
 };
 
 [[noreturn]] inline void usage_error(const char* prog, const std::string& msg, const char* usage) {
@@ -90,6 +91,12 @@ inline bool parse_sweep_flag(int argc, char** argv, int& i, Sweep& s, const char
     s.json = value();
   } else if (a == "--label") {
     s.label = value();
+  } else if (a == "--offset") {
+    const int offset = positive(value(), 0);
+    if (offset >= 4096 || offset % 4 != 0) {
+      usage_error(prog, a + " expects a multiple of 4 below 4096", usage);
+    }
+    s.offset = static_cast<std::size_t>(offset);
   } else {
     return false;
   }
@@ -101,7 +108,8 @@ constexpr const char* kSweepUsage =
     "  --iters N --warmup N    timed and untimed calls per size (default 20, 5)\n"
     "  --check                 verify a result exactly (inputs as gradsync-bench --check)\n"
     "  --json FILE             rank 0 writes one record per size\n"
-    "  --label NAME            implementation name in the output\n";
+    "  --label NAME            implementation name in the output\n"
+    "  --offset B              buffers start B bytes past a page (default 0)\n";
 
 inline std::vector<std::size_t> sizes(const Sweep& s) {
   std::vector<std::size_t> v;
