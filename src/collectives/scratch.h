@@ -10,7 +10,7 @@ namespace gradsync::collectives {
 // never two of the same use.
 enum class ScratchUse {
   kPartialSums,   // ring reduce-scatter; the rooted reduce's accumulator
-  kIncoming,      // a whole message received before it is reduced
+  kIncoming,      // a whole message received (or copied out of shared memory) before it is reduced
   kRegrouped,     // the hierarchical collectives' input or output in grouped order
   kOwnBlocks,     // the hierarchical reduce-scatter's blocks between its two levels
   kWireCopies,    // the encoded ring: every segment's wire copy
