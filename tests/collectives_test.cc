@@ -414,9 +414,10 @@ TEST_P(SharedMemoryGrid, RoundedResultsAreIdenticalAcrossRanksAndRuns) {
 // between must all line up.
 TEST_P(SharedMemoryGrid, ConsecutiveCallsOfChangingSizesAndOtherCollectives) {
   const int n = GetParam();
-  // 8192 float32 is the largest one-shot call, 8193 the smallest chunked one.
+  // 8192 float32 is the largest one-shot call between 2 ranks, 8193 the smallest chunked one;
+  // 16384 and 16385 among more.
   const std::size_t counts[] = {
-      (std::size_t{1} << 20) + 3,  0, 7, 3 * 65536 + 1, 1, 1031, 8192, 8193, 5, 6, 11,
+      (std::size_t{1} << 20) + 3,  0, 7, 3 * 65536 + 1, 1, 1031, 8192, 8193, 5, 6, 11, 16384, 16385,
       (std::size_t{1} << 21) + 17, 2};
   testing::run_shm_contexts(n, [&](Context& ctx) {
     for (int round = 0; round < 2; ++round) {

@@ -28,11 +28,16 @@ struct AlgorithmConfig {
   // cache anyway, and streaming saves the read-for-ownership of every output line; smaller
   // ones are faster left in cache (docs/performance-notes.md).
   std::size_t shared_memory_streaming_bytes = std::size_t{16} << 20;
-  // Messages up to this size take the shared-memory all-reduce's one-shot form: every rank
-  // stages its whole input and reduces the whole message itself, one wait for every rank
-  // instead of three. Faster up to 32 KiB at 2 and 4 ranks, slower from 64 KiB with 2
-  // (docs/performance-notes.md); capped there, the space the arena keeps for it. 0: never.
+  // Messages up to this size take the shared-memory all-reduce's one-shot form between 2 ranks,
+  // and up to twice it among more (shared_memory_one_shot_limit): every rank stages its whole
+  // input and reduces the whole message itself, one wait for every rank instead of three.
+  // Between 2 ranks faster up to 32 KiB, slower from 64 KiB; among 3 or 4, where each wait
+  // needs every rank scheduled, still faster at 64 KiB (docs/performance-notes.md, sessions 30
+  // and 33). The arena keeps room for 64 KiB. 0: never.
   std::size_t shared_memory_one_shot_bytes = 32 * 1024;
+  std::size_t shared_memory_one_shot_limit(int ranks) const {
+    return ranks > 2 ? 2 * shared_memory_one_shot_bytes : shared_memory_one_shot_bytes;
+  }
 };
 
 // All-reduce. kAvg is finished inside (division applied once per element).

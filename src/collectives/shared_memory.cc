@@ -27,7 +27,7 @@
 // Mismatch safety: before its first publish a rank writes its call's tag into its region
 // header; a rank compares every member's tag before it reads any of that member's data.
 //
-// One-shot form, for messages up to AlgorithmConfig::shared_memory_one_shot_bytes, where the
+// One-shot form, for messages up to AlgorithmConfig::shared_memory_one_shot_limit, where the
 // three waits for every member cost more than the bytes: each rank copies its whole input into
 // its one-shot buffer, publishes base + 1, waits for every member's base + 1, and reduces the
 // whole message itself, in member order (so every rank computes the same bits). Two buffers at
@@ -71,7 +71,7 @@ constexpr std::size_t kTileBytes = 8 * 1024;
 // pass costs more than it saves (docs/performance-notes.md, session 33).
 constexpr std::size_t kPullBytes = 64 * 1024;
 // The one-shot buffers at the end of each region: a line for the call's tag, then the data.
-constexpr std::size_t kOneShotMaxBytes = 32 * 1024;
+constexpr std::size_t kOneShotMaxBytes = 64 * 1024;
 constexpr std::size_t kOneShotStride = kLineBytes + kOneShotMaxBytes;
 constexpr std::size_t kOneShotReserve = 2 * kOneShotStride;
 
@@ -127,7 +127,7 @@ class SharedMemoryAllreduce {
         float_sum_(dtype == DataType::kFloat32 && (op == ReduceOp::kSum || op == ReduceOp::kAvg)),
         sums_in_recv_(!streaming_ && round_through_ == DataType::kFloat32 &&
                       (send != recv || non_finite_ == nullptr)),
-        one_shot_(bytes_ <= std::min(cfg.shared_memory_one_shot_bytes, kOneShotMaxBytes)) {
+        one_shot_(bytes_ <= std::min(cfg.shared_memory_one_shot_limit(n_), kOneShotMaxBytes)) {
     if (n_ != c.size() || me_ != c.rank()) {
       throw Error(ErrorKind::kInvalidArgument,
                   "shared arena of " + std::to_string(n_) + " members (this rank member " +

@@ -29,7 +29,8 @@ int log2_int(int p) {
   return k;
 }
 // The shared-memory all-reduce's chunk (AlgorithmConfig::shared_memory_chunk_bytes), and its
-// one-shot form's limit (AlgorithmConfig::shared_memory_one_shot_bytes).
+// one-shot form's limit between 2 ranks, twice it among more
+// (AlgorithmConfig::shared_memory_one_shot_limit).
 constexpr double kSharedMemoryChunkBytes = 512 * 1024;
 constexpr std::size_t kSharedMemoryOneShotBytes = 32 * 1024;
 // Reading a cache line another core has just written, on current x86 (a zero-byte message
@@ -168,7 +169,8 @@ double CostModel::allreduce_us(Algorithm a, int n, std::size_t bytes, int hosts)
       // The server receives and then sends N-1 full copies, one after another.
       return 2 * (n - 1) * (alpha + S * beta) + (n - 1) * S * gamma + memory;
     case Algorithm::kSharedMemory:
-      return shared_memory_us(n, bytes, bytes <= kSharedMemoryOneShotBytes) + memory;
+      return shared_memory_us(n, bytes, bytes <= (n > 2 ? 2 : 1) * kSharedMemoryOneShotBytes) +
+             memory;
     case Algorithm::kHierarchical:  // mapped to the ring above
     case Algorithm::kAuto:
       return allreduce_us(choose_allreduce(n, bytes), n, bytes);
