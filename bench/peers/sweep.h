@@ -93,8 +93,9 @@ inline bool parse_sweep_flag(int argc, char** argv, int& i, Sweep& s, const char
     s.label = value();
   } else if (a == "--offset") {
     const int offset = positive(value(), 0);
-    if (offset >= 4096 || offset % 4 != 0) {
-      usage_error(prog, a + " expects a multiple of 4 below 4096", usage);
+    constexpr std::size_t kPage = gradsync::tools::PlacedBuffer<float>::kPageBytes;
+    if (static_cast<std::size_t>(offset) >= kPage || offset % sizeof(float) != 0) {
+      usage_error(prog, a + " expects a multiple of 4 below " + std::to_string(kPage), usage);
     }
     s.offset = static_cast<std::size_t>(offset);
   } else {
