@@ -436,6 +436,24 @@ TEST_P(SharedMemoryGrid, ConsecutiveCallsOfChangingSizesAndOtherCollectives) {
           ctx.allreduce(b.data(), b.data(), counts[i], DataType::kFloat32, ReduceOp::kSum,
                         {.algorithm = Algorithm::kSharedMemory});
           if (i % 3 == 2) ctx.barrier();
+          if (i % 5 == 3) {  // an all-gather on the same arena, its block 1 or 6 pieces
+            const std::size_t block = i % 2 ? 5 * 131072 + 3 : 17;
+            Buffer mine = periodic_input(DataType::kFloat32, ReduceOp::kSum, ctx.rank(), block);
+            Buffer all(block * static_cast<std::size_t>(n) * 4);
+            ctx.allgather(mine.data(), all.data(), block, DataType::kFloat32);
+            EXPECT_TRUE(testing::holds_at(
+                all, block * 4 * static_cast<std::size_t>(n - 1),
+                periodic_input(DataType::kFloat32, ReduceOp::kSum, n - 1, block)));
+            // and a reduce-scatter of the gathered blocks: rank r's sum is n x block r
+            Buffer sum(block * 4);
+            ctx.reduce_scatter(all.data(), sum.data(), block, DataType::kFloat32, ReduceOp::kSum);
+            Buffer want(block * 4);
+            const auto* own = reinterpret_cast<const float*>(all.data()) +
+                              block * static_cast<std::size_t>(ctx.rank());
+            auto* w = reinterpret_cast<float*>(want.data());
+            for (std::size_t j = 0; j < block; ++j) w[j] = own[j] * static_cast<float>(n);
+            EXPECT_TRUE(sum == want) << "reduce-scatter after call " << i << " n=" << n;
+          }
           if (i % 4 == 1) {
             Buffer ring = testing::make_input(DataType::kInt32, ReduceOp::kSum, ctx.rank(), 999);
             ctx.allreduce(ring.data(), ring.data(), 999, DataType::kInt32, ReduceOp::kSum,
@@ -474,6 +492,114 @@ TEST_P(SharedMemoryGrid, MisalignedBuffersOfStreamedResults) {
     ctx.allreduce(both.data() + 7, both.data() + 7, count, DataType::kUInt8, ReduceOp::kSum,
                   {.algorithm = Algorithm::kSharedMemory});
     EXPECT_TRUE(testing::holds_at(both, 7, want)) << "in place, n=" << n;
+  });
+}
+
+// The all-gather where ranks share an arena (shared_memory_blocks.cc): blocks of one piece, of
+// more pieces than slots (a slot reused), uneven and empty blocks, in place, and results large
+// enough to be streamed past the cache into buffers off any vector boundary.
+TEST_P(SharedMemoryGrid, AllgatherAndAllgathervMatchReference) {
+  const int n = GetParam();
+  const auto ranks = static_cast<std::size_t>(n);
+  // 655363 float32: 2.5 MiB, six 512 KiB pieces.
+  const std::size_t many_pieces = 5 * 131072 + 3;
+  testing::run_shm_contexts(n, [&](Context& ctx) {
+    const int r = ctx.rank();
+    for (DataType t : {DataType::kFloat32, DataType::kInt8, DataType::kFloat64}) {
+      const std::size_t es = dtype_size(t);
+      for (std::size_t block : {std::size_t{0}, std::size_t{1}, std::size_t{1031}, many_pieces}) {
+        if (t != DataType::kFloat32 && block == many_pieces) continue;
+        const Buffer mine = periodic_input(t, ReduceOp::kSum, r, block);
+        Buffer out(block * ranks * es, 0xEE);
+        ctx.allgather(mine.data(), out.data(), block, t);
+        for (int src = 0; src < n; ++src) {
+          EXPECT_TRUE(testing::holds_at(out, static_cast<std::size_t>(src) * block * es,
+                                        periodic_input(t, ReduceOp::kSum, src, block)))
+              << "n=" << n << " block " << src << " of " << block << " " << to_string(t);
+        }
+        Buffer inplace(out.size(), 0);
+        if (block)
+          std::memcpy(inplace.data() + static_cast<std::size_t>(r) * block * es, mine.data(),
+                      mine.size());
+        ctx.allgather(inplace.data() + static_cast<std::size_t>(r) * block * es, inplace.data(),
+                      block, t);
+        EXPECT_TRUE(inplace == out) << "in place, n=" << n << " block " << block;
+      }
+    }
+    // Uneven blocks: one of many pieces, empty ones, small ones.
+    std::vector<std::size_t> counts(ranks);
+    for (std::size_t i = 0; i < ranks; ++i) counts[i] = i == 1 ? many_pieces : i % 3 * 1031;
+    const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
+    const auto own = counts[static_cast<std::size_t>(r)];
+    const Buffer mine = periodic_input(DataType::kFloat32, ReduceOp::kSum, r, own);
+    Buffer out(total * 4, 0x11);
+    ctx.allgatherv(mine.data(), out.data(), counts, DataType::kFloat32);
+    std::size_t offset = 0;
+    for (std::size_t src = 0; src < ranks; ++src) {
+      EXPECT_TRUE(testing::holds_at(
+          out, offset * 4,
+          periodic_input(DataType::kFloat32, ReduceOp::kSum, static_cast<int>(src), counts[src])))
+          << "allgatherv n=" << n << " block " << src;
+      offset += counts[src];
+    }
+    // Streamed: at least AlgorithmConfig::shared_memory_streaming_bytes of results.
+    const std::size_t streamed = (std::size_t{16} << 20) / ranks + 5;
+    const Buffer input = periodic_input(DataType::kUInt8, ReduceOp::kSum, r, streamed);
+    Buffer send(streamed + 1), recv(streamed * ranks + 3, 0xEE);
+    std::memcpy(send.data() + 1, input.data(), streamed);
+    ctx.allgather(send.data() + 1, recv.data() + 3, streamed, DataType::kUInt8);
+    for (int src = 0; src < n; ++src) {
+      EXPECT_TRUE(
+          testing::holds_at(recv, 3 + static_cast<std::size_t>(src) * streamed,
+                            periodic_input(DataType::kUInt8, ReduceOp::kSum, src, streamed)))
+          << "streamed, n=" << n << " block " << src;
+    }
+    EXPECT_EQ(recv[0], 0xEE);  // nothing written before the output
+  });
+}
+
+// The reduce-scatter where ranks share an arena: every dtype and op once at small blocks, and
+// blocks of more pieces than slots (6 pieces between 2 ranks, 21 among 8), out of place and with
+// `recv` this rank's block of `send`.
+TEST_P(SharedMemoryGrid, ReduceScatterMatchesReference) {
+  const int n = GetParam();
+  const auto ranks = static_cast<std::size_t>(n);
+  struct Call {
+    DataType t;
+    ReduceOp op;
+    std::size_t block;
+    bool in_place;
+    Buffer want;  // the whole reduction: rank r checks block r
+  };
+  std::vector<Call> calls;
+  for (auto [t, op] : testing::each_dtype_and_each_op()) {
+    for (std::size_t block : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{1031}}) {
+      calls.push_back({t, op, block, false, periodic_reference(t, op, n, block * ranks)});
+    }
+  }
+  const std::size_t many_pieces = 5 * 65536 + 3;
+  for (auto [t, op] : {testing::DtypeOp{DataType::kFloat32, ReduceOp::kSum},
+                       testing::DtypeOp{DataType::kFloat32, ReduceOp::kAvg},
+                       testing::DtypeOp{DataType::kInt64, ReduceOp::kMax}}) {
+    for (bool in_place : {false, true}) {
+      calls.push_back(
+          {t, op, many_pieces, in_place, periodic_reference(t, op, n, many_pieces * ranks)});
+    }
+  }
+  testing::run_shm_contexts(n, [&](Context& ctx) {
+    const auto r = static_cast<std::size_t>(ctx.rank());
+    for (const Call& call : calls) {
+      const std::size_t es = dtype_size(call.t), block_bytes = call.block * es;
+      Buffer in = periodic_input(call.t, call.op, ctx.rank(), call.block * ranks);
+      Buffer out(block_bytes, 0xCD);
+      unsigned char* recv = call.in_place ? in.data() + r * block_bytes : out.data();
+      ctx.reduce_scatter(in.data(), recv, call.block, call.t, call.op);
+      if (call.in_place && block_bytes) std::memcpy(out.data(), recv, block_bytes);
+      const Buffer want(call.want.begin() + static_cast<std::ptrdiff_t>(r * block_bytes),
+                        call.want.begin() + static_cast<std::ptrdiff_t>((r + 1) * block_bytes));
+      EXPECT_TRUE(out == want) << label(n, Algorithm::kSharedMemory, call.t, call.op, call.block,
+                                        call.in_place);
+    }
   });
 }
 
@@ -545,6 +671,15 @@ TEST(SharedMemoryMismatch, EveryRankFailsFastNamingBothSides) {
                        {.algorithm = ctx.rank() == 3 ? shm : Algorithm::kRecursiveDoubling});
        },
        {"algo=shm", "algo=rd"}},
+      {"all-gatherv of other block sizes, same total",
+       3,
+       [&](Context& ctx, std::vector<float>& buf) {
+         std::vector<std::size_t> counts{1000, 2000, 3000};
+         if (ctx.rank() == 2) counts = {1001, 1999, 3000};
+         ctx.allgatherv(buf.data() + 6000 * static_cast<std::size_t>(ctx.rank()), buf.data(),
+                        counts, DataType::kFloat32);
+       },
+       {"allgatherv #3 (count=6000", "with other block sizes"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);

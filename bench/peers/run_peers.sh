@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compares gradsync's all-reduce with Open MPI's and Gloo's on this machine (or, with
-# --collective pingpong, its point-to-point latency with Open MPI's) and prints a markdown
+# --collective allgather, its all-gather with Open MPI's; with --collective pingpong, its
+# point-to-point latency with Open MPI's) and prints a markdown
 # table for BENCHMARKS.md. Builds nothing: point it at a build directory.
 #
 # Benchmarks are alternated (every repeat runs each of them once per size and rank count,
@@ -19,9 +20,11 @@ usage: bench/peers/run_peers.sh [options]
   --sizes "4K 1M 64M 256M"
                      message sizes (K/M/G = powers of 1024)
   --repeats R        runs of every benchmark per point (default 3)
-  --collective C     allreduce (default) or pingpong: ranks 0 and 1 send each size back and
-                     forth (gradsync-bench pingpong, mpi_pingpong_bench; no Gloo); time is
-                     one way, half the round trip, and busbw = size / that time
+  --collective C     allreduce (default); allgather (size = the whole output, ranks x
+                     block; busbw = algbw * (n-1)/n; mpi_allgather_bench, no Gloo); or
+                     pingpong: ranks 0 and 1 send each size back and forth (gradsync-bench
+                     pingpong, mpi_pingpong_bench; no Gloo); time is one way, half the
+                     round trip, and busbw = size / that time
   --transport T      shm (default): gradsync shm, MPI vader, Gloo tcp (Gloo has no shm);
                      tcp: gradsync tcp, MPI btl tcp, Gloo tcp, all over loopback;
                      ucx: gradsync ucx and Open MPI's pml ucx, both over UCX's shared
@@ -77,8 +80,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $transport =~ ^(shm|tcp|ucx)$ ]] || { echo "run_peers.sh: --transport shm|tcp|ucx" >&2; exit 2; }
-[[ $collective =~ ^(allreduce|pingpong)$ ]] || {
-  echo "run_peers.sh: --collective allreduce|pingpong" >&2
+[[ $collective =~ ^(allreduce|allgather|pingpong)$ ]] || {
+  echo "run_peers.sh: --collective allreduce|allgather|pingpong" >&2
   exit 2
 }
 peers_dir=${peers_dir:-$build/bench/peers}
@@ -115,8 +118,8 @@ if [[ -x $mpi_bench ]] && command -v mpirun >/dev/null; then
 else
   echo "run_peers.sh: no $mpi_bench or mpirun; skipping MPI" >&2
 fi
-if [[ $collective == pingpong ]]; then
-  :  # gloo_allreduce_bench has no point-to-point mode
+if [[ $collective != allreduce ]]; then
+  :  # gloo_allreduce_bench has only the all-reduce
 elif [[ -x $gloo_bench && $transport != ucx ]]; then
   for a in $gloo_algos; do benches+=("gloo-$a"); done
 else
@@ -162,7 +165,7 @@ run_one() {
       timeout "$run_timeout" mpirun "${mpirun_args[@]}" -np "$n" "$mpi_bench" --label "$bench" "${sweep[@]}" ;;
     mpi-ring)
       timeout "$run_timeout" mpirun "${mpirun_args[@]}" -np "$n" \
-        --mca coll_tuned_use_dynamic_rules 1 --mca coll_tuned_allreduce_algorithm 4 \
+        --mca coll_tuned_use_dynamic_rules 1 --mca "coll_tuned_${collective}_algorithm" 4 \
         "$mpi_bench" --label "$bench" "${sweep[@]}" ;;
     gloo-*)
       timeout "$run_timeout" "$launcher" -n "$n" --timeout-s "$run_timeout" -- \
@@ -220,8 +223,11 @@ def med(recs, key):
 peer_note = {"shm": "MPI over vader (shared memory), Gloo over tcp",
              "tcp": "all over loopback TCP",
              "ucx": "UCX_TLS=sm: gradsync ucx and Open MPI pml ucx; gradsync's shm transport"}[transport]
-what = ("Ping-pong between ranks 0 and 1, time one way (half the round trip), busbw = size / "
-        "that time" if collective == "pingpong" else "All-reduce float32 sum")
+what = {"pingpong": "Ping-pong between ranks 0 and 1, time one way (half the round trip), "
+                    "busbw = size / that time",
+        "allgather": "All-gather float32, size = the whole output (ranks x block), "
+                     "busbw = algbw x (n-1)/n",
+        "allreduce": "All-reduce float32 sum"}[collective]
 print(f"{what}, gradsync transport {transport} ({peer_note}); {cores} cores; "
       "busbw in GB/s (1e9 B/s), median over repeats.\n")
 print("| size | ranks | gradsync busbw | best peer busbw | best peer | ratio |")

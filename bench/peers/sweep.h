@@ -151,23 +151,24 @@ struct Record {
   std::uint64_t wrong = 0;
 };
 
-// All-reduce bus bandwidth as nccl-tests defines it: each rank must send and receive
-// 2(n-1)/n of the buffer, whatever the algorithm.
+// Bus bandwidth as nccl-tests defines it: each rank must send and receive `bus_factor` x
+// (n-1)/n of the buffer, whatever the algorithm: 2 for an all-reduce, 1 for an all-gather.
 inline Record make_record(std::size_t count, double seconds_per_call, int ranks,
-                          std::uint64_t wrong) {
+                          std::uint64_t wrong, double bus_factor = 2.0) {
   Record r;
   r.count = count;
   r.bytes = count * sizeof(float);
   r.time_us = seconds_per_call * 1e6;
   r.algbw_gbps = seconds_per_call > 0 ? static_cast<double>(r.bytes) / seconds_per_call / 1e9 : 0;
-  r.busbw_gbps = r.algbw_gbps * 2.0 * (ranks - 1) / ranks;
+  r.busbw_gbps = r.algbw_gbps * bus_factor * (ranks - 1) / ranks;
   r.wrong = wrong;
   return r;
 }
 
-inline void print_header(const char* prog, const Sweep& s, int ranks, const std::string& extra) {
-  std::printf("# %s: %d ranks, %s, dtype float32, op sum, iters %d, warmup %d%s\n", prog, ranks,
-              extra.c_str(), s.iters, s.warmup, s.check ? ", check" : "");
+inline void print_header(const char* prog, const Sweep& s, int ranks, const std::string& extra,
+                         const char* op = "sum") {
+  std::printf("# %s: %d ranks, %s, dtype float32, op %s, iters %d, warmup %d%s\n", prog, ranks,
+              extra.c_str(), op, s.iters, s.warmup, s.check ? ", check" : "");
   std::printf("# time: mean per call over the timed loop, max over ranks\n#\n");
   std::printf("# %12s %12s %10s %11s %11s %7s\n", "size(B)", "count", "time(us)", "algbw(GB/s)",
               "busbw(GB/s)", "#wrong");

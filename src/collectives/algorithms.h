@@ -69,6 +69,17 @@ void shm_direct_allreduce(Comm& c, transport::SharedArena& arena, const void* se
                           std::size_t count, DataType dtype, ReduceOp op,
                           const AlgorithmConfig& cfg, const ShmFloatExtras& extras = {});
 
+// All-gather and reduce-scatter (blocks of `block_count` elements) among ranks that all share
+// `arena`: each byte is written to shared memory once and read by the ranks that need it, with
+// no chain of hops (see shared_memory_blocks.cc). As ring_allgatherv and ring_reduce_scatter;
+// the reduce-scatter's `recv` may be this rank's block of `send`.
+void shm_direct_allgatherv(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
+                           std::span<const std::size_t> block_counts, DataType dtype,
+                           const AlgorithmConfig& cfg);
+void shm_direct_reduce_scatter(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
+                               std::size_t block_count, DataType dtype, ReduceOp op,
+                               const AlgorithmConfig& cfg);
+
 // Ring reduce-scatter: `send` holds size() blocks of `block_counts[i]` elements packed in
 // rank order; `recv` receives this rank's reduced block. kAvg finished inside.
 void ring_reduce_scatter(Comm& c, const void* send, void* recv,

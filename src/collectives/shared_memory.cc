@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "collectives/algorithms.h"
+#include "collectives/arena_call.h"
 #include "collectives/scratch.h"
 #include "kernels/kernels.h"
 #include "transport/shared_arena.h"
@@ -52,74 +53,24 @@ namespace gradsync::collectives {
 
 namespace {
 
-// Staging slots per rank. Four, not three: with three, stage(t) would wait for every member to
-// finish iteration t - 1 entirely, a barrier per chunk; the fourth slot gives each rank an
-// iteration of slack.
-constexpr std::size_t kSlots = 4;
-// Region layout: a page for the header (keeps the slots page aligned), then the slots.
-constexpr std::size_t kHeaderBytes = 4096;
-// Sub-blocks start on cache lines: no reducer writes a line another reducer's sub-block shares,
-// and the vector kernels run on aligned data. Every dtype size divides it.
-constexpr std::size_t kLineBytes = 64;
-// Beyond two ranks, each sub-block is reduced tile by tile through a private accumulator that
-// stays in L1 (32 KiB on the x86 cores the benchmarks run on) along with the tiles of all
-// inputs.
-constexpr std::size_t kTileBytes = 8 * 1024;
-// Between two ranks, the peer's bytes of a reduce up to this size are first copied into
-// private memory and reduced from there: one bulk copy pulls another core's lines faster than
-// the reduction's own loads do. 4-128 KiB messages 10-25% faster; from 512 KiB the copy's extra
-// pass costs more than it saves (docs/performance-notes.md, session 33).
-constexpr std::size_t kPullBytes = 64 * 1024;
-// The one-shot buffers at the end of each region: a line for the call's tag, then the data.
-constexpr std::size_t kOneShotMaxBytes = 64 * 1024;
-constexpr std::size_t kOneShotStride = kLineBytes + kOneShotMaxBytes;
-constexpr std::size_t kOneShotReserve = 2 * kOneShotStride;
+using arena::kLineBytes;
+using arena::kOneShotReserve;
+using arena::kOneShotStride;
+using arena::kSlots;
+using arena::kTileBytes;
 
-struct RegionHeader {
-  transport::Tag signature;  // of the call this member's slots currently belong to
-};
-
-// Non-temporal copy: the destination is written straight to memory, without first being
-// read into cache (a read-for-ownership is a third of a cached copy's memory traffic) and
-// without evicting the staging slots that the next chunks reuse. Only for messages whose
-// outputs would not stay in cache anyway (AlgorithmConfig::shared_memory_streaming_bytes).
-void copy_streaming(unsigned char* dst, const unsigned char* src, std::size_t bytes) {
-  std::size_t head = (0 - reinterpret_cast<std::uintptr_t>(dst)) & 15;  // to a 16-byte boundary
-  head = std::min(head, bytes);
-  std::memcpy(dst, src, head);
-  dst += head;
-  src += head;
-  bytes -= head;
-  const std::size_t body = bytes & ~std::size_t{63};
-  for (std::size_t i = 0; i < body; i += 64) {
-    const auto* s = reinterpret_cast<const __m128i*>(src + i);
-    auto* d = reinterpret_cast<__m128i*>(dst + i);
-    __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
-    __m128i c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
-    _mm_stream_si128(d, a);
-    _mm_stream_si128(d + 1, b);
-    _mm_stream_si128(d + 2, c);
-    _mm_stream_si128(d + 3, e);
-  }
-  std::memcpy(dst + body, src + body, bytes - body);
-}
-
-class SharedMemoryAllreduce {
+class SharedMemoryAllreduce : arena::ArenaCall {
  public:
   SharedMemoryAllreduce(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
                         std::size_t count, DataType dtype, ReduceOp op, const AlgorithmConfig& cfg,
                         const ShmFloatExtras& extras)
-      : c_(c),
-        arena_(arena),
+      : ArenaCall(c, arena, "shm allreduce", count * dtype_size(dtype),
+                  cfg.shared_memory_chunk_bytes),
         send_(static_cast<const unsigned char*>(send)),
         recv_(static_cast<unsigned char*>(recv)),
         dtype_(dtype),
         op_(op),
         es_(dtype_size(dtype)),
-        bytes_(count * es_),
-        n_(arena.members()),
-        me_(arena.member_index()),
-        chunk_bytes_(chunk_size(cfg.shared_memory_chunk_bytes, arena.region_bytes())),
         chunks_(std::max<std::size_t>(1, (bytes_ + chunk_bytes_ - 1) / chunk_bytes_)),
         streaming_(bytes_ * static_cast<std::size_t>(n_) >= cfg.shared_memory_streaming_bytes),
         round_through_(dtype == DataType::kFloat32 ? extras.round_through : DataType::kFloat32),
@@ -127,24 +78,15 @@ class SharedMemoryAllreduce {
         float_sum_(dtype == DataType::kFloat32 && (op == ReduceOp::kSum || op == ReduceOp::kAvg)),
         sums_in_recv_(!streaming_ && round_through_ == DataType::kFloat32 &&
                       (send != recv || non_finite_ == nullptr)),
-        one_shot_(bytes_ <= std::min(cfg.shared_memory_one_shot_limit(n_), kOneShotMaxBytes)) {
-    if (n_ != c.size() || me_ != c.rank()) {
-      throw Error(ErrorKind::kInvalidArgument,
-                  "shared arena of " + std::to_string(n_) + " members (this rank member " +
-                      std::to_string(me_) + ") does not span the world of " +
-                      std::to_string(c.size()),
-                  c.rank(), Error::kNoPeer, "shm allreduce");
-    }
-  }
+        one_shot_(bytes_ <=
+                  std::min(cfg.shared_memory_one_shot_limit(n_), arena::kOneShotMaxBytes)) {}
 
   void run() {
     if (one_shot_) {
       run_one_shot();
       return;
     }
-    base_ = arena_.progress(me_);
-    wait_all(base_);  // every member left the previous call: our slots and header are free
-    header(me_).signature = c_.tag();
+    begin();
     for (std::size_t t = 0; t < chunks_ + 2; ++t) {
       if (t < chunks_) {
         if (t >= kSlots) wait_all(copied(t - kSlots));
@@ -173,18 +115,15 @@ class SharedMemoryAllreduce {
  private:
   // See the one-shot form at the top of the file.
   void run_one_shot() {
-    base_ = arena_.progress(me_);
     // Every member left the previous call: at once after a one-shot one (this rank saw as much
-    // in it), and first, so that peers see which call this rank is in before its progress
-    // moves (SharedArena::wait_for).
-    wait_all(base_);
+    // in it). The tag in the region header too, for a member in the other form to name this
+    // call.
+    begin();
     const std::size_t turn = base_ % 2;
     auto buffer = [&](int member) {
       return arena_.region(member) + arena_.region_bytes() - kOneShotReserve +
              turn * kOneShotStride;
     };
-    // The tag in the region header too, for a member in the other form to name this call.
-    header(me_).signature = c_.tag();
     *reinterpret_cast<transport::Tag*>(buffer(me_)) = c_.tag();
     if (bytes_) transport::copy_to_shared(buffer(me_) + kLineBytes, send_, bytes_);
     arena_.publish(base_ + 1);
@@ -205,37 +144,10 @@ class SharedMemoryAllreduce {
     });
   }
 
-  // Between two ranks, where `bytes` is at most kPullBytes: a private copy of the `bytes` at
-  // shared(peer), to reduce from. Else null (reduce straight out of shared memory).
-  template <typename Shared>
-  const unsigned char* pulled(std::size_t bytes, const Shared& shared) {
-    if (n_ != 2 || bytes > kPullBytes || bytes == 0) return nullptr;
-    auto* copy = scratch_of<unsigned char>(ScratchUse::kIncoming, bytes);
-    std::memcpy(copy, shared(1 - me_), bytes);
-    return copy;
-  }
-
-  static std::size_t chunk_size(std::size_t wanted, std::size_t region_bytes) {
-    const std::size_t fits = (region_bytes - kHeaderBytes - kOneShotReserve) / kSlots;
-    return std::max<std::size_t>(4096, std::min(wanted, fits) / 4096 * 4096);
-  }
-
   std::uint64_t staged(std::size_t k) const { return base_ + 3 * k + 1; }
   std::uint64_t reduced(std::size_t k) const { return base_ + 3 * (k + 1) + 2; }
   std::uint64_t copied(std::size_t k) const { return base_ + 3 * (k + 2) + 3; }
 
-  void wait_all(std::uint64_t value) {
-    for (int m = 0; m < n_; ++m) {
-      if (m != me_) arena_.wait_for(m, value, c_.tag(), c_.deadline());
-    }
-  }
-
-  RegionHeader& header(int member) {
-    return *reinterpret_cast<RegionHeader*>(arena_.region(member));
-  }
-  unsigned char* slot(int member, std::size_t k) {
-    return arena_.region(member) + kHeaderBytes + (k % kSlots) * chunk_bytes_;
-  }
   std::size_t chunk_offset(std::size_t k) const { return k * chunk_bytes_; }
   std::size_t chunk_length(std::size_t k) const {
     return std::min(chunk_bytes_, bytes_ - std::min(bytes_, chunk_offset(k)));
@@ -253,15 +165,8 @@ class SharedMemoryAllreduce {
 
   void check_signatures() {
     for (int m = 0; m < n_; ++m) {
-      if (m != me_) check_signature(m, header(m).signature);
+      if (m != me_) check_signature(m);
     }
-  }
-  void check_signature(int member, const transport::Tag& theirs) const {
-    if (theirs == c_.tag()) return;
-    throw Error(ErrorKind::kMismatch,
-                "expected " + describe_tag(c_.tag()) + " but rank " +
-                    std::to_string(arena_.member_rank(member)) + " called " + describe_tag(theirs),
-                c_.rank(), arena_.member_rank(member), "shm allreduce", bytes_);
   }
 
   // Only the sub-blocks other members reduce: this rank reads its own straight from `send`.
@@ -397,7 +302,7 @@ class SharedMemoryAllreduce {
   // Into `recv`: past the cache with non-temporal stores where the message is that large.
   void copy(unsigned char* to, const unsigned char* from, std::size_t bytes) const {
     if (streaming_) {
-      copy_streaming(to, from, bytes);
+      arena::copy_streaming(to, from, bytes);
     } else {
       std::memcpy(to, from, bytes);
     }
@@ -411,17 +316,11 @@ class SharedMemoryAllreduce {
     }
   }
 
-  Comm& c_;
-  transport::SharedArena& arena_;
   const unsigned char* send_;
   unsigned char* recv_;
   const DataType dtype_;
   const ReduceOp op_;
   const std::size_t es_;
-  const std::size_t bytes_;
-  const int n_;
-  const int me_;
-  const std::size_t chunk_bytes_;
   const std::size_t chunks_;  // at least one, so an empty call still checks signatures
   const bool streaming_;
   const DataType round_through_;    // kFloat32: no rounding
@@ -434,10 +333,34 @@ class SharedMemoryAllreduce {
   // overwrote.
   const bool sums_in_recv_;
   const bool one_shot_;  // see the one-shot form at the top of the file
-  std::uint64_t base_ = 0;
 };
 
 }  // namespace
+
+namespace arena {
+
+void copy_streaming(unsigned char* dst, const unsigned char* src, std::size_t bytes) {
+  std::size_t head = (0 - reinterpret_cast<std::uintptr_t>(dst)) & 15;  // to a 16-byte boundary
+  head = std::min(head, bytes);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  bytes -= head;
+  const std::size_t body = bytes & ~std::size_t{63};
+  for (std::size_t i = 0; i < body; i += 64) {
+    const auto* s = reinterpret_cast<const __m128i*>(src + i);
+    auto* d = reinterpret_cast<__m128i*>(dst + i);
+    __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
+    __m128i c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
+    _mm_stream_si128(d, a);
+    _mm_stream_si128(d + 1, b);
+    _mm_stream_si128(d + 2, c);
+    _mm_stream_si128(d + 3, e);
+  }
+  std::memcpy(dst + body, src + body, bytes - body);
+}
+
+}  // namespace arena
 
 void shm_direct_allreduce(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
                           std::size_t count, DataType dtype, ReduceOp op,

@@ -211,29 +211,53 @@ void CallSteps::allreduce(const void* send, void* recv, std::size_t count, DataT
 
 void CallSteps::allgather(const void* send, void* recv, std::size_t send_count, DataType dtype) {
   const std::vector<std::size_t> counts(static_cast<std::size_t>(size()), send_count);
-  const auto& cfg = context_.config;
-  run({0, CollectiveKind::kAllgather, dtype, ReduceOp::kSum, Algorithm::kRing, -1,
+  const Context::Impl& context = context_;
+  run({0, CollectiveKind::kAllgather, dtype, ReduceOp::kSum, block_algorithm(context), -1,
        send_count * counts.size()},
-      [&](Comm& c) { collectives::hierarchical_allgatherv(c, send, recv, counts, dtype, cfg); });
+      [&](Comm& c) { run_allgatherv(c, context, send, recv, counts, dtype); });
 }
 
 void CallSteps::reduce_scatter(const void* send, void* recv, std::size_t recv_count, DataType dtype,
                                ReduceOp op) {
-  const std::vector<std::size_t> counts(static_cast<std::size_t>(size()), recv_count);
-  const auto& cfg = context_.config;
-  run({0, CollectiveKind::kReduceScatter, dtype, op, Algorithm::kRing, -1,
-       recv_count * counts.size()},
-      [&](Comm& c) {
-        collectives::hierarchical_reduce_scatter(c, send, recv, counts, dtype, op, cfg);
-      });
+  const Context::Impl& context = context_;
+  run({0, CollectiveKind::kReduceScatter, dtype, op, block_algorithm(context), -1,
+       recv_count * static_cast<std::size_t>(size())},
+      [&](Comm& c) { run_reduce_scatter(c, context, send, recv, recv_count, dtype, op); });
 }
 
 void CallSteps::allgatherv(const void* send, void* recv, std::span<const std::size_t> counts,
                            DataType dtype) {
   const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
-  const auto& cfg = context_.config;
-  run({0, CollectiveKind::kAllgatherv, dtype, ReduceOp::kSum, Algorithm::kRing, -1, total},
-      [&](Comm& c) { collectives::hierarchical_allgatherv(c, send, recv, counts, dtype, cfg); });
+  const Context::Impl& context = context_;
+  run({0, CollectiveKind::kAllgatherv, dtype, ReduceOp::kSum, block_algorithm(context), -1, total},
+      [&](Comm& c) { run_allgatherv(c, context, send, recv, counts, dtype); });
+}
+
+// Where the ranks share memory, each byte of an all-gather or a reduce-scatter crosses it once,
+// with no chain of hops; every rank sees the same, as the arena spans the whole world or no
+// rank has one.
+Algorithm block_algorithm(const Context::Impl& context) {
+  return context.transport->shared_arena() ? Algorithm::kSharedMemory : Algorithm::kRing;
+}
+
+void run_allgatherv(Comm& c, const Context::Impl& context, const void* send, void* recv,
+                    std::span<const std::size_t> counts, DataType dtype) {
+  if (transport::SharedArena* arena = context.transport->shared_arena()) {
+    collectives::shm_direct_allgatherv(c, *arena, send, recv, counts, dtype, context.config);
+  } else {
+    collectives::hierarchical_allgatherv(c, send, recv, counts, dtype, context.config);
+  }
+}
+
+void run_reduce_scatter(Comm& c, const Context::Impl& context, const void* send, void* recv,
+                        std::size_t recv_count, DataType dtype, ReduceOp op) {
+  if (transport::SharedArena* arena = context.transport->shared_arena()) {
+    collectives::shm_direct_reduce_scatter(c, *arena, send, recv, recv_count, dtype, op,
+                                           context.config);
+  } else {
+    const std::vector<std::size_t> counts(static_cast<std::size_t>(c.size()), recv_count);
+    collectives::hierarchical_reduce_scatter(c, send, recv, counts, dtype, op, context.config);
+  }
 }
 
 void run_allreduce(Comm& c, const Context::Impl& context, const void* send, void* recv,
@@ -316,14 +340,11 @@ Work reduce_scatter_impl(Context::Impl& impl, const void* send, void* recv, std:
   check_buffer(send, recv_count * n, "send", impl.rank, name);
   check_buffer(recv, recv_count, "recv", impl.rank, name);
   CallSignature sig{
-      0, CollectiveKind::kReduceScatter, dtype, op, Algorithm::kRing, -1, recv_count * n};
-  const auto cfg = impl.config;
+      0, CollectiveKind::kReduceScatter, dtype, op, block_algorithm(impl), -1, recv_count * n};
+  const Context::Impl& context = impl;
   return impl.submit(
       sig,
-      [=](Comm& c) {
-        std::vector<std::size_t> counts(n, recv_count);
-        collectives::hierarchical_reduce_scatter(c, send, recv, counts, dtype, op, cfg);
-      },
+      [=, &context](Comm& c) { run_reduce_scatter(c, context, send, recv, recv_count, dtype, op); },
       blocking, options);
 }
 
@@ -342,11 +363,10 @@ Work allgatherv_impl(Context::Impl& impl, const void* send, void* recv,
   const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
   check_buffer(send, counts[static_cast<std::size_t>(impl.rank)], "send", impl.rank, name);
   check_buffer(recv, total, "recv", impl.rank, name);
-  CallSignature sig{0, kind, dtype, ReduceOp::kSum, Algorithm::kRing, -1, total};
-  const auto cfg = impl.config;
+  CallSignature sig{0, kind, dtype, ReduceOp::kSum, block_algorithm(impl), -1, total};
+  const Context::Impl& context = impl;
   return impl.submit(
-      sig,
-      [=](Comm& c) { collectives::hierarchical_allgatherv(c, send, recv, counts, dtype, cfg); },
+      sig, [=, &context](Comm& c) { run_allgatherv(c, context, send, recv, counts, dtype); },
       blocking, options);
 }
 

@@ -250,6 +250,14 @@ void require(bool ok, const What& what, int rank, const char* op, std::size_t by
 void check_buffer(const void* p, std::size_t count, const char* name, int rank, const char* op);
 void check_dtype_op(DataType dtype, ReduceOp op, int rank, const char* name);
 
+// The algorithm of the all-gathers and reduce-scatters (the signature names it), and the
+// calls, on `c`.
+Algorithm block_algorithm(const Context::Impl& context);
+void run_allgatherv(collectives::Comm& c, const Context::Impl& context, const void* send,
+                    void* recv, std::span<const std::size_t> counts, DataType dtype);
+void run_reduce_scatter(collectives::Comm& c, const Context::Impl& context, const void* send,
+                        void* recv, std::size_t recv_count, DataType dtype, ReduceOp op);
+
 // Runs an all-reduce of `chosen` (never kAuto) on `c`.
 void run_allreduce(collectives::Comm& c, const Context::Impl& context, const void* send, void* recv,
                    std::size_t count, DataType dtype, ReduceOp op, Algorithm chosen);

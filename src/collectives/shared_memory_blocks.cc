@@ -1,0 +1,301 @@
+// The collectives whose results are blocks, for ranks that share memory (SharedArena): the
+// all-gather and the reduce-scatter. Both stage pieces in the arena's slots and have each rank
+// read what it needs straight out of the others' slots, two steps per piece.
+//
+// All-gather: each rank stages its block piece by piece in its arena region, and copies every
+// other member's piece of the same turn straight out of theirs. Every byte is written to shared
+// memory once and read once by each other member: N block copies per rank, where a ring over a
+// transport makes 2(N - 1) (into the transport's buffers and out again at every hop), and no
+// rank waits for a chain of hops.
+//
+// Protocol. Blocks are cut into pieces of the slot size (the last shorter; blocks may differ in
+// size, and a member whose block has ended stages nothing). Piece k of every block goes through
+// two steps, each ending in a publish of this rank's arena counter (values relative to the
+// counter at the call's start, `base`):
+//   stage(k): own piece k into own slot k % kSlots (and `recv`) -> staged(k) = base + 2k + 1
+//   copy(k):  every other member's piece k into `recv`, each as
+//             soon as that member staged it                      -> copied(k) = base + 2(k + 1) + 2
+// Iteration t runs stage(t), then copy(t - 1), so a rank that is ahead stages its next piece
+// while the others catch up; values encode (iteration, step), so "member m is at least this
+// far" is one compare. stage(k) waits for every member's copied(k - kSlots) before it
+// overwrites the slot. Every member runs the same number of pieces (that of the largest block),
+// so every member ends the call at the same value; its last wait, for every member's
+// staged(K - 1), is for the highest value any member waits for in it (SharedArena's contract).
+//
+// Mismatch safety: before its first publish a rank writes its call's tag and a digest of the
+// block sizes into its region header (arena_call.h); a rank compares both before it reads any
+// of that member's data, so an all-gatherv whose ranks disagree on the sizes (the tag holds
+// only their sum) fails on every rank that reads a disagreeing member.
+//
+// Reduce-scatter: rank j ends with the reduction of block j of every rank's input (blocks of
+// equal size). Chunk k holds piece k of every block, the slot cut into one line-aligned part
+// per member, and goes through
+//   stage(k):  piece k of every other member's block into own slot  -> staged(k) = base + 2k + 1
+//   reduce(k): piece k of own block over every member's slot (own
+//              input read from `send`), in member order, into `recv` -> reduced(k) =
+//                                                                        base + 2(k + 1) + 2
+// with the same iterations, waits and final value as the all-gather. Against a ring over a
+// transport: the same bytes written and read, but no chain of N - 1 hops, each waiting for the
+// previous one's rank to be scheduled.
+#include <emmintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "collectives/algorithms.h"
+#include "collectives/arena_call.h"
+#include "kernels/kernels.h"
+
+namespace gradsync::collectives {
+
+namespace {
+
+using arena::kLineBytes;
+using arena::kSlots;
+using arena::kTileBytes;
+
+class SharedMemoryAllgather : arena::ArenaCall {
+ public:
+  SharedMemoryAllgather(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
+                        std::span<const std::size_t> block_counts, DataType dtype,
+                        const AlgorithmConfig& cfg)
+      : ArenaCall(c, arena, "shm allgather", total_bytes(block_counts, dtype),
+                  cfg.shared_memory_chunk_bytes),
+        send_(static_cast<const unsigned char*>(send)),
+        recv_(static_cast<unsigned char*>(recv)),
+        streaming_(bytes_ >= cfg.shared_memory_streaming_bytes) {
+    const std::size_t es = dtype_size(dtype);
+    std::size_t offset = 0, largest = 0;
+    for (std::size_t count : block_counts) {
+      blocks_.push_back({offset, count * es});
+      offset += count * es;
+      largest = std::max(largest, count * es);
+    }
+    pieces_ = std::max<std::size_t>(1, (largest + chunk_bytes_ - 1) / chunk_bytes_);
+    layout_ = digest(block_counts);
+  }
+
+  void run() {
+    begin(layout_);
+    for (std::size_t t = 0; t <= pieces_; ++t) {
+      if (t < pieces_) {
+        if (t >= kSlots) wait_all(copied(t - kSlots));
+        stage(t);
+        arena_.publish(staged(t));
+      }
+      if (t >= 1) {
+        copy_out(t - 1);
+        arena_.publish(copied(t - 1));
+      }
+    }
+    // Non-temporal stores are weakly ordered: make them visible before the caller (or a thread
+    // it signals) reads the result.
+    if (streaming_) _mm_sfence();
+  }
+
+ private:
+  struct Block {
+    std::size_t offset;  // in `recv`, bytes
+    std::size_t bytes;
+  };
+
+  static std::size_t total_bytes(std::span<const std::size_t> counts, DataType dtype) {
+    std::size_t total = 0;
+    for (std::size_t count : counts) total += count;
+    return total * dtype_size(dtype);
+  }
+  // FNV-1a over the counts: equal on every rank that was given the same counts.
+  static std::uint64_t digest(std::span<const std::size_t> counts) {
+    std::uint64_t h = 1469598103934665603ull;
+    for (std::size_t count : counts) {
+      for (int byte = 0; byte < 8; ++byte) {
+        h = (h ^ ((count >> (8 * byte)) & 0xFF)) * 1099511628211ull;
+      }
+    }
+    return h;
+  }
+
+  std::uint64_t staged(std::size_t k) const { return base_ + 2 * k + 1; }
+  std::uint64_t copied(std::size_t k) const { return base_ + 2 * (k + 1) + 2; }
+
+  // Byte range of piece k within member m's block: {offset in the block, length}.
+  std::pair<std::size_t, std::size_t> piece(int member, std::size_t k) const {
+    const std::size_t block = blocks_[static_cast<std::size_t>(member)].bytes;
+    const std::size_t first = std::min(block, k * chunk_bytes_);
+    return {first, std::min(chunk_bytes_, block - first)};
+  }
+
+  void stage(std::size_t k) {
+    const auto [first, length] = piece(me_, k);
+    if (length == 0) return;
+    const unsigned char* in = send_ + first;
+    transport::copy_to_shared(slot(me_, k), in, length);
+    unsigned char* out = recv_ + blocks_[static_cast<std::size_t>(me_)].offset + first;
+    if (out != in) copy(out, in, length);  // else in place: the block already sits in `recv`
+  }
+
+  // Members in turn from the next one on, so the ranks do not all read the same member's slot
+  // at once, and each piece as soon as its member staged it.
+  void copy_out(std::size_t k) {
+    for (int step = 1; step < n_; ++step) {
+      const int m = (me_ + step) % n_;
+      wait_for(m, staged(k));
+      if (k == 0) {
+        check_signature(m);
+        if (header(m).layout != layout_) {
+          mismatch(m, "rank " + std::to_string(arena_.member_rank(m)) + " called " +
+                          describe_tag(c_.tag()) + " with other block sizes");
+        }
+      }
+      const auto [first, length] = piece(m, k);
+      if (length)
+        copy(recv_ + blocks_[static_cast<std::size_t>(m)].offset + first, slot(m, k), length);
+    }
+  }
+
+  void copy(unsigned char* to, const unsigned char* from, std::size_t bytes) const {
+    if (streaming_) {
+      arena::copy_streaming(to, from, bytes);
+    } else {
+      std::memcpy(to, from, bytes);
+    }
+  }
+
+  const unsigned char* send_;
+  unsigned char* recv_;
+  // Results at least AlgorithmConfig::shared_memory_streaming_bytes go to `recv` past the cache.
+  const bool streaming_;
+  std::vector<Block> blocks_;  // per member
+  std::size_t pieces_ = 1;     // every member's, at least one (an empty call checks signatures)
+  std::uint64_t layout_ = 0;
+};
+
+class SharedMemoryReduceScatter : arena::ArenaCall {
+ public:
+  SharedMemoryReduceScatter(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
+                            std::size_t block_count, DataType dtype, ReduceOp op,
+                            const AlgorithmConfig& cfg)
+      : ArenaCall(c, arena, "shm reduce_scatter",
+                  block_count * dtype_size(dtype) * static_cast<std::size_t>(c.size()),
+                  cfg.shared_memory_chunk_bytes),
+        send_(static_cast<const unsigned char*>(send)),
+        recv_(static_cast<unsigned char*>(recv)),
+        dtype_(dtype),
+        op_(op),
+        es_(dtype_size(dtype)),
+        block_bytes_(block_count * es_),
+        piece_bytes_(std::max(
+            kLineBytes, chunk_bytes_ / static_cast<std::size_t>(n_) / kLineBytes * kLineBytes)),
+        pieces_(std::max<std::size_t>(1, (block_bytes_ + piece_bytes_ - 1) / piece_bytes_)) {}
+
+  void run() {
+    begin();
+    for (std::size_t t = 0; t <= pieces_; ++t) {
+      if (t < pieces_) {
+        if (t >= kSlots) wait_all(reduced(t - kSlots));
+        stage(t);
+        arena_.publish(staged(t));
+      }
+      if (t >= 1) {
+        reduce(t - 1);
+        arena_.publish(reduced(t - 1));
+      }
+    }
+  }
+
+ private:
+  std::uint64_t staged(std::size_t k) const { return base_ + 2 * k + 1; }
+  std::uint64_t reduced(std::size_t k) const { return base_ + 2 * (k + 1) + 2; }
+
+  // Piece k of every block: {offset in the block, length}.
+  std::pair<std::size_t, std::size_t> piece(std::size_t k) const {
+    const std::size_t first = std::min(block_bytes_, k * piece_bytes_);
+    return {first, std::min(piece_bytes_, block_bytes_ - first)};
+  }
+  // Where member `reader`'s part of a slot starts.
+  std::size_t part(int reader) const { return static_cast<std::size_t>(reader) * piece_bytes_; }
+  const unsigned char* input_block(int member) const {
+    return send_ + static_cast<std::size_t>(member) * block_bytes_;
+  }
+
+  // Only the pieces other members reduce: this rank reads its own straight from `send`.
+  void stage(std::size_t k) {
+    const auto [first, length] = piece(k);
+    if (length == 0) return;
+    for (int j = 0; j < n_; ++j) {
+      if (j != me_)
+        transport::copy_to_shared(slot(me_, k) + part(j), input_block(j) + first, length);
+    }
+  }
+
+  // In member order 0, 1, ..., n-1, tile by tile, as the all-reduce: the same order on every
+  // run, so results are bitwise reproducible.
+  void reduce(std::size_t k) {
+    for (int step = 1; step < n_; ++step) {
+      const int m = (me_ + step) % n_;
+      wait_for(m, staged(k));
+      if (k == 0) check_signature(m);
+    }
+    // Plain variables, not a structured binding: the lambdas below capture them, and Debian
+    // 12's clang 14 refuses to capture bindings.
+    const auto span = piece(k);
+    const std::size_t first = span.first, length = span.second;
+    const unsigned char* peer_input =
+        pulled(length, [&](int peer) { return slot(peer, k) + part(me_); });
+    auto input = [&](int m, std::size_t offset) {
+      if (m == me_) return input_block(me_) + first + offset;
+      return (peer_input ? peer_input : slot(m, k) + part(me_)) + offset;
+    };
+    alignas(64) unsigned char accumulator[kTileBytes];
+    for (std::size_t offset = 0; offset < length; offset += kTileBytes) {
+      const std::size_t count = std::min(kTileBytes, length - offset) / es_;
+      const unsigned char* partial = input(0, offset);
+      if (n_ > 2) {
+        kernels::reduce(accumulator, input(0, offset), input(1, offset), count, dtype_, op_);
+        for (int m = 2; m < n_ - 1; ++m) {
+          kernels::reduce_into(accumulator, input(m, offset), count, dtype_, op_);
+        }
+        partial = accumulator;
+      }
+      // `recv` may be this rank's block of `send`: written only after this tile's reads.
+      unsigned char* out = recv_ + first + offset;
+      kernels::reduce(out, partial, input(n_ - 1, offset), count, dtype_, op_);
+      if (op_ == ReduceOp::kAvg) kernels::scale_for_average(out, count, dtype_, n_);
+    }
+  }
+
+  const unsigned char* send_;
+  unsigned char* recv_;
+  const DataType dtype_;
+  const ReduceOp op_;
+  const std::size_t es_;
+  const std::size_t block_bytes_;
+  const std::size_t piece_bytes_;  // of each block per chunk: a slot holds one per member
+  const std::size_t pieces_;       // at least one (an empty call checks signatures)
+};
+
+}  // namespace
+
+void shm_direct_reduce_scatter(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
+                               std::size_t block_count, DataType dtype, ReduceOp op,
+                               const AlgorithmConfig& cfg) {
+  if (c.size() == 1) {
+    if (send != recv && block_count) std::memcpy(recv, send, block_count * dtype_size(dtype));
+    return;
+  }
+  SharedMemoryReduceScatter(c, arena, send, recv, block_count, dtype, op, cfg).run();
+}
+
+void shm_direct_allgatherv(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
+                           std::span<const std::size_t> block_counts, DataType dtype,
+                           const AlgorithmConfig& cfg) {
+  if (c.size() == 1) {
+    const std::size_t bytes = block_counts.empty() ? 0 : block_counts[0] * dtype_size(dtype);
+    if (send != recv && bytes) std::memcpy(recv, send, bytes);
+    return;
+  }
+  SharedMemoryAllgather(c, arena, send, recv, block_counts, dtype, cfg).run();
+}
+
+}  // namespace gradsync::collectives
