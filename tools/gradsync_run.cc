@@ -584,11 +584,6 @@ Outcome run_ranks(const Config& cfg, const std::string& token, int restart, Cloc
     for (std::size_t k = 2; n > 0 && k < fds.size(); ++k) {
       if (fds[k].revents) pump(relay, *owners[k].first, *owners[k].second);
     }
-    if (fds[1].revents && control_fd >= 0 && !outcome.told_to_stop && told_to_stop()) {
-      outcome.told_to_stop = true;
-      control_fd = -1;
-      if (!kill_at) stop_all(SIGTERM);
-    }
 
     unsigned char sigs[64];
     ssize_t got;
@@ -626,6 +621,13 @@ Outcome run_ranks(const Config& cfg, const std::string& token, int restart, Cloc
         !outcome.told_to_stop) {
       first_failure = batch_failure;
       stop_all(SIGTERM);
+    }
+    // After the ranks reaped: where a rank of this host died as another host's failure stopped
+    // the job (both seen by one poll), this host's own failure is the one it names.
+    if (fds[1].revents && control_fd >= 0 && !outcome.told_to_stop && told_to_stop()) {
+      outcome.told_to_stop = true;
+      control_fd = -1;
+      if (!kill_at) stop_all(SIGTERM);
     }
 
     now = Clock::now();
@@ -751,6 +753,9 @@ int run_across_hosts(Config cfg, const std::string& token, Clock::time_point sta
           rendezvous.done(round);
         }
         told = rendezvous.next();
+      } else if (outcome.first_failure) {
+        // Stopped for another host's failure (its STOP names it) after a rank here failed.
+        std::fprintf(stderr, "gradsync-run: %s\n", describe_exit(*outcome.first_failure).c_str());
       }
       m = *told;
     }
