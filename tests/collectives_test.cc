@@ -495,9 +495,10 @@ TEST_P(SharedMemoryGrid, MisalignedBuffersOfStreamedResults) {
   });
 }
 
-// The all-gather where ranks share an arena (shared_memory_blocks.cc): blocks of one piece, of
-// more pieces than slots (a slot reused), uneven and empty blocks, in place, and results large
-// enough to be streamed past the cache into buffers off any vector boundary.
+// The all-gather where ranks share an arena (shared_memory_blocks.cc): blocks of the one-shot
+// form (up to 64 KiB) and of one piece, of more pieces than slots (a slot reused), uneven and
+// empty blocks, in place, and results large enough to be streamed past the cache into buffers
+// off any vector boundary.
 TEST_P(SharedMemoryGrid, AllgatherAndAllgathervMatchReference) {
   const int n = GetParam();
   const auto ranks = static_cast<std::size_t>(n);
@@ -507,8 +508,9 @@ TEST_P(SharedMemoryGrid, AllgatherAndAllgathervMatchReference) {
     const int r = ctx.rank();
     for (DataType t : {DataType::kFloat32, DataType::kInt8, DataType::kFloat64}) {
       const std::size_t es = dtype_size(t);
-      for (std::size_t block : {std::size_t{0}, std::size_t{1}, std::size_t{1031}, many_pieces}) {
-        if (t != DataType::kFloat32 && block == many_pieces) continue;
+      for (std::size_t block : {std::size_t{0}, std::size_t{1}, std::size_t{1031},
+                                std::size_t{16384}, std::size_t{16385}, many_pieces}) {
+        if (t != DataType::kFloat32 && block > 1031) continue;
         const Buffer mine = periodic_input(t, ReduceOp::kSum, r, block);
         Buffer out(block * ranks * es, 0xEE);
         ctx.allgather(mine.data(), out.data(), block, t);
@@ -671,7 +673,7 @@ TEST(SharedMemoryMismatch, EveryRankFailsFastNamingBothSides) {
                        {.algorithm = ctx.rank() == 3 ? shm : Algorithm::kRecursiveDoubling});
        },
        {"algo=shm", "algo=rd"}},
-      {"all-gatherv of other block sizes, same total",
+      {"all-gatherv of other block sizes, same total (one-shot form)",
        3,
        [&](Context& ctx, std::vector<float>& buf) {
          std::vector<std::size_t> counts{1000, 2000, 3000};
@@ -680,6 +682,14 @@ TEST(SharedMemoryMismatch, EveryRankFailsFastNamingBothSides) {
                         counts, DataType::kFloat32);
        },
        {"allgatherv #3 (count=6000", "with other block sizes"}},
+      {"all-gatherv of other block sizes, same total (chunked form)",
+       3,
+       [&](Context& ctx, std::vector<float>& buf) {
+         std::vector<std::size_t> counts{100000, 200000, 300000};
+         if (ctx.rank() == 0) counts = {100000, 200001, 299999};
+         ctx.allgatherv(buf.data() + 600000, buf.data(), counts, DataType::kFloat32);
+       },
+       {"allgatherv #3 (count=600000", "with other block sizes"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);

@@ -10,6 +10,14 @@
 // this member's holds at its start (`base`), that is once every member finished the previous
 // call, whichever collective it was. Then slots and header are free, and each collective only
 // has to bring every member to the same final value (SharedArena's contract).
+//
+// One-shot calls, for messages so small that waiting for every member more than once costs more
+// than the bytes: each rank copies its whole input into its one-shot buffer, publishes base + 1,
+// waits for every member's base + 1 and reads theirs. Two buffers at the end of the region, used
+// by turns (base % 2): a rank writes a buffer again only two calls later, when every member has
+// begun the call in between, hence finished reading the buffer. Nothing else in the region is
+// touched, so the chunked forms never wait for one-shot readers; each buffer starts with a line
+// holding its call's tag and layout.
 #pragma once
 
 #include <algorithm>
@@ -52,6 +60,11 @@ struct RegionHeader {
   transport::Tag signature;  // of the call this member's slots currently belong to
   // What the tag cannot say about the call, that every member must agree on: a digest of an
   // all-gather's block sizes (the tag holds only their sum); 0 where there is nothing.
+  std::uint64_t layout;
+};
+
+struct OneShotHeader {
+  transport::Tag signature;
   std::uint64_t layout;
 };
 
@@ -107,6 +120,29 @@ class ArenaCall {
   }
   unsigned char* slot(int member, std::size_t k) {
     return arena_.region(member) + kHeaderBytes + (k % kSlots) * chunk_bytes_;
+  }
+
+  // This call's one-shot buffer of `member`: a line for its OneShotHeader, then the data.
+  unsigned char* one_shot_buffer(int member) {
+    return arena_.region(member) + arena_.region_bytes() - kOneShotReserve +
+           (base_ % 2) * kOneShotStride;
+  }
+  unsigned char* one_shot_data(int member) { return one_shot_buffer(member) + kLineBytes; }
+  // Before this member publishes base + 1.
+  void mark_one_shot(std::uint64_t layout = 0) {
+    *reinterpret_cast<OneShotHeader*>(one_shot_buffer(me_)) = {c_.tag(), layout};
+  }
+  // Once `member` reached base + 1: throws kMismatch unless its buffer holds this call, naming
+  // the member's latest call, whichever form it took (its region header), unless that is this
+  // call: then the tag its buffer does hold. Returns the layout the member wrote. The header
+  // is read only for a mismatch: the member has just written it, and reading it costs a miss.
+  std::uint64_t check_one_shot(int member) {
+    const auto& in_buffer = *reinterpret_cast<const OneShotHeader*>(one_shot_buffer(member));
+    if (in_buffer.signature != c_.tag()) {
+      const transport::Tag& latest = header(member).signature;
+      check_signature(member, latest == c_.tag() ? in_buffer.signature : latest);
+    }
+    return in_buffer.layout;
   }
 
   // Call before reading any of `member`'s data: throws kMismatch if the tag `theirs` (by

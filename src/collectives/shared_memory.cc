@@ -27,14 +27,10 @@
 // Mismatch safety: before its first publish a rank writes its call's tag into its region
 // header; a rank compares every member's tag before it reads any of that member's data.
 //
-// One-shot form, for messages up to AlgorithmConfig::shared_memory_one_shot_limit, where the
-// three waits for every member cost more than the bytes: each rank copies its whole input into
-// its one-shot buffer, publishes base + 1, waits for every member's base + 1, and reduces the
-// whole message itself, in member order (so every rank computes the same bits). Two buffers at
-// the end of the region, used by turns (base % 2): a rank writes a buffer again only two
-// one-shot calls later, and it finished the call in between only after every member had
-// started it, hence had finished reading that buffer. Nothing else in the region is touched,
-// so neither form waits for the other's readers; each buffer carries its call's tag.
+// One-shot form (arena_call.h), for messages up to AlgorithmConfig::shared_memory_one_shot_limit,
+// where the three waits for every member cost more than the bytes: each rank reduces the whole
+// message itself, out of every member's one-shot buffer, in member order (so every rank
+// computes the same bits).
 #include <emmintrin.h>
 
 #include <algorithm>
@@ -54,8 +50,6 @@ namespace gradsync::collectives {
 namespace {
 
 using arena::kLineBytes;
-using arena::kOneShotReserve;
-using arena::kOneShotStride;
 using arena::kSlots;
 using arena::kTileBytes;
 
@@ -119,28 +113,17 @@ class SharedMemoryAllreduce : arena::ArenaCall {
     // in it). The tag in the region header too, for a member in the other form to name this
     // call.
     begin();
-    const std::size_t turn = base_ % 2;
-    auto buffer = [&](int member) {
-      return arena_.region(member) + arena_.region_bytes() - kOneShotReserve +
-             turn * kOneShotStride;
-    };
-    *reinterpret_cast<transport::Tag*>(buffer(me_)) = c_.tag();
-    if (bytes_) transport::copy_to_shared(buffer(me_) + kLineBytes, send_, bytes_);
+    mark_one_shot();
+    if (bytes_) transport::copy_to_shared(one_shot_data(me_), send_, bytes_);
     arena_.publish(base_ + 1);
     wait_all(base_ + 1);
     for (int m = 0; m < n_; ++m) {
-      if (m == me_) continue;
-      // A mismatch names the member's latest call, whichever form it took (its header), unless
-      // that is this call: then the tag its buffer does hold.
-      const auto& in_buffer = *reinterpret_cast<const transport::Tag*>(buffer(m));
-      const transport::Tag& latest = header(m).signature;
-      check_signature(m, in_buffer == c_.tag() || latest == c_.tag() ? in_buffer : latest);
+      if (m != me_) check_one_shot(m);
     }
-    const unsigned char* peer_input =
-        pulled(bytes_, [&](int peer) { return buffer(peer) + kLineBytes; });
+    const unsigned char* peer_input = pulled(bytes_, [&](int peer) { return one_shot_data(peer); });
     reduce_tiles(0, bytes_, nullptr, [&](int m, std::size_t offset) {
       if (m == me_) return send_ + offset;
-      return (peer_input ? peer_input : buffer(m) + kLineBytes) + offset;
+      return (peer_input ? peer_input : one_shot_data(m)) + offset;
     });
   }
 

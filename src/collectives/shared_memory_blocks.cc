@@ -27,6 +27,9 @@
 // of that member's data, so an all-gatherv whose ranks disagree on the sizes (the tag holds
 // only their sum) fails on every rank that reads a disagreeing member.
 //
+// Blocks of up to kOneShotMaxBytes take the one-shot form (arena_call.h): one wait for every
+// member instead of two, the same copies.
+//
 // Reduce-scatter: rank j ends with the reduction of block j of every rank's input (blocks of
 // equal size). Chunk k holds piece k of every block, the slot cut into one line-aligned part
 // per member, and goes through
@@ -64,7 +67,11 @@ class SharedMemoryAllgather : arena::ArenaCall {
                   cfg.shared_memory_chunk_bytes),
         send_(static_cast<const unsigned char*>(send)),
         recv_(static_cast<unsigned char*>(recv)),
-        streaming_(bytes_ >= cfg.shared_memory_streaming_bytes) {
+        one_shot_(std::all_of(block_counts.begin(), block_counts.end(),
+                              [&](std::size_t count) {
+                                return count * dtype_size(dtype) <= arena::kOneShotMaxBytes;
+                              })),
+        streaming_(bytes_ >= cfg.shared_memory_streaming_bytes && !one_shot_) {
     const std::size_t es = dtype_size(dtype);
     std::size_t offset = 0, largest = 0;
     for (std::size_t count : block_counts) {
@@ -77,6 +84,10 @@ class SharedMemoryAllgather : arena::ArenaCall {
   }
 
   void run() {
+    if (one_shot_) {
+      run_one_shot();
+      return;
+    }
     begin(layout_);
     for (std::size_t t = 0; t <= pieces_; ++t) {
       if (t < pieces_) {
@@ -99,6 +110,30 @@ class SharedMemoryAllgather : arena::ArenaCall {
     std::size_t offset;  // in `recv`, bytes
     std::size_t bytes;
   };
+
+  void run_one_shot() {
+    begin(layout_);
+    mark_one_shot(layout_);
+    const Block own = blocks_[static_cast<std::size_t>(me_)];
+    if (own.bytes) {
+      transport::copy_to_shared(one_shot_data(me_), send_, own.bytes);
+      if (recv_ + own.offset != send_) std::memcpy(recv_ + own.offset, send_, own.bytes);
+    }
+    arena_.publish(base_ + 1);
+    for (int step = 1; step < n_; ++step) {
+      const int m = (me_ + step) % n_;
+      wait_for(m, base_ + 1);
+      check_layout(m, check_one_shot(m));
+      const Block theirs = blocks_[static_cast<std::size_t>(m)];
+      if (theirs.bytes) std::memcpy(recv_ + theirs.offset, one_shot_data(m), theirs.bytes);
+    }
+  }
+
+  void check_layout(int member, std::uint64_t theirs) const {
+    if (theirs == layout_) return;
+    mismatch(member, "rank " + std::to_string(arena_.member_rank(member)) + " called " +
+                         describe_tag(c_.tag()) + " with other block sizes");
+  }
 
   static std::size_t total_bytes(std::span<const std::size_t> counts, DataType dtype) {
     std::size_t total = 0;
@@ -143,10 +178,7 @@ class SharedMemoryAllgather : arena::ArenaCall {
       wait_for(m, staged(k));
       if (k == 0) {
         check_signature(m);
-        if (header(m).layout != layout_) {
-          mismatch(m, "rank " + std::to_string(arena_.member_rank(m)) + " called " +
-                          describe_tag(c_.tag()) + " with other block sizes");
-        }
+        check_layout(m, header(m).layout);
       }
       const auto [first, length] = piece(m, k);
       if (length)
@@ -164,6 +196,7 @@ class SharedMemoryAllgather : arena::ArenaCall {
 
   const unsigned char* send_;
   unsigned char* recv_;
+  const bool one_shot_;  // every block fits a one-shot buffer
   // Results at least AlgorithmConfig::shared_memory_streaming_bytes go to `recv` past the cache.
   const bool streaming_;
   std::vector<Block> blocks_;  // per member
