@@ -426,6 +426,29 @@ TEST(CostModel, SharedMemoryPricedAtItsOwnThroughput) {
   EXPECT_EQ(cost::CostModel(cost::LinkParams{}).to_string().find("shm_gbps"), std::string::npos);
 }
 
+// The shared-memory all-gather (one host, an arena) is priced at the memory's fitted speed for
+// the whole output, after the one-shot form's fixed cost (blocks up to 64 KiB) or two of the
+// chunked all-reduce's three steps: below the ring's N-1 messages at every size among 4 and 8
+// ranks (between 2 both make one copy each way: close, whichever the constants favour). Across
+// hosts there is no arena.
+TEST(CostModel, SharedMemoryAllgatherAtTheMemorysSpeed) {
+  cost::LinkParams p{3.0, 11.0, 39.0};
+  p.shm_call_us = 2.1;
+  p.shm_one_shot_us = 1.1;
+  p.shm_gbps = 20.0;
+  const cost::CostModel m(p);
+  for (int n : {4, 8}) {
+    for (std::size_t bytes : {std::size_t{4} << 10, std::size_t{1} << 20, std::size_t{64} << 20}) {
+      EXPECT_LT(m.allgather_us(n, bytes, 1, true), m.allgather_us(n, bytes, 1, false))
+          << n << " ranks, " << bytes;
+    }
+  }
+  EXPECT_DOUBLE_EQ(m.allgather_us(2, 128 << 10, 1, true), 1.1 + (128 << 10) * 1e-3 / 20.0);
+  EXPECT_DOUBLE_EQ(m.allgather_us(2, (128 << 10) + 2, 1, true),
+                   1.4 + ((128 << 10) + 2) * 1e-3 / 20.0);
+  EXPECT_DOUBLE_EQ(m.allgather_us(4, 1 << 20, 2, true), m.allgather_us(4, 1 << 20, 2, false));
+}
+
 // Across hosts the flat algorithms run at the speed of the links between hosts; the
 // hierarchical algorithm keeps most of its traffic inside hosts and wins large messages there,
 // while small ones stay latency-optimal. One host never gets it.

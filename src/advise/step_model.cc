@@ -208,7 +208,7 @@ class CallPricer {
     total_bytes = std::max<std::size_t>(total_bytes, 1);
     if (const auto* curve = timed("allgather")) return interpolate(*curve, total_bytes);
     if (const auto* curve = timed("allreduce")) return interpolate(*curve, total_bytes) / 2;
-    return model_.allgather_us(plan_.ranks, total_bytes, plan_.hosts);
+    return model_.allgather_us(plan_.ranks, total_bytes, plan_.hosts, in_shared_memory());
   }
 
   static std::vector<Profile::CodecSpeed> by_size(std::vector<Profile::CodecSpeed> speeds) {

@@ -216,7 +216,7 @@ void gather_allreduce(CallSteps& steps, std::span<float> data, Codec& codec, con
   const int hosts = context.topology.hosts();
   const Algorithm dense = context.pick_allreduce(data.size_bytes(), Algorithm::kAuto);
   if (context.cost.allreduce_us(dense, n, data.size_bytes(), hosts) <
-      context.cost.allgather_us(n, total, hosts)) {
+      context.cost.allgather_us(n, total, hosts, context.transport->shared_arena() != nullptr)) {
     codec.decode(mine, data);
     steps.allreduce(data.data(), data.data(), data.size(), DataType::kFloat32, op);
     return;

@@ -33,6 +33,9 @@ int log2_int(int p) {
 // (AlgorithmConfig::shared_memory_one_shot_limit).
 constexpr double kSharedMemoryChunkBytes = 512 * 1024;
 constexpr std::size_t kSharedMemoryOneShotBytes = 32 * 1024;
+// The shared-memory all-gather's one-shot form: blocks up to the arena's one-shot buffer
+// (collectives/arena_call.h's kOneShotMaxBytes).
+constexpr std::size_t kSharedMemoryOneShotBlockBytes = 64 * 1024;
 // Reading a cache line another core has just written, on current x86 (a zero-byte message
 // over the shm transport, one such transfer plus bookkeeping, costs a little more:
 // docs/performance-notes.md).
@@ -74,8 +77,25 @@ double memory_traffic_bytes(Algorithm a, int n, double S) {
 }
 }  // namespace
 
-double CostModel::allgather_us(int n, std::size_t total_bytes, int hosts) const {
+double CostModel::allgather_us(int n, std::size_t total_bytes, int hosts,
+                               bool shared_memory) const {
   if (n <= 1) return 0.0;
+  if (shared_memory && hosts == 1) {
+    // Every rank writes its block to shared memory once and reads every other block once: the
+    // whole output's bytes, at the speed fitted at start-up. One wait for every rank where the
+    // blocks fit the one-shot buffers; else two steps per piece, the first piece's two of the
+    // all-reduce's three measured steps.
+    const double S = static_cast<double>(total_bytes);
+    const double copy = p_.shm_gbps > 0 ? 1e-3 / p_.shm_gbps : p_.beta_us_per_byte();
+    const bool one_shot =
+        total_bytes / static_cast<std::size_t>(n) <= kSharedMemoryOneShotBlockBytes;
+    const double fixed =
+        one_shot ? (p_.shm_one_shot_us > 0 ? p_.shm_one_shot_us
+                    : p_.shm_call_us > 0   ? p_.shm_call_us / 3
+                                           : log2_int(n) * p_.alpha_us)
+                 : (p_.shm_call_us > 0 ? 2 * p_.shm_call_us / 3 : 2 * log2_int(n) * p_.alpha_us);
+    return fixed + S * copy;
+  }
   const double alpha = hosts > 1 && p_.inter_alpha_us > 0 ? p_.inter_alpha_us : p_.alpha_us;
   const double gbps =
       hosts > 1 && p_.inter_bandwidth_gbps > 0 ? p_.inter_bandwidth_gbps : p_.bandwidth_gbps;

@@ -77,9 +77,11 @@ class CostModel {
   static double fit_gbps(LinkParams params, double LinkParams::*field, Algorithm a, int ranks,
                          std::size_t bytes, double measured_us);
 
-  // Predicted time of a ring all-gather after which every rank holds `total_bytes` (all ranks'
-  // blocks together): N-1 steps, each moving one rank's share.
-  double allgather_us(int ranks, std::size_t total_bytes, int hosts = 1) const;
+  // Predicted time of an all-gather after which every rank holds `total_bytes` (all ranks'
+  // blocks together): where the ranks share memory on one host, the arena's (each rank copies
+  // its block in and the others out); else a ring's N-1 steps, each moving one rank's share.
+  double allgather_us(int ranks, std::size_t total_bytes, int hosts = 1,
+                      bool shared_memory = false) const;
 
   // "alpha_us=3,bandwidth_gbps=8,reduce_gbps=20,copy_gbps=10,cache_mib=32,shm_call_us=1,
   // shm_one_shot_us=0.5,shm_gbps=12,inter_alpha_us=50,inter_bandwidth_gbps=0.12" (any subset);
