@@ -34,12 +34,17 @@
 // equal size). Chunk k holds piece k of every block, the slot cut into one line-aligned part
 // per member, and goes through
 //   stage(k):  piece k of every other member's block into own slot  -> staged(k) = base + 2k + 1
-//   reduce(k): piece k of own block over every member's slot (own
-//              input read from `send`), in member order, into `recv` -> reduced(k) =
+//   reduce(k): piece k of own block: own input (read from `send`)
+//              reduced with every other member's part of its slot,
+//              each as soon as that member staged it, into `recv`   -> reduced(k) =
 //                                                                        base + 2(k + 1) + 2
-// with the same iterations, waits and final value as the all-gather. Against a ring over a
-// transport: the same bytes written and read, but no chain of N - 1 hops, each waiting for the
-// previous one's rank to be scheduled.
+// with the same iterations, waits and final value as the all-gather. Block j is reduced in the
+// order j, j + 1, ..., j - 1 (mod N) whenever the members arrive, so results are bitwise
+// reproducible, and a rank reduces while the members after it still stage (where ranks
+// outnumber cores, while they wait for one): 4 ranks on 2 cores ran 0.7-1.0x the ring's speed
+// when every rank first waited for all (docs/performance-notes.md, session 34). Against a
+// ring over a transport: the same bytes written and read, but no chain of N - 1 hops, each
+// waiting for the previous one's rank to be scheduled.
 #include <emmintrin.h>
 
 #include <algorithm>
@@ -56,7 +61,6 @@ namespace {
 
 using arena::kLineBytes;
 using arena::kSlots;
-using arena::kTileBytes;
 
 class SharedMemoryAllgather : arena::ArenaCall {
  public:
@@ -262,40 +266,30 @@ class SharedMemoryReduceScatter : arena::ArenaCall {
     }
   }
 
-  // In member order 0, 1, ..., n-1, tile by tile, as the all-reduce: the same order on every
-  // run, so results are bitwise reproducible.
+  // Own input first, then the members in turn from the next one on (see the top of the file).
+  // Whole parts at once, not tiles through L1 as the all-reduce: a part is at most a slot over
+  // N (256 KiB between 2 ranks), in L2 across the passes.
   void reduce(std::size_t k) {
+    const auto [first, length] = piece(k);
+    const std::size_t count = length / es_;
+    // `recv` may be this rank's block of `send`: the first step reads it and writes it alike.
+    unsigned char* out = recv_ + first;
+    const unsigned char* own = input_block(me_) + first;
     for (int step = 1; step < n_; ++step) {
       const int m = (me_ + step) % n_;
       wait_for(m, staged(k));
       if (k == 0) check_signature(m);
-    }
-    // Plain variables, not a structured binding: the lambdas below capture them, and Debian
-    // 12's clang 14 refuses to capture bindings.
-    const auto span = piece(k);
-    const std::size_t first = span.first, length = span.second;
-    const unsigned char* peer_input =
-        pulled(length, [&](int peer) { return slot(peer, k) + part(me_); });
-    auto input = [&](int m, std::size_t offset) {
-      if (m == me_) return input_block(me_) + first + offset;
-      return (peer_input ? peer_input : slot(m, k) + part(me_)) + offset;
-    };
-    alignas(64) unsigned char accumulator[kTileBytes];
-    for (std::size_t offset = 0; offset < length; offset += kTileBytes) {
-      const std::size_t count = std::min(kTileBytes, length - offset) / es_;
-      const unsigned char* partial = input(0, offset);
-      if (n_ > 2) {
-        kernels::reduce(accumulator, input(0, offset), input(1, offset), count, dtype_, op_);
-        for (int m = 2; m < n_ - 1; ++m) {
-          kernels::reduce_into(accumulator, input(m, offset), count, dtype_, op_);
-        }
-        partial = accumulator;
+      if (count == 0) continue;
+      const unsigned char* shared = slot(m, k) + part(me_);
+      const unsigned char* pulled_copy = pulled(length, [&](int) { return shared; });
+      const unsigned char* theirs = pulled_copy ? pulled_copy : shared;
+      if (step == 1) {
+        kernels::reduce(out, own, theirs, count, dtype_, op_);
+      } else {
+        kernels::reduce_into(out, theirs, count, dtype_, op_);
       }
-      // `recv` may be this rank's block of `send`: written only after this tile's reads.
-      unsigned char* out = recv_ + first + offset;
-      kernels::reduce(out, partial, input(n_ - 1, offset), count, dtype_, op_);
-      if (op_ == ReduceOp::kAvg) kernels::scale_for_average(out, count, dtype_, n_);
     }
+    if (op_ == ReduceOp::kAvg && count) kernels::scale_for_average(out, count, dtype_, n_);
   }
 
   const unsigned char* send_;
