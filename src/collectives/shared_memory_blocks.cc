@@ -14,10 +14,10 @@
 // counter at the call's start, `base`):
 //   stage(k): own piece k into own slot k % kSlots (and `recv`) -> staged(k) = base + 2k + 1
 //   copy(k):  every other member's piece k into `recv`, each as
-//             soon as that member staged it                      -> copied(k) = base + 2(k + 1) + 2
+//             soon as that member staged it                    -> consumed(k) = base + 2(k + 1) + 2
 // Iteration t runs stage(t), then copy(t - 1), so a rank that is ahead stages its next piece
 // while the others catch up; values encode (iteration, step), so "member m is at least this
-// far" is one compare. stage(k) waits for every member's copied(k - kSlots) before it
+// far" is one compare. stage(k) waits for every member's consumed(k - kSlots) before it
 // overwrites the slot. Every member runs the same number of pieces (that of the largest block),
 // so every member ends the call at the same value; its last wait, for every member's
 // staged(K - 1), is for the highest value any member waits for in it (SharedArena's contract).
@@ -36,7 +36,7 @@
 //   stage(k):  piece k of every other member's block into own slot  -> staged(k) = base + 2k + 1
 //   reduce(k): piece k of own block: own input (read from `send`)
 //              reduced with every other member's part of its slot,
-//              each as soon as that member staged it, into `recv`   -> reduced(k) =
+//              each as soon as that member staged it, into `recv`   -> consumed(k) =
 //                                                                        base + 2(k + 1) + 2
 // with the same iterations, waits and final value as the all-gather. Block j is reduced in the
 // order j, j + 1, ..., j - 1 (mod N) whenever the members arrive, so results are bitwise
@@ -62,13 +62,39 @@ namespace {
 using arena::kLineBytes;
 using arena::kSlots;
 
-class SharedMemoryAllgather : arena::ArenaCall {
+// The pipeline both collectives share: iteration t stages piece t, then consumes piece t - 1
+// (copies it out, or reduces it), each step ending in a publish; staging piece k waits for
+// every member to have consumed piece k - kSlots, whose slot it overwrites.
+class TwoStepCall : protected arena::ArenaCall {
+ protected:
+  using ArenaCall::ArenaCall;
+
+  template <class Stage, class Consume>
+  void run_pieces(std::size_t pieces, const Stage& stage, const Consume& consume) {
+    for (std::size_t t = 0; t <= pieces; ++t) {
+      if (t < pieces) {
+        if (t >= kSlots) wait_all(consumed(t - kSlots));
+        stage(t);
+        arena_.publish(staged(t));
+      }
+      if (t >= 1) {
+        consume(t - 1);
+        arena_.publish(consumed(t - 1));
+      }
+    }
+  }
+
+  std::uint64_t staged(std::size_t k) const { return base_ + 2 * k + 1; }
+  std::uint64_t consumed(std::size_t k) const { return base_ + 2 * (k + 1) + 2; }
+};
+
+class SharedMemoryAllgather : TwoStepCall {
  public:
   SharedMemoryAllgather(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
                         std::span<const std::size_t> block_counts, DataType dtype,
                         const AlgorithmConfig& cfg)
-      : ArenaCall(c, arena, "shm allgather", total_bytes(block_counts, dtype),
-                  cfg.shared_memory_chunk_bytes),
+      : TwoStepCall(c, arena, "shm allgather", total_bytes(block_counts, dtype),
+                    cfg.shared_memory_chunk_bytes),
         send_(static_cast<const unsigned char*>(send)),
         recv_(static_cast<unsigned char*>(recv)),
         one_shot_(std::all_of(block_counts.begin(), block_counts.end(),
@@ -93,17 +119,8 @@ class SharedMemoryAllgather : arena::ArenaCall {
       return;
     }
     begin(layout_);
-    for (std::size_t t = 0; t <= pieces_; ++t) {
-      if (t < pieces_) {
-        if (t >= kSlots) wait_all(copied(t - kSlots));
-        stage(t);
-        arena_.publish(staged(t));
-      }
-      if (t >= 1) {
-        copy_out(t - 1);
-        arena_.publish(copied(t - 1));
-      }
-    }
+    run_pieces(
+        pieces_, [&](std::size_t k) { stage(k); }, [&](std::size_t k) { copy_out(k); });
     // Non-temporal stores are weakly ordered: make them visible before the caller (or a thread
     // it signals) reads the result.
     if (streaming_) _mm_sfence();
@@ -155,9 +172,6 @@ class SharedMemoryAllgather : arena::ArenaCall {
     return h;
   }
 
-  std::uint64_t staged(std::size_t k) const { return base_ + 2 * k + 1; }
-  std::uint64_t copied(std::size_t k) const { return base_ + 2 * (k + 1) + 2; }
-
   // Byte range of piece k within member m's block: {offset in the block, length}.
   std::pair<std::size_t, std::size_t> piece(int member, std::size_t k) const {
     const std::size_t block = blocks_[static_cast<std::size_t>(member)].bytes;
@@ -208,14 +222,14 @@ class SharedMemoryAllgather : arena::ArenaCall {
   std::uint64_t layout_ = 0;
 };
 
-class SharedMemoryReduceScatter : arena::ArenaCall {
+class SharedMemoryReduceScatter : TwoStepCall {
  public:
   SharedMemoryReduceScatter(Comm& c, transport::SharedArena& arena, const void* send, void* recv,
                             std::size_t block_count, DataType dtype, ReduceOp op,
                             const AlgorithmConfig& cfg)
-      : ArenaCall(c, arena, "shm reduce_scatter",
-                  block_count * dtype_size(dtype) * static_cast<std::size_t>(c.size()),
-                  cfg.shared_memory_chunk_bytes),
+      : TwoStepCall(c, arena, "shm reduce_scatter",
+                    block_count * dtype_size(dtype) * static_cast<std::size_t>(c.size()),
+                    cfg.shared_memory_chunk_bytes),
         send_(static_cast<const unsigned char*>(send)),
         recv_(static_cast<unsigned char*>(recv)),
         dtype_(dtype),
@@ -228,23 +242,11 @@ class SharedMemoryReduceScatter : arena::ArenaCall {
 
   void run() {
     begin();
-    for (std::size_t t = 0; t <= pieces_; ++t) {
-      if (t < pieces_) {
-        if (t >= kSlots) wait_all(reduced(t - kSlots));
-        stage(t);
-        arena_.publish(staged(t));
-      }
-      if (t >= 1) {
-        reduce(t - 1);
-        arena_.publish(reduced(t - 1));
-      }
-    }
+    run_pieces(
+        pieces_, [&](std::size_t k) { stage(k); }, [&](std::size_t k) { reduce(k); });
   }
 
  private:
-  std::uint64_t staged(std::size_t k) const { return base_ + 2 * k + 1; }
-  std::uint64_t reduced(std::size_t k) const { return base_ + 2 * (k + 1) + 2; }
-
   // Piece k of every block: {offset in the block, length}.
   std::pair<std::size_t, std::size_t> piece(std::size_t k) const {
     const std::size_t first = std::min(block_bytes_, k * piece_bytes_);
