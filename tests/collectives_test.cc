@@ -8,6 +8,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "collectives/signature.h"
 #include "harness.h"
 #include "reference.h"
 
@@ -632,9 +633,38 @@ TEST(SharedMemoryAuto, ChosenForLargeMessagesOnlyWhereMemoryIsShared) {
   }
 }
 
+// How a call's description ends for an all-gatherv of these counts.
+std::string counts_tag(std::vector<std::size_t> counts) {
+  return std::to_string(collectives::counts_digest(counts)) + ")";
+}
+
+// Over the ring too (thread ranks on the inproc transport): ranks given different block counts
+// with the same sum fail, every one, naming both sets, where before only the ranks that met a
+// message of the wrong size failed and a rank whose blocks happened to arrive whole returned.
+TEST(AllgathervMismatch, EveryRankFailsOverTheRingNamingBothCounts) {
+  std::vector<std::string> messages(3);
+  testing::run_inproc_contexts(3, [&](Context& ctx) {
+    std::vector<std::size_t> counts{1000, 2000, 3000};
+    if (ctx.rank() == 2) counts = {1001, 1999, 3000};
+    std::vector<float> in(3000, 1.0f), out(6000);
+    try {
+      ctx.allgatherv(in.data(), out.data(), counts, DataType::kFloat32);
+      ADD_FAILURE() << "rank " << ctx.rank() << " did not fail";
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.kind() == ErrorKind::kMismatch || e.kind() == ErrorKind::kAborted) << e.what();
+      messages[static_cast<std::size_t>(ctx.rank())] = e.what();
+    }
+  });
+  for (const auto& m : messages) {
+    EXPECT_NE(m.find("counts#" + counts_tag({1000, 2000, 3000})), std::string::npos) << m;
+    EXPECT_NE(m.find("counts#" + counts_tag({1001, 1999, 3000})), std::string::npos) << m;
+  }
+}
+
 // A mismatched call must fail on every rank within a second, naming both sides, never hang
 // or produce a silently wrong result: differing counts (also 0 against many chunks), and one
 // rank in the shared-memory algorithm while another runs a message-based one.
+
 TEST(SharedMemoryMismatch, EveryRankFailsFastNamingBothSides) {
   using namespace std::chrono_literals;
   struct Case {
@@ -681,7 +711,8 @@ TEST(SharedMemoryMismatch, EveryRankFailsFastNamingBothSides) {
          ctx.allgatherv(buf.data() + 6000 * static_cast<std::size_t>(ctx.rank()), buf.data(),
                         counts, DataType::kFloat32);
        },
-       {"allgatherv #3 (count=6000", "with other block sizes"}},
+       {"allgatherv #3 (count=6000 float32 counts#" + counts_tag({1000, 2000, 3000}),
+        "allgatherv #3 (count=6000 float32 counts#" + counts_tag({1001, 1999, 3000})}},
       {"all-gatherv of other block sizes, same total (chunked form)",
        3,
        [&](Context& ctx, std::vector<float>& buf) {
@@ -689,7 +720,8 @@ TEST(SharedMemoryMismatch, EveryRankFailsFastNamingBothSides) {
          if (ctx.rank() == 0) counts = {100000, 200001, 299999};
          ctx.allgatherv(buf.data() + 600000, buf.data(), counts, DataType::kFloat32);
        },
-       {"allgatherv #3 (count=600000", "with other block sizes"}},
+       {"allgatherv #3 (count=600000 float32 counts#" + counts_tag({100000, 200000, 300000}),
+        "allgatherv #3 (count=600000 float32 counts#" + counts_tag({100000, 200001, 299999})}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);

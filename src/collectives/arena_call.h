@@ -17,7 +17,7 @@
 // by turns (base % 2): a rank writes a buffer again only two calls later, when every member has
 // begun the call in between, hence finished reading the buffer. Nothing else in the region is
 // touched, so the chunked forms never wait for one-shot readers; each buffer starts with a line
-// holding its call's tag and layout.
+// holding its call's tag.
 #pragma once
 
 #include <algorithm>
@@ -58,14 +58,10 @@ constexpr std::size_t kOneShotReserve = 2 * kOneShotStride;
 
 struct RegionHeader {
   transport::Tag signature;  // of the call this member's slots currently belong to
-  // What the tag cannot say about the call, that every member must agree on: a digest of an
-  // all-gather's block sizes (the tag holds only their sum); 0 where there is nothing.
-  std::uint64_t layout;
 };
 
 struct OneShotHeader {
   transport::Tag signature;
-  std::uint64_t layout;
 };
 
 // Non-temporal copy: the destination is written straight to memory, without first being read
@@ -99,11 +95,10 @@ class ArenaCall {
   // Waits until every member left the previous call (so this member's slots and header are
   // free), then marks the header with this call. Before the first publish: peers that see this
   // member's progress move can name the call (SharedArena::wait_for).
-  void begin(std::uint64_t layout = 0) {
+  void begin() {
     base_ = arena_.progress(me_);
     wait_all(base_);
     header(me_).signature = c_.tag();
-    header(me_).layout = layout;
   }
 
   void wait_all(std::uint64_t value) {
@@ -129,20 +124,17 @@ class ArenaCall {
   }
   unsigned char* one_shot_data(int member) { return one_shot_buffer(member) + kLineBytes; }
   // Before this member publishes base + 1.
-  void mark_one_shot(std::uint64_t layout = 0) {
-    *reinterpret_cast<OneShotHeader*>(one_shot_buffer(me_)) = {c_.tag(), layout};
-  }
+  void mark_one_shot() { *reinterpret_cast<OneShotHeader*>(one_shot_buffer(me_)) = {c_.tag()}; }
   // Once `member` reached base + 1: throws kMismatch unless its buffer holds this call, naming
   // the member's latest call, whichever form it took (its region header), unless that is this
-  // call: then the tag its buffer does hold. Returns the layout the member wrote. The header
-  // is read only for a mismatch: the member has just written it, and reading it costs a miss.
-  std::uint64_t check_one_shot(int member) {
+  // call: then the tag its buffer does hold. The header is read only for a mismatch: the member
+  // has just written it, and reading it costs a miss.
+  void check_one_shot(int member) {
     const auto& in_buffer = *reinterpret_cast<const OneShotHeader*>(one_shot_buffer(member));
     if (in_buffer.signature != c_.tag()) {
       const transport::Tag& latest = header(member).signature;
       check_signature(member, latest == c_.tag() ? in_buffer.signature : latest);
     }
-    return in_buffer.layout;
   }
 
   // Call before reading any of `member`'s data: throws kMismatch if the tag `theirs` (by

@@ -22,10 +22,10 @@
 // so every member ends the call at the same value; its last wait, for every member's
 // staged(K - 1), is for the highest value any member waits for in it (SharedArena's contract).
 //
-// Mismatch safety: before its first publish a rank writes its call's tag and a digest of the
-// block sizes into its region header (arena_call.h); a rank compares both before it reads any
-// of that member's data, so an all-gatherv whose ranks disagree on the sizes (the tag holds
-// only their sum) fails on every rank that reads a disagreeing member.
+// Mismatch safety: before its first publish a rank writes its call's tag into its region header
+// (arena_call.h); a rank compares it before it reads any of that member's data. An all-gatherv's
+// tag holds a digest of the block sizes (collectives::counts_digest), so ranks that disagree on
+// them fail like any other mismatched call.
 //
 // Blocks of up to kOneShotMaxBytes take the one-shot form (arena_call.h): one wait for every
 // member instead of two, the same copies.
@@ -110,7 +110,6 @@ class SharedMemoryAllgather : TwoStepCall {
       largest = std::max(largest, count * es);
     }
     pieces_ = std::max<std::size_t>(1, (largest + chunk_bytes_ - 1) / chunk_bytes_);
-    layout_ = digest(block_counts);
   }
 
   void run() {
@@ -118,7 +117,7 @@ class SharedMemoryAllgather : TwoStepCall {
       run_one_shot();
       return;
     }
-    begin(layout_);
+    begin();
     run_pieces(
         pieces_, [&](std::size_t k) { stage(k); }, [&](std::size_t k) { copy_out(k); });
     // Non-temporal stores are weakly ordered: make them visible before the caller (or a thread
@@ -133,8 +132,8 @@ class SharedMemoryAllgather : TwoStepCall {
   };
 
   void run_one_shot() {
-    begin(layout_);
-    mark_one_shot(layout_);
+    begin();
+    mark_one_shot();
     const Block own = blocks_[static_cast<std::size_t>(me_)];
     if (own.bytes) {
       transport::copy_to_shared(one_shot_data(me_), send_, own.bytes);
@@ -144,16 +143,10 @@ class SharedMemoryAllgather : TwoStepCall {
     for (int step = 1; step < n_; ++step) {
       const int m = (me_ + step) % n_;
       wait_for(m, base_ + 1);
-      check_layout(m, check_one_shot(m));
+      check_one_shot(m);
       const Block theirs = blocks_[static_cast<std::size_t>(m)];
       if (theirs.bytes) std::memcpy(recv_ + theirs.offset, one_shot_data(m), theirs.bytes);
     }
-  }
-
-  void check_layout(int member, std::uint64_t theirs) const {
-    if (theirs == layout_) return;
-    mismatch(member, "rank " + std::to_string(arena_.member_rank(member)) + " called " +
-                         describe_tag(c_.tag()) + " with other block sizes");
   }
 
   static std::size_t total_bytes(std::span<const std::size_t> counts, DataType dtype) {
@@ -161,17 +154,6 @@ class SharedMemoryAllgather : TwoStepCall {
     for (std::size_t count : counts) total += count;
     return total * dtype_size(dtype);
   }
-  // FNV-1a over the counts: equal on every rank that was given the same counts.
-  static std::uint64_t digest(std::span<const std::size_t> counts) {
-    std::uint64_t h = 1469598103934665603ull;
-    for (std::size_t count : counts) {
-      for (int byte = 0; byte < 8; ++byte) {
-        h = (h ^ ((count >> (8 * byte)) & 0xFF)) * 1099511628211ull;
-      }
-    }
-    return h;
-  }
-
   // Byte range of piece k within member m's block: {offset in the block, length}.
   std::pair<std::size_t, std::size_t> piece(int member, std::size_t k) const {
     const std::size_t block = blocks_[static_cast<std::size_t>(member)].bytes;
@@ -194,10 +176,7 @@ class SharedMemoryAllgather : TwoStepCall {
     for (int step = 1; step < n_; ++step) {
       const int m = (me_ + step) % n_;
       wait_for(m, staged(k));
-      if (k == 0) {
-        check_signature(m);
-        check_layout(m, header(m).layout);
-      }
+      if (k == 0) check_signature(m);
       const auto [first, length] = piece(m, k);
       if (length)
         copy(recv_ + blocks_[static_cast<std::size_t>(m)].offset + first, slot(m, k), length);
@@ -219,7 +198,6 @@ class SharedMemoryAllgather : TwoStepCall {
   const bool streaming_;
   std::vector<Block> blocks_;  // per member
   std::size_t pieces_ = 1;     // every member's, at least one (an empty call checks signatures)
-  std::uint64_t layout_ = 0;
 };
 
 class SharedMemoryReduceScatter : TwoStepCall {

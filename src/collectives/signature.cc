@@ -72,6 +72,16 @@ CallSignature decode(const transport::Tag& t) {
   return s;
 }
 
+std::int32_t counts_digest(std::span<const std::size_t> counts) {
+  std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the counts' bytes
+  for (std::size_t count : counts) {
+    for (int byte = 0; byte < 8; ++byte) {
+      h = (h ^ ((static_cast<std::uint64_t>(count) >> (8 * byte)) & 0xFF)) * 1099511628211ull;
+    }
+  }
+  return static_cast<std::int32_t>((h ^ (h >> 32)) & 0x7fffffff);
+}
+
 std::string describe(const CallSignature& s) {
   std::ostringstream o;
   o << to_string(s.kind) << " #" << s.seq;
@@ -91,6 +101,7 @@ std::string describe(const CallSignature& s) {
   }
   if (s.kind == CollectiveKind::kPointToPoint) o << " tag=" << s.root;           // the user's tag
   if (s.kind == CollectiveKind::kCompressedAllreduce) o << " codec#" << s.root;  // spec hash
+  if (s.kind == CollectiveKind::kAllgatherv) o << " counts#" << s.root;
   if (s.fingerprint) o << " fingerprint=" << s.fingerprint;
   o << ")";
   return o.str();

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "gradsync/types.h"
@@ -15,7 +16,7 @@ enum class CollectiveKind : std::uint8_t {
   kAllreduce = 1,
   kReduceScatter,
   kAllgather,
-  kAllgatherv,
+  kAllgatherv,  // root a digest of the block counts (count holds only their sum)
   kBroadcast,
   kReduce,
   kBarrier,
@@ -49,6 +50,10 @@ struct CallSignature {
   // tensor's shape), compared like the rest; 0 when none was given.
   std::uint32_t fingerprint = 0;
 };
+
+// An all-gatherv's block counts as its signature's root (never -1): ranks given different
+// counts with the same sum then differ in every message's tag, and fail at the first one.
+std::int32_t counts_digest(std::span<const std::size_t> counts);
 
 transport::Tag encode(const CallSignature& sig);
 CallSignature decode(const transport::Tag& tag);

@@ -229,7 +229,8 @@ void CallSteps::allgatherv(const void* send, void* recv, std::span<const std::si
                            DataType dtype) {
   const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
   const Context::Impl& context = context_;
-  run({0, CollectiveKind::kAllgatherv, dtype, ReduceOp::kSum, block_algorithm(context), -1, total},
+  run({0, CollectiveKind::kAllgatherv, dtype, ReduceOp::kSum, block_algorithm(context),
+       collectives::counts_digest(counts), total},
       [&](Comm& c) { run_allgatherv(c, context, send, recv, counts, dtype); });
 }
 
@@ -363,7 +364,10 @@ Work allgatherv_impl(Context::Impl& impl, const void* send, void* recv,
   const std::size_t total = std::accumulate(counts.begin(), counts.end(), std::size_t{0});
   check_buffer(send, counts[static_cast<std::size_t>(impl.rank)], "send", impl.rank, name);
   check_buffer(recv, total, "recv", impl.rank, name);
-  CallSignature sig{0, kind, dtype, ReduceOp::kSum, block_algorithm(impl), -1, total};
+  // An all-gather's counts are equal, given by the total; an all-gatherv's only by the digest.
+  const std::int32_t root =
+      kind == CollectiveKind::kAllgatherv ? collectives::counts_digest(counts) : -1;
+  CallSignature sig{0, kind, dtype, ReduceOp::kSum, block_algorithm(impl), root, total};
   const Context::Impl& context = impl;
   return impl.submit(
       sig, [=, &context](Comm& c) { run_allgatherv(c, context, send, recv, counts, dtype); },
