@@ -71,6 +71,16 @@ struct OneShotHeader {
 // (_mm_sfence) before the result is read.
 void copy_streaming(unsigned char* dst, const unsigned char* src, std::size_t bytes);
 
+// A result's bytes into the caller's memory: past the cache where `streaming`, else memcpy.
+inline void copy_result(unsigned char* to, const unsigned char* from, std::size_t bytes,
+                        bool streaming) {
+  if (streaming) {
+    copy_streaming(to, from, bytes);
+  } else {
+    std::memcpy(to, from, bytes);
+  }
+}
+
 // One call on the arena, as seen by one member.
 class ArenaCall {
  protected:

@@ -284,11 +284,7 @@ class SharedMemoryAllreduce : arena::ArenaCall {
 
   // Into `recv`: past the cache with non-temporal stores where the message is that large.
   void copy(unsigned char* to, const unsigned char* from, std::size_t bytes) const {
-    if (streaming_) {
-      arena::copy_streaming(to, from, bytes);
-    } else {
-      std::memcpy(to, from, bytes);
-    }
+    arena::copy_result(to, from, bytes, streaming_);
   }
   void widen(const std::uint16_t* sums, unsigned char* to, std::size_t count) const {
     auto* values = reinterpret_cast<float*>(to);

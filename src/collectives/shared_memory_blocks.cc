@@ -184,11 +184,7 @@ class SharedMemoryAllgather : TwoStepCall {
   }
 
   void copy(unsigned char* to, const unsigned char* from, std::size_t bytes) const {
-    if (streaming_) {
-      arena::copy_streaming(to, from, bytes);
-    } else {
-      std::memcpy(to, from, bytes);
-    }
+    arena::copy_result(to, from, bytes, streaming_);
   }
 
   const unsigned char* send_;
