@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "rendezvous/socket.h"
+#include "rendezvous/unused_port.h"
 #include "transport/inproc.h"
 
 namespace gradsync::testing {
@@ -121,8 +122,7 @@ pid_t start_worker_by_hand(const std::string& mode, const std::string& log,
 }
 
 int free_port() {
-  net::Fd l = net::listen_tcp("127.0.0.1", 0, false);
-  return net::local_port(l.get());
+  return net::pick_unused_port();
 }
 
 std::string listening_address(int port) {

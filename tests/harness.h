@@ -56,7 +56,7 @@ class TempDir {
 pid_t start_worker_by_hand(const std::string& mode, const std::string& log,
                            const std::map<std::string, std::string>& env);
 
-// A TCP port on 127.0.0.1 free a moment ago.
+// A TCP port free now, outside the kernel's ephemeral range (rendezvous/unused_port.h).
 int free_port();
 
 // The local address of the socket listening on `port`, as /proc/net/tcp writes it (hex), or

@@ -34,6 +34,7 @@
 #include "gradsync/shm_segments.h"
 #include "gradsync/version.h"
 #include "launcher_rendezvous.h"
+#include "rendezvous/unused_port.h"
 
 extern char** environ;
 
@@ -240,25 +241,6 @@ std::string derived_token(const std::string& addr, int port) {
     for (int b = 0; b < 8; ++b) bytes[h * 8 + b] = static_cast<unsigned char>(x >> (56 - 8 * b));
   }
   return gradsync_run::hex(bytes, sizeof bytes);
-}
-
-// Asks the kernel for a free port. Another process could take it before rank 0 binds it, but
-// on a single host that race is rare and shows up as a clear bind error in rank 0.
-int pick_free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);  // free on every interface rank 0 might bind
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  int port = -1;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  ::close(fd);
-  return port;
 }
 
 // --- signals --------------------------------------------------------------------------------
@@ -780,7 +762,7 @@ int main(int argc, char** argv) {
   if (cfg.master_port < 0) {
     // One host: any free port avoids clashes between jobs. Several hosts: every host must
     // agree without talking, so the conventional default.
-    cfg.master_port = cfg.nnodes == 1 ? pick_free_port() : 29500;
+    cfg.master_port = cfg.nnodes == 1 ? gradsync::net::pick_unused_port() : 29500;
     if (cfg.master_port < 0) {
       std::fprintf(stderr, "gradsync-run: cannot find a free port: %s\n", std::strerror(errno));
       return 1;
@@ -820,7 +802,7 @@ int main(int argc, char** argv) {
                    describe_exit(*outcome.first_failure).c_str(), restart + 1, cfg.max_restarts,
                    cfg.nproc_per_node);
       // The ranks' store starts afresh: on one host, on a port nobody holds.
-      if (cfg.nnodes == 1 && !port_given) cfg.master_port = pick_free_port();
+      if (cfg.nnodes == 1 && !port_given) cfg.master_port = gradsync::net::pick_unused_port();
       continue;
     }
     return report(cfg, outcome);

@@ -15,6 +15,7 @@ and the next body gets fresh processes.
 import atexit
 import multiprocessing
 import os
+import random
 import socket
 import sys
 import traceback
@@ -23,6 +24,19 @@ DEFAULT_HANG_S = 240
 
 
 def free_port():
+    """A port free now outside the kernel's ephemeral range, as gradsync-run picks one
+    (src/rendezvous/unused_port.h): a port the kernel hands out for port 0 can be taken by
+    another test's connection or listener before rank 0 binds it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = (int(v) for v in f.read().split())
+    candidates = [*range(10000, low), *range(high + 1, 65536)]
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+                return port
+            except OSError:
+                continue
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
