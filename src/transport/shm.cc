@@ -151,7 +151,7 @@ class ShmTransport final : public Transport {
     group_.throw_if_failed();
     progress_all();
     if (op.complete) return true;
-    group_.check_abort(op.peer);
+    if (check_abort(op)) return true;
     check_peers_alive(Clock::now());
     return false;
   }
@@ -163,7 +163,7 @@ class ShmTransport final : public Transport {
     for (;;) {
       bool moved = progress_all();
       if (op.complete) return;
-      group_.check_abort(op.peer);
+      if (check_abort(op)) return;
       if (moved) {
         spin.restart();
         // Traffic with other peers must not hide a deadline or a dead peer.
@@ -337,10 +337,19 @@ class ShmTransport final : public Transport {
     return moved;
   }
 
+  // Fails `op` once any rank aborted, unless a last pass completes it: then true (see
+  // ShmGroup::check_abort).
+  bool check_abort(Operation& op) {
+    return group_.check_abort(op.peer, [&] {
+      progress_all();
+      return op.complete;
+    });
+  }
+
   // wait()'s last look before sleeping: true if `op` completed or anything moved.
   bool message_wait_over(Operation& op, Clock::time_point deadline) {
     if (progress_all() || op.complete) return true;
-    group_.check_abort(op.peer);
+    if (check_abort(op)) return true;
     auto now = Clock::now();
     check_peers_alive(now);
     if (op.complete) return true;  // the liveness check delivers what a departed peer left behind

@@ -55,7 +55,10 @@ void ShmArena::wait_for(int member, std::uint64_t value, const Tag& call,
   for (;;) {
     if (counter.load(std::memory_order_acquire) >= value) return;
     if (spin.keep_spinning()) continue;
-    group_.check_abort(link->rank);
+    if (group_.check_abort(link->rank,
+                           [&] { return counter.load(std::memory_order_acquire) >= value; })) {
+      return;
+    }
     if (!spin.spun_out()) continue;
     group_.sleep_on_doorbell(deadline, member,
                              [&] { return wait_over(*link, member, value, call, deadline); });
@@ -68,7 +71,7 @@ bool ShmArena::wait_over(const PeerLink& link, int member, std::uint64_t value, 
   const auto& counter = group_.headers[static_cast<std::size_t>(member)]->arena_progress;
   auto reached = [&] { return counter.load(std::memory_order_seq_cst) >= value; };
   if (reached()) return true;
-  group_.check_abort(link.rank);
+  if (group_.check_abort(link.rank, reached)) return true;
   // While every member runs the same arena collective, no messages flow: the collective
   // sends none, and every earlier collective consumed all of its own. So a message in our
   // inbox means its sender runs a message-based collective instead. Unless it finished this

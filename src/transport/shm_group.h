@@ -161,9 +161,20 @@ class ShmGroup {
 
   // Fails with kAborted, naming the aborting rank and its reason, once any rank aborted.
   void check_abort(int peer) {
+    check_abort(peer, [] { return false; });
+  }
+
+  // The same for a wait, unless `arrived()` says what it waits for came after all. A wait's
+  // own look (a ring, a counter) and this check are two loads: a rank descheduled between them
+  // can find the abort of a rank that went on after sending it its last message, sent while
+  // it was away. `arrived()` looks once more, after the abort was seen: what came before the
+  // abort is visible then, so only what never came fails the wait. Returns true where it came.
+  template <class Arrived>
+  bool check_abort(int peer, Arrived arrived) {
     GroupControl& group = *group_control;
     std::uint32_t state = group.abort_state.load(std::memory_order_acquire);
-    if (state == kNotAborted) return;
+    if (state == kNotAborted) return false;
+    if (arrived()) return true;
     fail_aborted(state, peer);
   }
 
