@@ -68,14 +68,15 @@ void Core::abort(const std::string& reason) {
 }
 
 // Local or remote abort: fail every operation on every peer; tell peers if local.
-// A peer that is mid-write settles its own queue when the write returns.
+// A peer that is mid-write settles its own queue when the write returns. Messages already
+// received stay deliverable: a rank still in the collective that another rank left before the
+// abort takes that rank's last message from them (post_recv).
 void Core::apply_abort_locked(bool send_frames) {
   abort_send_frames_ = send_frames;
   for (auto& pp : peers_) {
     if (!pp) continue;
     Peer& p = *pp;
     fail_recvs_locked(p, *abort_);
-    p.unexpected.clear();
     if (!p.writing) settle_sends_after_abort_locked(p, send_frames);
   }
   cv_.notify_all();

@@ -26,15 +26,18 @@ std::shared_ptr<RecvOp> Core::post_recv(int peer, const Tag& tag, void* data, st
   op->consume = consume;
   std::unique_lock lk(mu_);
   Peer& p = peer_checked(peer, "recv", bytes);
-  if (abort_) throw error_of(*abort_, peer, "recv", bytes);
   last_tag_ = tag;
+  // A message that arrived is taken even after an abort (apply_abort_locked); one that does
+  // not match then belongs to a call its sender began before it saw the abort, which is
+  // what this receive reports.
   if (!p.unexpected.empty()) {
     Unexpected u = std::move(p.unexpected.front());
     p.unexpected.pop_front();
+    const std::optional<Failure> aborted = abort_;
     lk.unlock();  // the message is ours now; copy it without blocking the loop
     if (u.tag != tag || u.bytes != bytes) {
       op->status = OpStatus::kFailed;
-      op->failure = mismatch(tag, bytes, u.tag, u.bytes);
+      op->failure = aborted ? *aborted : mismatch(tag, bytes, u.tag, u.bytes);
     } else if (consume) {
       op->owned = std::move(u.data);
       op->data = op->owned.get();
@@ -47,6 +50,7 @@ std::shared_ptr<RecvOp> Core::post_recv(int peer, const Tag& tag, void* data, st
     }
     return op;
   }
+  if (abort_) throw error_of(*abort_, peer, "recv", bytes);
   if (p.failure) throw error_of(*p.failure, peer, "recv", bytes);
   p.posted.push_back(op);
   return op;
