@@ -584,6 +584,42 @@ TEST(TcpTransport, AMessageReceivedBeforeAnAbortIsStillDelivered) {
   });
 }
 
+// A receive posted before another rank's abort, whose message is in the kernel but unread
+// when the abort frame is read (the socket parked since the last wait: nobody reads it until
+// the next wait or the loop's reclaim), still completes: the abort reads what arrived first.
+TEST(TcpTransport, AnAbortFirstReadsWhatArrivedForAPostedReceive) {
+  std::atomic<bool> posted{false}, sent{false};
+  run_tcp_group(3, {}, [&](int rank, Transport& t) {
+    int v = 42;
+    if (rank == 0) {
+      t.isend(1, tag_of(1), &v, sizeof v)->wait(soon());
+      while (!posted) std::this_thread::sleep_for(1ms);
+      t.isend(1, tag_of(2), &v, sizeof v)->wait(soon());
+      sent = true;
+    } else if (rank == 2) {
+      while (!sent) std::this_thread::sleep_for(1ms);
+      t.abort("rank 2 gives up");
+    } else {
+      int first = 0, got = 0;
+      t.irecv(0, tag_of(1), &first, sizeof first)->wait(soon());  // parks rank 0's socket
+      auto r = t.irecv(0, tag_of(2), &got, sizeof got);
+      posted = true;
+      // Learns of the abort by sending, not by a wait, which would read the parked socket.
+      for (bool aborted = false; !aborted;) {
+        try {
+          t.isend(2, tag_of(9), &v, sizeof v);
+          std::this_thread::sleep_for(100us);
+        } catch (const Error& e) {
+          EXPECT_EQ(e.kind(), ErrorKind::kAborted) << e.what();
+          aborted = true;
+        }
+      }
+      r->wait(soon());
+      EXPECT_EQ(got, 42);
+    }
+  });
+}
+
 TEST(TcpTransport, AbortReachesPeersEvenIfTheAborterExitsAtOnce) {
   auto store = make_inproc_store();
   std::string prefix = testing::unique_name("abort-exit");

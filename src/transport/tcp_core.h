@@ -431,6 +431,8 @@ class Core {
   // --- the read side (tcp_read.cc) ------------------------------------------------------
 
   ReadStep read_once_locked(Peer& p, std::unique_lock<std::mutex>& lk, std::uint8_t* stage);
+  ReadStep read_frames_locked(Peer& p, std::unique_lock<std::mutex>& lk, std::uint8_t* stage);
+  void apply_peer_abort_locked(std::unique_lock<std::mutex>& lk, std::uint8_t* stage);
   inline void settle_claimed_locked(Peer& p);
   inline void consume_locked(Peer& p, const std::uint8_t* data, std::size_t n);
   void on_header_locked(Peer& p);
@@ -468,6 +470,10 @@ class Core {
   std::vector<std::uint8_t> abort_payload_;
   bool abort_send_frames_ = false;
   int abort_origin_ = -1;  // the peer whose abort frame we relay (it gets none back)
+  // A peer's abort is recorded (abort_) but posted receives not yet failed: what already
+  // arrived on the other sockets is read first (apply_peer_abort_locked, `sweeping`).
+  bool peer_abort_unapplied_ = false;
+  bool peer_abort_sweeping_ = false;
   Phase phase_ = Phase::kSetup;
   std::uint64_t probe_nonce_ = 0;  // number of our latest probe (explain_stall)
   std::optional<Tag> last_tag_;    // of the latest operation posted, for probe answers

@@ -50,7 +50,8 @@ std::shared_ptr<RecvOp> Core::post_recv(int peer, const Tag& tag, void* data, st
     }
     return op;
   }
-  if (abort_) throw error_of(*abort_, peer, "recv", bytes);
+  // While a peer's abort waits to be applied, a receive may still take what is read first.
+  if (abort_ && !peer_abort_unapplied_) throw error_of(*abort_, peer, "recv", bytes);
   if (p.failure) throw error_of(*p.failure, peer, "recv", bytes);
   p.posted.push_back(op);
   return op;
@@ -76,6 +77,13 @@ void Core::abandon(RecvOp& op, int peer) {
 // read_side kDriven. Caller holds mu_; it is dropped around the syscall, with p.reading set
 // so nobody frees or fails the destination meanwhile.
 ReadStep Core::read_once_locked(Peer& p, std::unique_lock<std::mutex>& lk, std::uint8_t* stage) {
+  const ReadStep step = read_frames_locked(p, lk, stage);
+  // After the frames are processed, so `stage` is free and no peer's stream is half parsed.
+  if (peer_abort_unapplied_) apply_peer_abort_locked(lk, stage);
+  return step;
+}
+
+ReadStep Core::read_frames_locked(Peer& p, std::unique_lock<std::mutex>& lk, std::uint8_t* stage) {
   for (;;) {
     if (p.failure || p.fd < 0) return ReadStep::kClosed;
     if (p.reading) return ReadStep::kDrained;  // another thread is reading it (a sweep)
@@ -208,7 +216,7 @@ void Core::on_header_locked(Peer& p) {
       break;
     case frame::Type::kData:
       if (!p.ready()) return protocol("data before the handshake");
-      if (abort_) {
+      if (abort_ && !peer_abort_unapplied_) {
         in.drain = true;  // aborted: nobody will ever receive it
       } else if (!p.posted.empty()) {
         claim_locked(p);
@@ -365,7 +373,8 @@ bool Core::accept_hello_locked(Peer& p, std::span<const std::uint8_t> payload) {
   return true;
 }
 
-// A peer aborted: the first abort fails everything here and is passed on.
+// A peer aborted: the first abort fails everything here and is passed on, once the frames
+// being parsed are done (read_once_locked calls apply_peer_abort_locked).
 void Core::on_abort_frame_locked(Peer& p, std::span<const std::uint8_t> payload) {
   auto a = frame::parse_abort(payload);
   std::string reason = a ? a->reason : "(malformed abort frame)";
@@ -378,6 +387,20 @@ void Core::on_abort_frame_locked(Peer& p, std::span<const std::uint8_t> payload)
   abort_payload_ =
       frame::encode_abort(frame::Abort{static_cast<std::uint32_t>(rank_), abort_->detail});
   abort_origin_ = p.rank;
+  peer_abort_unapplied_ = true;
+}
+
+// Fails what the recorded peer abort ends, after reading what the other peers had already
+// sent: the last message of a collective a faster rank left before the abort may still be
+// unread in the kernel (its socket parked, or this rank's reader descheduled), and the
+// receive waiting for it completes rather than failing. What arrives later fails: the abort
+// ends the wait for it.
+void Core::apply_peer_abort_locked(std::unique_lock<std::mutex>& lk, std::uint8_t* stage) {
+  if (peer_abort_sweeping_) return;  // a read inside the sweep below
+  peer_abort_sweeping_ = true;
+  sweep_locked(lk, stage);
+  peer_abort_sweeping_ = false;
+  peer_abort_unapplied_ = false;
   apply_abort_locked(/*send_frames=*/true);
   for (auto& q : peers_) {  // the loop writes them (we may be deep in a read here)
     if (q && !q->failure && !q->sendq.empty()) set_write_side_locked(*q, WriteSide::kLoop);
