@@ -553,37 +553,6 @@ TEST(TcpTransport, AbortInterruptsLargeSendsAndCarriesReason) {
   });
 }
 
-// A message that arrived before another rank's abort is still received by a receive posted
-// after it (its sender may have left the collective it belongs to while the receiver is still
-// in it, as a rank still in init met a faster pair's mismatch); a receive with nothing sent for
-// it fails with the abort.
-TEST(TcpTransport, AMessageReceivedBeforeAnAbortIsStillDelivered) {
-  std::atomic<bool> arrived{false}, aborted{false};
-  run_tcp_group(3, {}, [&](int rank, Transport& t) {
-    int v = 42;
-    if (rank == 0) {
-      t.isend(1, tag_of(1), &v, sizeof v)->wait(soon());
-    } else if (rank == 2) {
-      while (!arrived) std::this_thread::sleep_for(1ms);
-      t.abort("rank 2 gives up");
-      aborted = true;
-    } else {
-      while (t.traffic(0).messages_received == 0) std::this_thread::sleep_for(1ms);
-      arrived = true;
-      while (!aborted) std::this_thread::sleep_for(1ms);
-      int got = 0;
-      // Rank 2 sends nothing: this receive fails once rank 1 has heard of the abort.
-      expect_error(ErrorKind::kAborted,
-                   [&] { t.irecv(2, tag_of(1), &got, sizeof got)->wait(soon()); });
-      t.irecv(0, tag_of(1), &got, sizeof got)->wait(soon());
-      EXPECT_EQ(got, 42);
-      Error e = expect_error(ErrorKind::kAborted,
-                             [&] { t.irecv(0, tag_of(2), &got, sizeof got)->wait(soon()); });
-      EXPECT_TRUE(contains(e.what(), "rank 2 gives up")) << e.what();
-    }
-  });
-}
-
 // A receive posted before another rank's abort, whose message is in the kernel but unread
 // when the abort frame is read (the socket parked since the last wait: nobody reads it until
 // the next wait or the loop's reclaim), still completes: the abort reads what arrived first.

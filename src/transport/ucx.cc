@@ -62,7 +62,10 @@ OpPtr UcxTransport::post(int peer, bool send, const Tag& tag, void* data, std::s
   op->iov[1] = {data, bytes};
   op->data = kind == Kind::kData;
   std::lock_guard lock(mu_);
-  if (abort_) {
+  // A receive is still posted after another rank's abort (until this rank quiesces): UCX may
+  // hold its message already, sent before the abort by a rank that left the collective this
+  // rank is still in; wait() takes it or fails with the abort.
+  if (abort_ && (send || quiesced_)) {
     op->done = true;
     op->status = UCS_ERR_CANCELED;
     return op;
@@ -295,7 +298,13 @@ void UcxTransport::wait(Op& op, Clock::time_point deadline) {
       finish_locked(op);
       return;
     }
-    if (abort_) throw_failure_locked(op);
+    if (abort_) {
+      // A last look: what arrived before the abort may need progress to complete.
+      while (progress_locked() != 0) {
+      }
+      if (!op.done) throw_failure_locked(op);
+      continue;
+    }
     // A receive from a lost peer never completes (UCX fails only the lost endpoint's sends,
     // and only where it watches the peer).
     if (lost_[static_cast<std::size_t>(op.peer)]) {
