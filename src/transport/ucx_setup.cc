@@ -289,8 +289,12 @@ void UcxTransport::set_up_arena(const std::vector<int>& peers, Clock::time_point
   hello_round(peers, 1, mapped_all ? 1 : 0, theirs, deadline, timeout);
   if (mapped_all && std::all_of(theirs.begin(), theirs.end(), [](auto b) { return b == 1; })) {
     arena_memory_->zero_region();
-    arena_ = std::make_unique<ucx::Arena>(static_cast<ucx::ArenaWaitChecks&>(*this), rank_,
-                                          std::move(mappings), spin_.duration, spin_.yield);
+    auto arena = std::make_unique<ucx::Arena>(static_cast<ucx::ArenaWaitChecks&>(*this), rank_,
+                                              std::move(mappings), spin_.duration, spin_.yield);
+    // Under the lock: the progress thread already runs, and an abort from a rank that finished
+    // setting up first wakes this arena's waiters (on_abort_message_locked).
+    std::lock_guard lock(mu_);
+    arena_ = std::move(arena);
     return;
   }
   std::lock_guard lock(mu_);
