@@ -427,7 +427,9 @@ bool UcxTransport::arena_wait_over(int member, std::uint64_t value, const Tag& c
   std::lock_guard lock(mu_);
   auto reached = [&] { return arena_->progress(member) >= value; };
   if (reached()) return true;
-  if (abort_ && !reached()) {  // published before the abort, while this rank was descheduled
+  // abort_ changes only under mu_, held here: it was recorded before reached() looked, so a
+  // value published before the abort has been seen.
+  if (abort_) {
     throw Error(ErrorKind::kAborted, describe(call) + " failed: " + *abort_, rank_, member,
                 "ucx arena wait");
   }
