@@ -32,8 +32,15 @@ deb: build
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 300 $(CTEST_FLAGS)
 
+# GCC 12's LeakSanitizer takes a dynamic TLS block (libucs's, dlopened by the ucx transport)
+# that malloc placed 16 bytes past a page boundary for a glibc-2.19 TLS header, reads a bogus
+# range from the words before it, and crashes at exit if that thread is still alive ("Tracer
+# caught signal 11", google/sanitizers#1322). Where the block lands depends on every earlier
+# allocation, so it fails a few tests on one machine and none on another. Not intercepting
+# __tls_get_addr leaves only dlopened libraries' thread-locals unscanned.
 sanitize-asan:
-	$(MAKE) test BUILD=build-asan CMAKE_FLAGS="-DGRADSYNC_SANITIZE=address,undefined -DCMAKE_BUILD_TYPE=RelWithDebInfo"
+	ASAN_OPTIONS="$${ASAN_OPTIONS:+$$ASAN_OPTIONS:}intercept_tls_get_addr=0" \
+	  $(MAKE) test BUILD=build-asan CMAKE_FLAGS="-DGRADSYNC_SANITIZE=address,undefined -DCMAKE_BUILD_TYPE=RelWithDebInfo"
 
 # The threaded parts: tests labelled single-threaded (tests/CMakeLists.txt) run in the other
 # two builds. UCX's memory-event hooks patch mmap and munmap in the process, which
