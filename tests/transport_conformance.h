@@ -377,6 +377,26 @@ TEST_P(TransportConformance, LengthMismatchNamesBothLengths) {
   }
 }
 
+// A transport that finds a mismatch leaves the abort to its caller: a context names the call
+// first ("mismatched call in allreduce #1"), and that name, not the transport's own, is what
+// the other ranks must report.
+TEST_P(TransportConformance, AMismatchIsAbortedWithTheCallersReason) {
+  using namespace conformance;
+  run(2, [&](int rank, Transport& t) {
+    int v = 5;
+    if (rank == 0) {
+      t.isend(1, tag_of(7), &v, sizeof v)->wait(deadline());
+      Error e = expect_error(ErrorKind::kAborted,
+                             [&] { t.irecv(1, tag_of(9), &v, sizeof v)->wait(deadline()); });
+      EXPECT_TRUE(contains(e.what(), "the caller's name for it")) << e.what();
+    } else {
+      expect_error(ErrorKind::kMismatch,
+                   [&] { t.irecv(0, tag_of(8), &v, sizeof v)->wait(deadline()); });
+      t.abort("the caller's name for it");
+    }
+  });
+}
+
 TEST_P(TransportConformance, TimeoutNamesPeerTagAndMissingBytes) {
   using namespace conformance;
   run(2, [&](int rank, Transport& t) {

@@ -203,9 +203,11 @@ void UcxTransport::throw_failure_locked(Op& op) {
 void UcxTransport::fail_locked(const Error& error) {
   if (abort_) {
     quiesce_locked();
-  } else {
+  } else if (error.kind() != ErrorKind::kMismatch) {
     abort_locked(error.what());
   }
+  // A mismatch is left for the caller to abort with, as shm and tcp leave it: a context first
+  // names the call ("mismatched call in allreduce #1"), and that is what every peer must quote.
   throw error;
 }
 
