@@ -59,7 +59,9 @@ struct StallReport {
 
 // Matching rule: messages between an ordered pair of ranks are FIFO. The k-th receive
 // posted for peer p matches the k-th message p sent to this rank. A receive whose tag or
-// length differs from the arriving message fails with kMismatch and names both tags.
+// length differs from the arriving message fails with kMismatch and names both tags; the
+// transport does not abort itself for it: its caller names the call and aborts with that
+// (TransportConformance.AMismatchIsAbortedWithTheCallersReason).
 class Transport {
  public:
   virtual ~Transport() = default;
