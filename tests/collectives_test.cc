@@ -107,7 +107,7 @@ TEST_P(AllreduceGrid, EveryDtypeOpCountMatchesReference) {
 
 // The large count repeats a prime period of inputs (periodic_input), and each reference is
 // computed once, before the ranks start: n ranks each computing an exact reference of a
-// million elements over n inputs took most of the test's time under the sanitizers.
+// million elements over n inputs took a quarter to a third of the test's time under TSan.
 TEST_P(AllreduceGrid, LargeAndPrimeCounts) {
   const std::size_t counts[] = {99991, (std::size_t{1} << 20) + 3};
   const std::pair<DataType, ReduceOp> cases[] = {
