@@ -8,7 +8,6 @@
 #include <cstring>
 
 #include "kernels/avx2_common.h"
-#include "kernels/kernels.h"  // declarations only: nothing inline to merge
 #include "kernels/kernels_avx2.h"
 
 namespace gradsync::kernels::avx2 {
