@@ -5,6 +5,7 @@
 # per machine. Needs root (ip netns, veth, tc).
 #
 #   scripts/netns-cluster.sh up   [--hosts H] [--rate R] [--prefix P] [--subnet A.B.C]
+#                                 [--congestion cubic]
 #   scripts/netns-cluster.sh exec [--prefix P] HOST cmd [args...]
 #   scripts/netns-cluster.sh addr [--prefix P] HOST
 #   scripts/netns-cluster.sh down [--prefix P]
@@ -14,7 +15,10 @@
 # address A.B.C.(10+i)/24, linked by a veth pair to the bridge. The root namespace is not
 # touched, so nothing can leak onto the machine's real network. --rate shapes both
 # directions of every host's link (tbf on eth0 for what the host sends, on the switch's end
-# for what it receives), like a full-duplex NIC; "none" leaves them unshaped.
+# for what it receives), like a full-duplex NIC; "none" leaves them unshaped. The hosts' TCP
+# congestion control is --congestion (default cubic, Linux's own default), not whatever this
+# machine's sysctl says, which new namespaces inherit: under tbf, BBR carried 0.88-0.89 of the
+# link where CUBIC carried 0.92-0.94 (docs/performance-notes.md); "inherit" keeps the machine's.
 #
 # `up` first removes a cluster left behind under the same prefix; `down` removes every
 # namespace with the prefix (the veths go with them) and succeeds when there is nothing to
@@ -25,8 +29,9 @@ prefix=gs
 hosts=2
 rate=none
 subnet=10.77.0
+congestion=cubic
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 cmd=${1:-}; [[ -n $cmd ]] || usage; shift
 while [[ $# -gt 0 ]]; do
@@ -35,6 +40,7 @@ while [[ $# -gt 0 ]]; do
     --rate) rate=$2; shift 2 ;;
     --prefix) prefix=$2; shift 2 ;;
     --subnet) subnet=$2; shift 2 ;;
+    --congestion) congestion=$2; shift 2 ;;
     -h|--help) usage ;;
     --) shift; break ;;
     -*) echo "netns-cluster: unknown option '$1'" >&2; usage ;;
@@ -96,6 +102,14 @@ up() {
     ns=$(host_ns "$i")
     ip netns add "$ns"
     ip -n "$ns" link set lo up
+    if [[ $congestion != inherit ]]; then
+      ip netns exec "$ns" sysctl -qw net.ipv4.tcp_congestion_control="$congestion" 2>/dev/null || {
+        echo "netns-cluster: --congestion $congestion: this kernel has no such TCP congestion" \
+          "control (it has: $(cat /proc/sys/net/ipv4/tcp_available_congestion_control))" >&2
+        down
+        exit 2
+      }
+    fi
     # Created inside the host namespace (so the names cannot collide with the root's),
     # then the switch end moves to the switch.
     ip -n "$ns" link add eth0 type veth peer name "p$i"

@@ -100,6 +100,10 @@ TEST(NetnsCluster, UpShapesEveryLinkAndDownLeavesNothing) {
           << qdisc.output;
       ShellResult addr = run_shell("ip -n " + cluster.ns(h) + " -4 addr show dev eth0");
       EXPECT_TRUE(contains(addr.output, cluster.addr(h) + "/24")) << addr.output;
+      // CUBIC whatever this machine's own default (a namespace inherits the root's).
+      ShellResult congestion = run_shell("ip netns exec " + cluster.ns(h) +
+                                         " sysctl -n net.ipv4.tcp_congestion_control");
+      EXPECT_EQ(congestion.output, "cubic\n");
     }
     ShellResult sw = run_shell("ip netns exec " + prefix + "-sw tc qdisc show");
     EXPECT_EQ(count_of(sw.output, "tbf"), 2) << "the switch side of each link: " << sw.output;
@@ -107,6 +111,13 @@ TEST(NetnsCluster, UpShapesEveryLinkAndDownLeavesNothing) {
   ShellResult after = run_shell("ip netns list");
   EXPECT_FALSE(contains(after.output, prefix + "-")) << after.output;
   EXPECT_EQ(run_shell(script() + " down --prefix " + prefix).status, 0);
+  // A congestion control the kernel lacks is named, and nothing is left behind.
+  ShellResult unknown =
+      run_shell(script() + " up --hosts 2 --prefix " + prefix + " --congestion nosuch");
+  EXPECT_NE(unknown.status, 0);
+  EXPECT_TRUE(contains(unknown.output, "--congestion nosuch: this kernel has no such"))
+      << unknown.output;
+  EXPECT_FALSE(contains(run_shell("ip netns list").output, prefix + "-"));
 }
 
 // The job token's first 8 characters name the job's shared-memory segments, and a launcher
@@ -127,8 +138,9 @@ class AcrossHosts : public ::testing::TestWithParam<std::tuple<int, int>> {};
 TEST_P(AcrossHosts, EveryCollectiveMatchesReferenceThroughOneLauncherPerHost) {
   const auto [hosts, per_host] = GetParam();
   if (per_host == 1) {
-    GRADSYNC_SKIP_UNDER_TSAN("2hosts_x2 (the launcher per host) and Transports/ThroughLauncher "
-                             "tcp_n3 (tcp between processes)");
+    GRADSYNC_SKIP_UNDER_TSAN(
+        "2hosts_x2 (the launcher per host) and Transports/ThroughLauncher "
+        "tcp_n3 (tcp between processes)");
   }
   Cluster cluster(hosts);
   SKIP_UNLESS_UP(cluster);
@@ -173,8 +185,9 @@ INSTANTIATE_TEST_SUITE_P(HostsByRanks, AcrossHosts,
 // GRADSYNC_TRANSPORT=shm+ucx: the same collectives with UCX (over its tcp, on the hosts'
 // eth0) between hosts and shm within them.
 TEST(AcrossHostsOverUcx, EveryCollectiveMatchesReferenceWithShmWithinAndUcxAcross) {
-  GRADSYNC_SKIP_UNDER_TSAN("HostsByRanks/AcrossHosts/2hosts_x2 (shm within hosts and a network "
-                           "transport across) and Transports/ThroughLauncher ucx_n3 (ucx)");
+  GRADSYNC_SKIP_UNDER_TSAN(
+      "HostsByRanks/AcrossHosts/2hosts_x2 (shm within hosts and a network "
+      "transport across) and Transports/ThroughLauncher ucx_n3 (ucx)");
   const int hosts = 2, per_host = 2;
   Cluster cluster(hosts);
   SKIP_UNLESS_UP(cluster);
