@@ -14,6 +14,7 @@
 #include "collectives/signature.h"
 #include "gradsync/compress.h"
 #include "harness.h"
+#include "kernel_paths.h"
 #include "kernels/kernels.h"
 #include "reference.h"
 
@@ -96,12 +97,11 @@ TEST(Dtypes, SignatureCarriesAndNamesEveryDtypeAndOp) {
 // Both kernel paths (the vector one where the CPU has it); the scalar one is forced.
 template <class Fn>
 void on_both_paths(Fn fn) {
-  for (bool scalar : {true, false}) {
+  for (bool scalar : kernels::paths()) {
+    kernels::ScopedScalar path(scalar);
     SCOPED_TRACE(scalar ? "scalar" : kernels::isa_name());
-    kernels::force_scalar(scalar);
     fn();
   }
-  kernels::force_scalar(false);
 }
 
 TEST(DtypeKernels, BoolIsLogicAndAlwaysWritesZeroOrOne) {
